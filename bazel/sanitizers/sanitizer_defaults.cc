@@ -1,0 +1,42 @@
+// Default sanitizer suppressions, linked into every test through
+// //third_party:gtest. Only the sanitizer runtimes call these hooks, so they
+// are inert in ordinary builds.
+//
+// Why: Debian's abseil, gRPC, protobuf, glog and prometheus-cpp are not built
+// with -fsanitize=thread. ThreadSanitizer cannot see the synchronization
+// inside them (abseil's futex-based Mutex, which gRPC uses internally), so it
+// reports races between their own threads that are not real. We suppress only
+// reports raised from inside those libraries; our own code synchronizes with
+// std::mutex / std::atomic, which TSan understands, so races in our code are
+// still reported.
+
+extern "C" {
+
+const char* __tsan_default_suppressions() {
+  // race: patterns match function, source file or module names in a stack.
+  return "race:libabsl_\n"
+         "race:libgrpc.so\n"
+         "race:libgrpc++.so\n"
+         "race:libgpr.so\n"
+         "race:libprotobuf.so\n"
+         "race:libprometheus-cpp-\n"
+         "race:absl::debian3::\n"
+         "race:grpc_\n"
+         "race:grpc::\n"
+         "race:gpr_\n"
+         "race:civetweb\n"
+         "race:mg_\n"
+         "deadlock:absl::debian3::\n"
+         "deadlock:grpc_core::\n"
+         "mutex:absl::debian3::\n";
+}
+
+// gRPC and protobuf keep process-lifetime singletons.
+const char* __lsan_default_suppressions() {
+  return "leak:libgrpc\n"
+         "leak:libgpr\n"
+         "leak:libprotobuf\n"
+         "leak:libabsl_\n";
+}
+
+}  // extern "C"

@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""Counts test *cases* (not targets) from Bazel's JUnit XML files.
+
+usage: scripts/count_tests.py LABEL...   (labels from `bazel query`)
+
+Prints one line "N passed, N failed, N skipped" and exits 1 when any test case
+failed or a test target left no XML (which Bazel only does if it never ran).
+A target that crashed before writing its own XML still gets a Bazel-written
+XML with an <error>, which counts as one failed case.
+"""
+import os
+import sys
+import xml.etree.ElementTree as ET
+
+
+def xml_path(label: str) -> str:
+    pkg, _, name = label.lstrip("/").partition(":")
+    return os.path.join("bazel-testlogs", pkg, name, "test.xml")
+
+
+def count(path: str):
+    passed = failed = skipped = 0
+    root = ET.parse(path).getroot()
+    for case in root.iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed += 1
+        elif (case.find("skipped") is not None
+              or case.get("result") == "skipped"
+              or case.get("status") == "notrun"):
+            skipped += 1
+        else:
+            passed += 1
+    return passed, failed, skipped
+
+
+def main(labels):
+    totals = [0, 0, 0]
+    missing = []
+    for label in labels:
+        path = xml_path(label)
+        if not os.path.exists(path):
+            missing.append(label)
+            continue
+        try:
+            result = count(path)
+        except ET.ParseError as err:
+            print(f"unreadable {path}: {err}", file=sys.stderr)
+            result = (0, 1, 0)
+        for i, v in enumerate(result):
+            totals[i] += v
+        if result[1]:
+            print(f"FAILED in {label}", file=sys.stderr)
+    for label in missing:
+        print(f"no test.xml for {label} (did not run)", file=sys.stderr)
+    totals[1] += len(missing)
+    print(f"{totals[0]} passed, {totals[1]} failed, {totals[2]} skipped")
+    return 1 if totals[1] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
