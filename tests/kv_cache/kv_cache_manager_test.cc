@@ -1,0 +1,225 @@
+#include "worker/kv_cache/kv_cache_manager.h"
+
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "worker/kv_cache/kv_cache_spec.h"
+
+namespace pdworker {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Everything observable about the manager, to prove a failed call changed
+// nothing.
+struct Snapshot {
+  KvCacheStats stats;
+  std::map<std::string, std::pair<std::vector<int32_t>, int32_t>> seqs;
+  bool operator==(const Snapshot& o) const {
+    return stats.free_blocks == o.stats.free_blocks &&
+           stats.used_blocks == o.stats.used_blocks &&
+           stats.num_sequences == o.stats.num_sequences && seqs == o.seqs;
+  }
+};
+
+Snapshot Take(const KvCacheManager& m, const std::vector<std::string>& ids) {
+  Snapshot s{m.Stats(), {}};
+  for (const auto& id : ids) {
+    if (const SequenceKv* kv = m.Find(id)) {
+      s.seqs[id] = {kv->blocks, kv->num_tokens};
+    }
+  }
+  return s;
+}
+
+TEST(KvCacheSpecTest, BytesPerBlockAndBudget) {
+  KvCacheSpec spec{/*num_layers=*/2,     /*num_kv_heads=*/4,
+                   /*head_dim=*/8,
+                   /*block_size=*/16,    /*dtype_bytes=*/4,
+                   /*max_model_len=*/100};
+  // K and V, 2 layers, 16 tokens x 4 heads x 8 dims x 4 bytes.
+  EXPECT_EQ(spec.BytesPerBlock(), 2 * 2 * 16 * 4 * 8 * 4);
+  EXPECT_EQ(spec.MaxBlocksPerSeq(), 7);  // ceil(100 / 16)
+  auto blocks = NumBlocksForBudget(spec, 10 * spec.BytesPerBlock() + 5);
+  ASSERT_TRUE(blocks.ok());
+  EXPECT_EQ(*blocks, 10);
+
+  auto too_small = NumBlocksForBudget(spec, 6 * spec.BytesPerBlock());
+  EXPECT_EQ(too_small.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(too_small.status().message()),
+              HasSubstr("max_model_len=100"));
+  spec.head_dim = 0;
+  EXPECT_EQ(NumBlocksForBudget(spec, 1 << 20).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(BlockPoolTest, AllOrNothingAndDoubleFree) {
+  BlockPool pool(4);
+  std::vector<int32_t> got;
+  ASSERT_TRUE(pool.Allocate(3, &got).ok());
+  EXPECT_EQ(got.size(), 3u);
+  EXPECT_EQ(pool.num_free(), 1);
+  std::vector<int32_t> more;
+  EXPECT_EQ(pool.Allocate(2, &more).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(more.empty());
+  EXPECT_EQ(pool.num_free(), 1);
+  pool.Free(got);
+  EXPECT_EQ(pool.num_free(), 4);
+  EXPECT_DEATH(pool.Free({got[0]}), "double free");
+}
+
+TEST(KvCacheManagerTest, SlotsFollowBlockTable) {
+  KvCacheManager m(/*num_blocks=*/8, /*block_size=*/4, /*max_model_len=*/32);
+  ASSERT_TRUE(m.Append({{"a", 6}}).ok());
+  const SequenceKv* a = m.Find("a");
+  ASSERT_NE(a, nullptr);
+  ASSERT_EQ(a->blocks.size(), 2u);
+  EXPECT_EQ(a->num_tokens, 6);
+  EXPECT_EQ(m.SlotFor(*a, 0), a->blocks[0] * 4);
+  EXPECT_EQ(m.SlotFor(*a, 5), a->blocks[1] * 4 + 1);
+  // Two more tokens fit in the second block: no new block.
+  ASSERT_TRUE(m.Append({{"a", 2, SequenceCreation::kMustExist}}).ok());
+  EXPECT_EQ(m.Find("a")->blocks.size(), 2u);
+  ASSERT_TRUE(m.Append({{"a", 1, SequenceCreation::kMustExist}}).ok());
+  EXPECT_EQ(m.Find("a")->blocks.size(), 3u);
+  EXPECT_EQ(m.Stats().used_blocks, 3);
+  ASSERT_TRUE(m.Free("a").ok());
+  EXPECT_EQ(m.Stats().used_blocks, 0);
+  EXPECT_EQ(m.Free("a").code(), absl::StatusCode::kNotFound);
+}
+
+TEST(KvCacheManagerTest, EveryFailureChangesNothing) {
+  KvCacheManager m(/*num_blocks=*/4, /*block_size=*/4, /*max_model_len=*/12);
+  ASSERT_TRUE(m.Append({{"a", 5}, {"b", 1}}).ok());  // 2 + 1 blocks
+  const std::vector<std::string> ids = {"a", "b", "c", "d"};
+  const Snapshot before = Take(m, ids);
+
+  struct Case {
+    std::vector<SequenceAppend> step;
+    absl::StatusCode code;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{{"c", 1}, {"a", 4}}, absl::StatusCode::kResourceExhausted, "full"},
+      {{{"c", 1}, {"c", 1}}, absl::StatusCode::kInvalidArgument, "twice"},
+      {{{"c", 1}, {"", 1}}, absl::StatusCode::kInvalidArgument, "empty"},
+      {{{"c", 1}, {"b", 0}}, absl::StatusCode::kInvalidArgument, "positive"},
+      {{{"c", 1}, {"a", 8}},
+       absl::StatusCode::kInvalidArgument,
+       "max_model_len"},
+      {{{"c", 1}, {"d", 1, SequenceCreation::kMustExist}},
+       absl::StatusCode::kNotFound,
+       "unknown"},
+      {{{"c", 1}, {"a", 1, SequenceCreation::kMustBeNew}},
+       absl::StatusCode::kAlreadyExists,
+       "exists"},
+  };
+  for (const Case& c : cases) {
+    auto r = m.Append(c.step);
+    EXPECT_EQ(r.status().code(), c.code) << r.status();
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(c.message));
+    EXPECT_TRUE(Take(m, ids) == before) << "state changed by: " << r.status();
+  }
+}
+
+TEST(KvCacheManagerTest, UndoRestoresExactly) {
+  KvCacheManager m(/*num_blocks=*/6, /*block_size=*/4, /*max_model_len=*/64);
+  ASSERT_TRUE(m.Append({{"a", 3}}).ok());
+  const std::vector<std::string> ids = {"a", "b"};
+  const Snapshot before = Take(m, ids);
+  auto r = m.Append({{"a", 6}, {"b", 2}});
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(m.Stats().used_blocks, 4);
+  m.Undo(*r);
+  EXPECT_TRUE(Take(m, ids) == before);
+  EXPECT_EQ(m.Find("b"), nullptr);
+}
+
+// 10,000 random allocate/append/free/undo operations against a shadow model
+// that tracks only lengths. Invariants after every operation: each sequence
+// holds exactly ceil(len / block_size) blocks, no block is owned twice, and
+// used blocks equal the sum over sequences. At the end, freeing everything
+// returns every block: nothing leaked.
+TEST(KvCacheManagerTest, RandomOperationsNeverLeak) {
+  constexpr int32_t kBlocks = 64, kBlockSize = 4, kMaxLen = 40;
+  KvCacheManager m(kBlocks, kBlockSize, kMaxLen);
+  std::mt19937 rng(12345);
+  std::map<std::string, int32_t> shadow;  // id -> length
+  std::vector<std::string> names;
+  for (int i = 0; i < 24; ++i) names.push_back("s" + std::to_string(i));
+  int ok_steps = 0, failed_steps = 0;
+
+  for (int op = 0; op < 10000; ++op) {
+    const int kind = static_cast<int>(rng() % 10);
+    if (kind < 2 && !shadow.empty()) {  // free one
+      auto it = shadow.begin();
+      std::advance(it, rng() % shadow.size());
+      ASSERT_TRUE(m.Free(it->first).ok());
+      shadow.erase(it);
+    } else {  // a step over 1..4 sequences; sometimes undone
+      std::vector<std::string> ids;
+      std::vector<SequenceAppend> step;
+      const int n = 1 + static_cast<int>(rng() % 4);
+      for (int i = 0; i < n; ++i) ids.push_back(names[rng() % names.size()]);
+      for (const auto& id : ids) {
+        step.push_back({id, 1 + static_cast<int32_t>(rng() % 9)});
+      }
+      // Predict the outcome independently, from the shadow model.
+      const int32_t free_before = m.Stats().free_blocks;
+      std::set<std::string> uniq(ids.begin(), ids.end());
+      bool expect_ok = uniq.size() == ids.size();
+      int64_t need = 0;
+      for (const auto& a : step) {
+        auto it = shadow.find(std::string(a.sequence_id));
+        const int32_t cur = it == shadow.end() ? 0 : it->second;
+        if (cur + a.num_new_tokens > kMaxLen) expect_ok = false;
+        need += (cur + a.num_new_tokens + kBlockSize - 1) / kBlockSize -
+                (cur + kBlockSize - 1) / kBlockSize;
+      }
+      if (need > free_before) expect_ok = false;
+      auto r = m.Append(step);
+      ASSERT_EQ(r.ok(), expect_ok)
+          << r.status() << " need=" << need << " free=" << free_before;
+      if (!r.ok()) {
+        ++failed_steps;
+        ASSERT_EQ(m.Stats().free_blocks, free_before);
+        continue;
+      }
+      ++ok_steps;
+      if (rng() % 5 == 0) {
+        m.Undo(*r);
+      } else {
+        for (const auto& a : step) {
+          shadow[std::string(a.sequence_id)] += a.num_new_tokens;
+        }
+      }
+    }
+    // Invariants.
+    std::set<int32_t> owned;
+    int32_t used = 0;
+    for (const auto& [id, len] : shadow) {
+      const SequenceKv* kv = m.Find(id);
+      ASSERT_NE(kv, nullptr) << id;
+      ASSERT_EQ(kv->num_tokens, len);
+      ASSERT_EQ(static_cast<int32_t>(kv->blocks.size()),
+                (len + kBlockSize - 1) / kBlockSize);
+      for (int32_t b : kv->blocks) ASSERT_TRUE(owned.insert(b).second) << b;
+      used += static_cast<int32_t>(kv->blocks.size());
+    }
+    ASSERT_EQ(m.Stats().used_blocks, used);
+    ASSERT_EQ(m.Stats().num_sequences, static_cast<int32_t>(shadow.size()));
+  }
+  EXPECT_GT(ok_steps, 1000);
+  EXPECT_GT(failed_steps, 100);  // exhaustion and limits were exercised
+  for (const auto& [id, len] : shadow) ASSERT_TRUE(m.Free(id).ok());
+  EXPECT_EQ(m.Stats().free_blocks, kBlocks);
+}
+
+}  // namespace
+}  // namespace pdworker

@@ -1,0 +1,104 @@
+// KvCacheManager: per-sequence block tables over a BlockPool, with
+// all-or-nothing allocation for a whole step.
+#ifndef PDWORKER_WORKER_KV_CACHE_KV_CACHE_MANAGER_H_
+#define PDWORKER_WORKER_KV_CACHE_KV_CACHE_MANAGER_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "worker/kv_cache/block_pool.h"
+
+namespace pdworker {
+
+// What a step may do with a sequence id it has not seen.
+enum class SequenceCreation {
+  kMustExist,        // unknown id -> NOT_FOUND
+  kCreateIfMissing,  // unknown id -> new empty sequence
+  kMustBeNew,        // known id -> ALREADY_EXISTS
+};
+
+// One sequence's share of a step: `num_new_tokens` tokens whose K/V the step
+// will write after the sequence's current tokens.
+struct SequenceAppend {
+  absl::string_view sequence_id;
+  int32_t num_new_tokens = 0;
+  SequenceCreation creation = SequenceCreation::kCreateIfMissing;
+};
+
+// The KV state of one sequence. Token i lives in slot
+// blocks[i / block_size] * block_size + i % block_size.
+struct SequenceKv {
+  std::vector<int32_t> blocks;
+  int32_t num_tokens = 0;  // tokens whose K/V is (or is being) cached
+};
+
+// What Append changed, so a step that fails later can be undone exactly.
+struct StepReservation {
+  struct Entry {
+    std::string sequence_id;
+    bool created = false;
+    int32_t previous_num_tokens = 0;
+    int32_t previous_num_blocks = 0;
+  };
+  std::vector<Entry> entries;
+};
+
+struct KvCacheStats {
+  int32_t total_blocks = 0;
+  int32_t free_blocks = 0;
+  int32_t used_blocks = 0;
+  int32_t num_sequences = 0;
+};
+
+// Not thread-safe: the executor thread owns it; others read snapshots the
+// executor publishes.
+class KvCacheManager {
+ public:
+  // `max_model_len` caps every sequence's length (tokens).
+  KvCacheManager(int32_t num_blocks, int32_t block_size, int32_t max_model_len);
+
+  // Reserves space for one step. All-or-nothing: on any error nothing
+  // changes (no sequence created, no block allocated, no length advanced).
+  // Errors: INVALID_ARGUMENT (empty id, num_new_tokens <= 0, id twice in one
+  // step, length past max_model_len), NOT_FOUND / ALREADY_EXISTS per
+  // `creation`, RESOURCE_EXHAUSTED (not enough free blocks for the step).
+  absl::StatusOr<StepReservation> Append(
+      absl::Span<const SequenceAppend> appends);
+  // Reverts a reservation returned by the latest Append (the step failed).
+  void Undo(const StepReservation& reservation);
+
+  // Frees a sequence's blocks. NOT_FOUND when unknown.
+  absl::Status Free(absl::string_view sequence_id);
+
+  // nullptr when unknown.
+  const SequenceKv* Find(absl::string_view sequence_id) const;
+  // Cache slot of token `position` of `seq` (position < seq.num_tokens).
+  int32_t SlotFor(const SequenceKv& seq, int32_t position) const;
+
+  KvCacheStats Stats() const;
+  int32_t block_size() const { return block_size_; }
+  int32_t max_model_len() const { return max_model_len_; }
+  int32_t max_blocks_per_seq() const {
+    return (max_model_len_ + block_size_ - 1) / block_size_;
+  }
+
+ private:
+  int32_t BlocksFor(int32_t num_tokens) const {
+    return (num_tokens + block_size_ - 1) / block_size_;
+  }
+
+  BlockPool pool_;
+  int32_t block_size_;
+  int32_t max_model_len_;
+  absl::flat_hash_map<std::string, SequenceKv> sequences_;
+};
+
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_KV_CACHE_KV_CACHE_MANAGER_H_
