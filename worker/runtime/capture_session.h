@@ -1,0 +1,73 @@
+// CaptureSession: the startup loop that warms up and captures every graph the
+// dispatcher will hand out, and reports what it cost.
+#ifndef PDWORKER_WORKER_RUNTIME_CAPTURE_SESSION_H_
+#define PDWORKER_WORKER_RUNTIME_CAPTURE_SESSION_H_
+
+#include <cstdint>
+#include <functional>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "dispatcher/batch_descriptor.h"
+#include "dispatcher/capture_phase.h"
+#include "dispatcher/cudagraph_mode.h"
+#include "dispatcher/forward_context.h"
+#include "worker/runtime/device.h"
+#include "worker/runtime/stream.h"
+
+namespace pdworker {
+
+// What to capture: for each runtime mode (FULL, PIECEWISE) its keys, as
+// returned by CudagraphDispatcher::GetCaptureDescs().
+using CaptureDescs =
+    std::vector<std::pair<RuntimeMode, std::vector<BatchDescriptor>>>;
+
+struct CaptureSessionParams {
+  Device* device = nullptr;
+  // The worker's stream (the one the wrappers capture on).
+  Stream* stream = nullptr;
+  // Opened for the duration of the session.
+  CapturePhase* capture_phase = nullptr;
+  CaptureDescs descs;
+  // Eager (NONE) runs before each capture: first-run work such as lazy
+  // kernel-module loading or cuBLAS heuristics must not land in a graph.
+  int num_warmups = 1;
+  // Writes dummy inputs for `descriptor` into the static buffers (token ids,
+  // positions, slot mapping, ...).
+  std::function<absl::Status(const BatchDescriptor&)> prepare_inputs;
+  // Runs the (wrapped) model under `context`; the wrappers capture.
+  std::function<absl::Status(const ForwardContext&)> forward;
+};
+
+// Cost of capturing one runtime mode's graphs.
+struct ModeCaptureSummary {
+  RuntimeMode mode = RuntimeMode::kNone;
+  int num_graphs = 0;
+  int num_warmup_runs = 0;
+  double seconds = 0.0;
+  // Device memory in use after minus before (bytes; may be negative). On the
+  // CPU backend graphs live in host memory outside the device accounting, so
+  // this is 0 unless something allocated device memory.
+  int64_t memory_delta_bytes = 0;
+};
+
+struct CaptureSummary {
+  std::vector<ModeCaptureSummary> modes;  // In the order of `descs`.
+  double total_seconds = 0.0;
+  int64_t total_memory_delta_bytes = 0;
+  int total_graphs = 0;
+};
+
+// For each mode in order, and within it the keys largest first (by
+// num_tokens, then num_reqs; the largest graph sets the high-water mark the
+// smaller ones reuse): prepare inputs, run `num_warmups` times in NONE mode,
+// then run once in the mode so the wrappers capture. Logs one line per mode.
+// Stops at the first error, which names the mode and key.
+absl::StatusOr<CaptureSummary> RunCaptureSession(
+    const CaptureSessionParams& params);
+
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_RUNTIME_CAPTURE_SESSION_H_

@@ -1,0 +1,78 @@
+#include "worker/runtime/cpu_device.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_format.h"
+#include "worker/runtime/cpu_event.h"
+#include "worker/runtime/cpu_stream.h"
+
+namespace pdworker {
+namespace {
+
+// Same alignment cudaMalloc guarantees, so layouts match across backends.
+constexpr size_t kAllocationAlignment = 256;
+
+size_t PhysicalMemoryBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page_size <= 0) return size_t{1} << 34;  // 16 GiB guess.
+  return static_cast<size_t>(pages) * static_cast<size_t>(page_size);
+}
+
+}  // namespace
+
+CpuDevice::CpuDevice(const CpuDeviceOptions& options)
+    : capacity_bytes_(options.capacity_bytes != 0 ? options.capacity_bytes
+                                                  : PhysicalMemoryBytes()),
+      memory_init_(options.memory_init) {}
+
+absl::StatusOr<MemoryStats> CpuDevice::GetMemoryStats() const {
+  MemoryStats stats;
+  stats.total_bytes = capacity_bytes_;
+  stats.used_bytes = used_bytes_.load(std::memory_order_relaxed);
+  stats.free_bytes = capacity_bytes_ - stats.used_bytes;
+  return stats;
+}
+
+absl::StatusOr<void*> CpuDevice::DoAllocate(size_t size_bytes) {
+  // Reserve the bytes first so concurrent allocations cannot overshoot.
+  size_t used = used_bytes_.load(std::memory_order_relaxed);
+  do {
+    if (size_bytes > capacity_bytes_ - used) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "cpu device out of memory: %d bytes requested, %d of %d bytes in "
+          "use",
+          size_bytes, used, capacity_bytes_));
+    }
+  } while (!used_bytes_.compare_exchange_weak(used, used + size_bytes,
+                                              std::memory_order_relaxed));
+  // aligned_alloc needs a size that is a multiple of the alignment.
+  const size_t rounded = (size_bytes + kAllocationAlignment - 1) /
+                         kAllocationAlignment * kAllocationAlignment;
+  void* data = std::aligned_alloc(kAllocationAlignment, rounded);
+  if (data == nullptr) {
+    used_bytes_.fetch_sub(size_bytes, std::memory_order_relaxed);
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "cpu device: host allocation of %d bytes failed", size_bytes));
+  }
+  if (memory_init_ == CpuMemoryInit::kPoison) std::memset(data, 0xFF, rounded);
+  return data;
+}
+
+void CpuDevice::DoFree(void* data, size_t size_bytes) noexcept {
+  std::free(data);
+  used_bytes_.fetch_sub(size_bytes, std::memory_order_relaxed);
+}
+
+absl::StatusOr<std::unique_ptr<Stream>> CpuDevice::DoCreateStream() {
+  return std::unique_ptr<Stream>(new CpuStream(*this));
+}
+
+absl::StatusOr<std::unique_ptr<Event>> CpuDevice::DoCreateEvent() {
+  return std::unique_ptr<Event>(new CpuEvent());
+}
+
+}  // namespace pdworker

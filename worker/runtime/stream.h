@@ -1,0 +1,138 @@
+// Stream: an ordered queue of device work, and the graph-capture backend.
+#ifndef PDWORKER_WORKER_RUNTIME_STREAM_H_
+#define PDWORKER_WORKER_RUNTIME_STREAM_H_
+
+#include <atomic>
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "dispatcher/graph_backend.h"
+#include "worker/runtime/device.h"
+#include "worker/runtime/device_buffer.h"
+
+namespace pdworker {
+
+class Event;
+
+// Native handles an op enqueues its work with. On the CPU backend both are
+// null: the op does its work itself, on the calling thread.
+struct OpContext {
+  void* cuda_stream = nullptr;    // cudaStream_t
+  void* cublas_handle = nullptr;  // cublasHandle_t bound to cuda_stream,
+                                  // with a fixed workspace
+};
+
+// One op launch. Everything it uses (buffer pointers, sizes, scalars) must be
+// captured *by value* in the closure: while a graph is being captured the
+// closure's arguments are frozen into the graph, exactly like the arguments
+// of a CUDA kernel launch.
+using Op = std::function<void(const OpContext&)>;
+
+// An in-order stream of device work; the worker has one. Also the
+// GraphBackend that GraphWrapper captures with: between BeginCapture and
+// EndCapture, work is recorded into a graph instead of being executed.
+//
+// What CUDA forbids during stream capture is refused on every backend (so the
+// CPU backend catches what would break on a GPU): Synchronize, CopyToHost,
+// CopyToDevice from host memory, RecordEvent, replaying a graph, and the
+// device-wide operations listed in Device. A refused operation returns
+// FAILED_PRECONDITION and invalidates the capture: later launches fail and
+// EndCapture returns an error naming the first offending operation.
+//
+// Used by one thread at a time (the worker's executor thread), except that
+// InvalidateCapture may be called from any thread.
+class Stream : public GraphBackend {
+ public:
+  ~Stream() override;
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+
+  Device& device() const { return device_; }
+  DeviceKind kind() const { return device_.kind(); }
+
+  // Runs `op` now (eager), or records it into the graph being captured. On
+  // CUDA `op` enqueues kernels on the OpContext's stream either way and CUDA
+  // does the recording; launch errors are reported here. `name` labels the op
+  // in errors and recorded graphs.
+  absl::Status Launch(absl::string_view name, Op op);
+
+  // Copies `size_bytes` from host memory `src` into `dst`. `src` may be
+  // reused as soon as this returns. Refused during capture: inputs are
+  // written into static buffers before capture or replay, never inside one.
+  absl::Status CopyToDevice(DeviceBuffer dst, const void* src,
+                            size_t size_bytes);
+  // Copies `size_bytes` from `src` into host memory `dst` and waits for the
+  // copy (and all earlier work) to finish. Refused during capture.
+  absl::Status CopyToHost(void* dst, DeviceBuffer src, size_t size_bytes);
+  // Device-to-device copy; an ordinary op (capturable).
+  absl::Status CopyOnDevice(DeviceBuffer dst, DeviceBuffer src,
+                            size_t size_bytes);
+  // Waits until all work on the stream has finished. Refused during capture.
+  absl::Status Synchronize();
+  // Marks the current point of the stream in `event`. Refused during capture.
+  absl::Status RecordEvent(Event& event);
+
+  // GraphBackend.
+  absl::Status BeginCapture() final;
+  absl::StatusOr<std::unique_ptr<CapturedGraph>> EndCapture() final;
+
+  // True between BeginCapture and EndCapture (also when invalidated).
+  bool IsCapturing() const {
+    return state_.load(std::memory_order_acquire) != CaptureState::kIdle;
+  }
+  // Marks the running capture invalid because of `operation`; no-op when not
+  // capturing or already invalid (the first reason is kept).
+  void InvalidateCapture(absl::string_view operation);
+
+  // For CapturedGraph implementations, before replaying on this stream:
+  // refuses (and invalidates the capture) while this stream is capturing.
+  absl::Status CheckReplayAllowed();
+
+ protected:
+  enum class CaptureEnd { kInstantiate, kDiscard };
+
+  explicit Stream(Device& device);
+
+  // For derived destructors: leaves capture mode without a graph, so the
+  // derived class can release its native capture state.
+  void AbandonCapture() noexcept;
+
+  // Backend hooks. Arguments are validated by the public methods.
+  virtual absl::Status DoLaunch(absl::string_view name, Op op) = 0;
+  virtual absl::Status DoCopyToDevice(DeviceBuffer dst, const void* src,
+                                      size_t size_bytes) = 0;
+  virtual absl::Status DoCopyToHost(void* dst, DeviceBuffer src,
+                                    size_t size_bytes) = 0;
+  virtual absl::Status DoCopyOnDevice(DeviceBuffer dst, DeviceBuffer src,
+                                      size_t size_bytes) = 0;
+  virtual absl::Status DoSynchronize() = 0;
+  virtual absl::Status DoRecordEvent(Event& event) = 0;
+  virtual absl::Status DoBeginCapture() = 0;
+  // Always leaves native capture mode. With kDiscard returns nullptr.
+  virtual absl::StatusOr<std::unique_ptr<CapturedGraph>> DoEndCapture(
+      CaptureEnd end) = 0;
+
+ private:
+  enum class CaptureState { kIdle, kCapturing, kInvalidated };
+
+  // OK when idle; otherwise invalidates the capture and explains why
+  // `operation` is not allowed during capture.
+  absl::Status RefuseDuringCapture(absl::string_view operation,
+                                   absl::string_view why);
+
+  Device& device_;
+  std::atomic<CaptureState> state_{CaptureState::kIdle};
+  std::mutex reason_mu_;
+  std::string invalid_reason_ ABSL_GUARDED_BY(reason_mu_);
+};
+
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_RUNTIME_STREAM_H_
