@@ -1,0 +1,140 @@
+#include "worker/kernels/lm_head.h"
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "tests/kernels/kernel_test_util.h"
+
+namespace pdworker {
+namespace kernels {
+namespace {
+
+using testing::IsInvalidArgumentMentioning;
+using testing::KernelTest;
+using testing::MaxAbsDiff;
+using testing::RandomFloats;
+
+class LmHeadTest : public KernelTest {};
+
+TEST_F(LmHeadTest, GatherRowsCopiesIndexedRowsAndZeroesInvalidOnes) {
+  const std::vector<float> input = RandomFloats(5 * 3, 51);
+  GatherRowsParams p;
+  p.input = Upload(input);
+  p.indices = Upload(std::vector<int32_t>{4, 0, -1, 4, 5});
+  p.output = AllocElements<float>(5 * 3);
+  p.num_input_rows = 5;
+  p.num_indices = 5;
+  p.row_size = 3;
+  ASSERT_TRUE(LaunchGatherRows(stream(), p).ok());
+  const std::vector<float> out = Read<float>(p.output);
+  const std::vector<int> expected_rows = {4, 0, -1, 4, -1};
+  for (int i = 0; i < 5; ++i) {
+    for (int c = 0; c < 3; ++c) {
+      const float expected =
+          expected_rows[i] < 0 ? 0.0f : input[expected_rows[i] * 3 + c];
+      EXPECT_EQ(out[i * 3 + c], expected) << i << "," << c;
+    }
+  }
+}
+
+// Logits for each request's last token only, for padding requests (index
+// -1) zero; indices read when a captured graph replays.
+TEST_F(LmHeadTest, LogitsOfSelectedRowsMatchReferenceAcrossReplays) {
+  constexpr int kTokens = 10, kRows = 4, kHidden = 32, kVocab = 50;
+  const std::vector<float> hidden = RandomFloats(kTokens * kHidden, 52);
+  const std::vector<float> weight = RandomFloats(kVocab * kHidden, 53);
+  LmHeadParams p;
+  p.hidden = Upload(hidden);
+  p.logits_indices = Upload(std::vector<int32_t>{2, 5, 9, -1});
+  p.gathered = AllocElements<float>(kRows * kHidden);
+  p.weight = Upload(weight);
+  p.logits = AllocElements<float>(kRows * kVocab);
+  p.num_tokens = kTokens;
+  p.num_rows = kRows;
+  p.hidden_size = kHidden;
+  p.vocab_size = kVocab;
+
+  auto reference = [&](const std::vector<int32_t>& indices) {
+    std::vector<double> logits(kRows * kVocab, 0.0);
+    for (int r = 0; r < kRows; ++r) {
+      if (indices[r] < 0) continue;
+      for (int v = 0; v < kVocab; ++v) {
+        double acc = 0.0;
+        for (int i = 0; i < kHidden; ++i) {
+          acc += double{hidden[indices[r] * kHidden + i]} *
+                 weight[v * kHidden + i];
+        }
+        logits[r * kVocab + v] = acc;
+      }
+    }
+    return logits;
+  };
+
+  ASSERT_TRUE(stream().BeginCapture().ok());
+  ASSERT_TRUE(LaunchLmHead(stream(), p).ok());
+  absl::StatusOr<std::unique_ptr<CapturedGraph>> graph = stream().EndCapture();
+  ASSERT_TRUE(graph.ok()) << graph.status();
+
+  ASSERT_TRUE((*graph)->Replay().ok());
+  EXPECT_LE(MaxAbsDiff(Read<float>(p.logits), reference({2, 5, 9, -1})), 1e-5);
+  const std::vector<int32_t> next = {0, 0, 7, 3};
+  Write(p.logits_indices, next);
+  ASSERT_TRUE((*graph)->Replay().ok());
+  EXPECT_LE(MaxAbsDiff(Read<float>(p.logits), reference(next)), 1e-5);
+}
+
+TEST_F(LmHeadTest, RejectsBadBuffers) {
+  LmHeadParams p;
+  p.num_tokens = 6;
+  p.num_rows = 2;
+  p.hidden_size = 8;
+  p.vocab_size = 12;
+  p.hidden = AllocElements<float>(6 * 8);
+  p.logits_indices = AllocElements<int32_t>(2);
+  p.gathered = AllocElements<float>(2 * 8);
+  p.weight = AllocElements<float>(12 * 8);
+  p.logits = AllocElements<float>(2 * 12);
+  ASSERT_TRUE(LaunchLmHead(stream(), p).ok());
+  LmHeadParams bad = p;
+  bad.hidden = AllocElements<float>(6 * 8 - 1);
+  EXPECT_THAT(LaunchLmHead(stream(), bad),
+              IsInvalidArgumentMentioning("'hidden'"));
+  bad = p;
+  bad.logits_indices = AllocElements<int32_t>(1);
+  EXPECT_THAT(LaunchLmHead(stream(), bad),
+              IsInvalidArgumentMentioning("'logits_indices'"));
+  bad = p;
+  bad.gathered = AllocElements<float>(2 * 8 - 1);
+  EXPECT_THAT(LaunchLmHead(stream(), bad),
+              IsInvalidArgumentMentioning("'gathered'"));
+  bad = p;
+  bad.weight = AllocElements<float>(11 * 8);
+  EXPECT_THAT(LaunchLmHead(stream(), bad),
+              IsInvalidArgumentMentioning("'weight'"));
+  bad = p;
+  bad.logits = AllocElements<float>(2 * 12 - 1);
+  EXPECT_THAT(LaunchLmHead(stream(), bad),
+              IsInvalidArgumentMentioning("'logits'"));
+
+  GatherRowsParams gather;
+  gather.input = AllocElements<float>(4 * 3);
+  gather.indices = AllocElements<int32_t>(2);
+  gather.output = AllocElements<float>(2 * 3);
+  gather.num_input_rows = 4;
+  gather.num_indices = 2;
+  gather.row_size = 3;
+  ASSERT_TRUE(LaunchGatherRows(stream(), gather).ok());
+  GatherRowsParams bad_gather = gather;
+  bad_gather.indices = AllocElements<int32_t>(1);
+  EXPECT_THAT(LaunchGatherRows(stream(), bad_gather),
+              IsInvalidArgumentMentioning("'indices'"));
+  bad_gather = gather;
+  bad_gather.output = gather.input;
+  EXPECT_THAT(LaunchGatherRows(stream(), bad_gather),
+              IsInvalidArgumentMentioning("overlap"));
+}
+
+}  // namespace
+}  // namespace kernels
+}  // namespace pdworker

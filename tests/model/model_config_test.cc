@@ -1,0 +1,488 @@
+// ParseModelConfig / LoadModelConfig: real published configs, the tiny
+// shapes, defaults, and a table of invalid configs whose errors must name the
+// offending field; Fingerprint stability and sensitivity.
+#include "worker/model/model_config.h"
+
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/model/test_paths.h"
+#include "tools/make_tiny_model/tiny_model.h"
+
+namespace pdworker {
+namespace {
+
+using ::testing::HasSubstr;
+using Json = nlohmann::json;
+
+// meta-llama/Llama-3.1-8B config.json as published.
+constexpr char kLlama31Config[] = R"({
+  "architectures": ["LlamaForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 128000,
+  "eos_token_id": [128001, 128008, 128009],
+  "hidden_act": "silu",
+  "hidden_size": 4096,
+  "initializer_range": 0.02,
+  "intermediate_size": 14336,
+  "max_position_embeddings": 131072,
+  "mlp_bias": false,
+  "model_type": "llama",
+  "num_attention_heads": 32,
+  "num_hidden_layers": 32,
+  "num_key_value_heads": 8,
+  "pretraining_tp": 1,
+  "rms_norm_eps": 1e-05,
+  "rope_scaling": {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3"
+  },
+  "rope_theta": 500000.0,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.43.0.dev0",
+  "use_cache": true,
+  "vocab_size": 128256
+})";
+
+// Qwen/Qwen2-0.5B config.json as published.
+constexpr char kQwen2Config[] = R"({
+  "architectures": ["Qwen2ForCausalLM"],
+  "attention_dropout": 0.0,
+  "bos_token_id": 151643,
+  "eos_token_id": 151643,
+  "hidden_act": "silu",
+  "hidden_size": 896,
+  "initializer_range": 0.02,
+  "intermediate_size": 4864,
+  "max_position_embeddings": 131072,
+  "max_window_layers": 24,
+  "model_type": "qwen2",
+  "num_attention_heads": 14,
+  "num_hidden_layers": 24,
+  "num_key_value_heads": 2,
+  "rms_norm_eps": 1e-06,
+  "rope_theta": 1000000.0,
+  "sliding_window": 131072,
+  "tie_word_embeddings": true,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.40.1",
+  "use_cache": true,
+  "use_sliding_window": false,
+  "vocab_size": 151936
+})";
+
+// mistralai/Mistral-7B-v0.1 config.json as published.
+constexpr char kMistralConfig[] = R"({
+  "architectures": ["MistralForCausalLM"],
+  "bos_token_id": 1,
+  "eos_token_id": 2,
+  "hidden_act": "silu",
+  "hidden_size": 4096,
+  "initializer_range": 0.02,
+  "intermediate_size": 14336,
+  "max_position_embeddings": 32768,
+  "model_type": "mistral",
+  "num_attention_heads": 32,
+  "num_hidden_layers": 32,
+  "num_key_value_heads": 8,
+  "rms_norm_eps": 1e-05,
+  "rope_theta": 10000.0,
+  "sliding_window": 4096,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.34.0.dev0",
+  "use_cache": true,
+  "vocab_size": 32000
+})";
+
+ModelConfig ParseOrDie(const std::string& text) {
+  auto config = ParseModelConfig(text);
+  EXPECT_TRUE(config.ok()) << config.status();
+  return config.ok() ? *config : ModelConfig();
+}
+
+TEST(ModelConfigTest, ParsesLlama31) {
+  const ModelConfig c = ParseOrDie(kLlama31Config);
+  EXPECT_EQ(c.architecture, Architecture::kLlama);
+  EXPECT_EQ(c.hidden_size, 4096);
+  EXPECT_EQ(c.intermediate_size, 14336);
+  EXPECT_EQ(c.num_hidden_layers, 32);
+  EXPECT_EQ(c.num_attention_heads, 32);
+  EXPECT_EQ(c.num_key_value_heads, 8);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(c.num_queries_per_kv(), 4);
+  EXPECT_EQ(c.q_size(), 4096);
+  EXPECT_EQ(c.kv_size(), 1024);
+  EXPECT_DOUBLE_EQ(c.rms_norm_eps, 1e-5);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 500000.0);
+  EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kLlama3);
+  EXPECT_DOUBLE_EQ(c.rope_scaling.factor, 8.0);
+  EXPECT_DOUBLE_EQ(c.rope_scaling.low_freq_factor, 1.0);
+  EXPECT_DOUBLE_EQ(c.rope_scaling.high_freq_factor, 4.0);
+  EXPECT_EQ(c.rope_scaling.original_max_position_embeddings, 8192);
+  EXPECT_EQ(c.vocab_size, 128256);
+  EXPECT_EQ(c.max_position_embeddings, 131072);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_FALSE(c.qkv_bias);
+  EXPECT_FALSE(c.o_proj_bias);
+  EXPECT_EQ(c.torch_dtype, DType::kBFloat16);
+  EXPECT_EQ(c.bos_token_id, 128000);
+  EXPECT_EQ(c.eos_token_ids, (std::vector<int64_t>{128001, 128008, 128009}));
+  EXPECT_FALSE(c.sliding_window.has_value());
+}
+
+TEST(ModelConfigTest, ParsesQwen2WithImpliedQkvBias) {
+  const ModelConfig c = ParseOrDie(kQwen2Config);
+  EXPECT_EQ(c.architecture, Architecture::kQwen2);
+  EXPECT_EQ(c.head_dim, 64);
+  EXPECT_EQ(c.num_key_value_heads, 2);
+  EXPECT_TRUE(c.qkv_bias);
+  EXPECT_FALSE(c.o_proj_bias);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kNone);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 1e6);
+  // use_sliding_window is false: the window does not apply.
+  EXPECT_FALSE(c.sliding_window.has_value());
+  EXPECT_EQ(c.eos_token_ids, std::vector<int64_t>{151643});
+}
+
+TEST(ModelConfigTest, ParsesMistralWithSlidingWindow) {
+  const ModelConfig c = ParseOrDie(kMistralConfig);
+  EXPECT_EQ(c.architecture, Architecture::kMistral);
+  EXPECT_EQ(c.sliding_window, 4096);
+  EXPECT_FALSE(c.qkv_bias);
+  EXPECT_EQ(c.head_dim, 128);
+}
+
+TEST(ModelConfigTest, ParsesEveryTinyShape) {
+  for (const TinyShape shape : AllTinyShapes()) {
+    SCOPED_TRACE(TinyShapeName(shape));
+    TinyModelOptions options;
+    options.shape = shape;
+    options.dtype = DType::kBFloat16;
+    const ModelConfig c = ParseOrDie(TinyModelConfigJson(options));
+    EXPECT_EQ(c.torch_dtype, DType::kBFloat16);
+    EXPECT_EQ(c.hidden_size, 64);
+    EXPECT_EQ(c.max_position_embeddings, 512);
+    switch (shape) {
+      case TinyShape::kGqa:
+        EXPECT_EQ(c.num_attention_heads, 8);
+        EXPECT_EQ(c.num_key_value_heads, 2);
+        EXPECT_EQ(c.head_dim, 8);
+        break;
+      case TinyShape::kTied:
+        EXPECT_TRUE(c.tie_word_embeddings);
+        break;
+      case TinyShape::kQkvBias:
+        EXPECT_EQ(c.architecture, Architecture::kQwen2);
+        EXPECT_TRUE(c.qkv_bias);
+        EXPECT_FALSE(c.o_proj_bias);
+        break;
+      case TinyShape::kHeadDim:
+        EXPECT_EQ(c.head_dim, 32);
+        EXPECT_NE(c.head_dim, c.hidden_size / c.num_attention_heads);
+        EXPECT_EQ(c.q_size(), 128);
+        break;
+      case TinyShape::kLlama3Rope:
+        EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kLlama3);
+        EXPECT_LT(c.rope_scaling.original_max_position_embeddings,
+                  c.max_position_embeddings);
+        break;
+    }
+  }
+}
+
+// A minimal valid config for the invalid-config table to mutate.
+Json BaseConfig() {
+  return Json{{"architectures", {"LlamaForCausalLM"}},
+              {"hidden_size", 64},
+              {"intermediate_size", 128},
+              {"num_hidden_layers", 2},
+              {"num_attention_heads", 8},
+              {"num_key_value_heads", 2},
+              {"rms_norm_eps", 1e-5},
+              {"vocab_size", 256},
+              {"max_position_embeddings", 512}};
+}
+
+TEST(ModelConfigTest, DefaultsMatchTransformers) {
+  Json j = BaseConfig();
+  j.erase("num_key_value_heads");
+  const ModelConfig c = ParseOrDie(j.dump());
+  EXPECT_EQ(c.num_key_value_heads, 8);  // = num_attention_heads
+  EXPECT_EQ(c.head_dim, 8);             // = hidden / heads
+  EXPECT_DOUBLE_EQ(c.rope_theta, 10000.0);
+  EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kNone);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_FALSE(c.qkv_bias);
+  EXPECT_EQ(c.torch_dtype, DType::kFloat32);
+
+  // Explicit nulls mean "unset", and "dtype" is the newer name of torch_dtype.
+  j["head_dim"] = nullptr;
+  j["rope_scaling"] = nullptr;
+  j["dtype"] = "float16";
+  j["attention_bias"] = true;
+  const ModelConfig d = ParseOrDie(j.dump());
+  EXPECT_EQ(d.head_dim, 8);
+  EXPECT_EQ(d.torch_dtype, DType::kFloat16);
+  // Llama's attention_bias covers o_proj too.
+  EXPECT_TRUE(d.qkv_bias);
+  EXPECT_TRUE(d.o_proj_bias);
+
+  // Older configs spell rope_scaling's type "type"; "default" means none.
+  j["rope_scaling"] = {{"type", "default"}};
+  EXPECT_EQ(ParseOrDie(j.dump()).rope_scaling.type, RopeScalingType::kNone);
+}
+
+struct InvalidCase {
+  const char* name;
+  std::function<void(Json&)> mutate;
+  std::vector<const char*> expected;  // substrings of the message
+};
+
+std::vector<InvalidCase> InvalidCases() {
+  const auto remove = [](const char* field) {
+    return [field](Json& j) { j.erase(field); };
+  };
+  const auto set = [](const char* field, const Json& value) {
+    return [field, value](Json& j) { j[field] = value; };
+  };
+  const Json llama3 = {{"rope_type", "llama3"},
+                       {"factor", 8.0},
+                       {"low_freq_factor", 1.0},
+                       {"high_freq_factor", 4.0},
+                       {"original_max_position_embeddings", 64}};
+  const auto llama3_without = [llama3](const char* field) {
+    return [llama3, field](Json& j) {
+      j["rope_scaling"] = llama3;
+      j["rope_scaling"].erase(field);
+    };
+  };
+  std::vector<InvalidCase> cases = {
+      {"missing_hidden_size",
+       remove("hidden_size"),
+       {"hidden_size", "missing"}},
+      {"missing_intermediate_size",
+       remove("intermediate_size"),
+       {"intermediate_size", "missing"}},
+      {"missing_layers",
+       remove("num_hidden_layers"),
+       {"num_hidden_layers", "missing"}},
+      {"missing_heads",
+       remove("num_attention_heads"),
+       {"num_attention_heads", "missing"}},
+      {"missing_vocab", remove("vocab_size"), {"vocab_size", "missing"}},
+      {"missing_max_positions",
+       remove("max_position_embeddings"),
+       {"max_position_embeddings", "missing"}},
+      {"missing_eps", remove("rms_norm_eps"), {"rms_norm_eps", "missing"}},
+      {"null_hidden_size", set("hidden_size", nullptr), {"hidden_size"}},
+      {"missing_architectures",
+       remove("architectures"),
+       {"architectures", "missing"}},
+      {"unsupported_architecture",
+       set("architectures", {"GPT2LMHeadModel"}),
+       {"architectures", "GPT2LMHeadModel", "LlamaForCausalLM",
+        "Qwen2ForCausalLM", "MistralForCausalLM"}},
+      {"architectures_not_list",
+       set("architectures", "LlamaForCausalLM"),
+       {"architectures", "list"}},
+      {"unsupported_rope_yarn",
+       set("rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}}),
+       {"rope_scaling.rope_type", "yarn", "llama3"}},
+      {"unsupported_rope_linear_old_key",
+       set("rope_scaling", {{"type", "linear"}, {"factor", 2.0}}),
+       {"rope_scaling.type", "linear"}},
+      {"rope_scaling_without_type",
+       set("rope_scaling", {{"factor", 2.0}}),
+       {"rope_scaling.rope_type", "missing"}},
+      {"rope_scaling_not_object",
+       set("rope_scaling", "llama3"),
+       {"rope_scaling"}},
+      {"llama3_missing_factor",
+       llama3_without("factor"),
+       {"rope_scaling.factor", "missing"}},
+      {"llama3_missing_original",
+       llama3_without("original_max_position_embeddings"),
+       {"rope_scaling.original_max_position_embeddings"}},
+      {"llama3_high_not_above_low",
+       [llama3](Json& j) {
+         j["rope_scaling"] = llama3;
+         j["rope_scaling"]["high_freq_factor"] = 1.0;
+       },
+       {"rope_scaling.high_freq_factor"}},
+      {"heads_not_multiple_of_kv",
+       set("num_key_value_heads", 3),
+       {"num_attention_heads", "num_key_value_heads", "multiple"}},
+      {"hidden_size_string",
+       set("hidden_size", "64"),
+       {"hidden_size", "integer", "string"}},
+      {"hidden_size_fractional",
+       set("hidden_size", 64.5),
+       {"hidden_size", "integer"}},
+      {"kv_heads_bool",
+       set("num_key_value_heads", true),
+       {"num_key_value_heads", "integer"}},
+      {"head_dim_string", set("head_dim", "x"), {"head_dim", "integer"}},
+      {"eps_string", set("rms_norm_eps", "1e-5"), {"rms_norm_eps", "number"}},
+      {"theta_bool", set("rope_theta", true), {"rope_theta", "number"}},
+      {"tie_string",
+       set("tie_word_embeddings", "yes"),
+       {"tie_word_embeddings", "boolean"}},
+      {"attention_bias_int",
+       set("attention_bias", 1),
+       {"attention_bias", "boolean"}},
+      {"torch_dtype_number", set("torch_dtype", 16), {"torch_dtype", "string"}},
+      {"torch_dtype_unknown",
+       set("torch_dtype", "int8"),
+       {"torch_dtype", "int8", "bfloat16"}},
+      {"hidden_act_gelu", set("hidden_act", "gelu"), {"hidden_act", "gelu"}},
+      {"mlp_bias", set("mlp_bias", true), {"mlp_bias"}},
+      {"mistral_attention_bias",
+       [](Json& j) {
+         j["architectures"] = {"MistralForCausalLM"};
+         j["attention_bias"] = true;
+       },
+       {"attention_bias", "MistralForCausalLM"}},
+      {"zero_hidden_size", set("hidden_size", 0), {"hidden_size", "positive"}},
+      {"negative_layers",
+       set("num_hidden_layers", -1),
+       {"num_hidden_layers", "positive"}},
+      {"zero_heads", set("num_attention_heads", 0), {"num_attention_heads"}},
+      {"zero_vocab", set("vocab_size", 0), {"vocab_size", "positive"}},
+      {"odd_head_dim", set("head_dim", 15), {"head_dim", "even"}},
+      {"hidden_not_divisible_without_head_dim",
+       set("num_attention_heads", 6),
+       {"head_dim", "hidden_size", "num_attention_heads"}},
+      {"zero_eps", set("rms_norm_eps", 0), {"rms_norm_eps", "positive"}},
+      {"negative_theta", set("rope_theta", -1.0), {"rope_theta", "positive"}},
+      {"huge_unsigned",
+       set("vocab_size", 18446744073709551615ull),
+       {"vocab_size", "out of range"}},
+      {"eos_string", set("eos_token_id", "2"), {"eos_token_id"}},
+  };
+  return cases;
+}
+
+TEST(ModelConfigTest, InvalidConfigsNameTheField) {
+  for (const InvalidCase& c : InvalidCases()) {
+    SCOPED_TRACE(c.name);
+    Json j = BaseConfig();
+    c.mutate(j);
+    auto config = ParseModelConfig(j.dump());
+    ASSERT_FALSE(config.ok()) << c.name << " was accepted: " << j.dump();
+    EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+    for (const char* expected : c.expected) {
+      EXPECT_THAT(std::string(config.status().message()), HasSubstr(expected));
+    }
+  }
+}
+
+TEST(ModelConfigTest, NotJsonOrNotObject) {
+  auto bad = ParseModelConfig("{\"hidden_size\": ");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("JSON"));
+  auto list = ParseModelConfig("[1, 2]");
+  ASSERT_FALSE(list.ok());
+  EXPECT_THAT(std::string(list.status().message()), HasSubstr("object"));
+}
+
+TEST(ModelConfigTest, LoadsFromDirectory) {
+  const std::string dir = model_testing::MakeUniqueTempDir("config");
+  {
+    std::ofstream file(dir + "/config.json");
+    file << kLlama31Config;
+  }
+  auto config = LoadModelConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->hidden_size, 4096);
+
+  auto missing = LoadModelConfig(dir + "/nope");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(missing.status().message()),
+              HasSubstr("config.json"));
+
+  {
+    std::ofstream file(dir + "/config.json");
+    file << R"({"architectures": ["BertModel"]})";
+  }
+  auto invalid = LoadModelConfig(dir);
+  ASSERT_FALSE(invalid.ok());
+  // The error says which file.
+  EXPECT_THAT(std::string(invalid.status().message()),
+              HasSubstr(dir + "/config.json"));
+}
+
+TEST(ModelConfigTest, FingerprintIsStableAndIgnoresNonShapeFields) {
+  const std::string a = ParseOrDie(kLlama31Config).Fingerprint();
+  EXPECT_EQ(a.size(), 16u);
+  EXPECT_EQ(a.find_first_not_of("0123456789abcdef"), std::string::npos);
+  EXPECT_EQ(a, ParseOrDie(kLlama31Config).Fingerprint());
+
+  // Key order, formatting, dtype, unknown fields and token ids do not matter.
+  Json j = Json::parse(kLlama31Config);
+  j["torch_dtype"] = "float32";
+  j["eos_token_id"] = 7;
+  j["some_new_field"] = {1, 2, 3};
+  j["max_position_embeddings"] = 4096;
+  EXPECT_EQ(ParseOrDie(j.dump(4)).Fingerprint(), a);
+}
+
+TEST(ModelConfigTest, FingerprintChangesWithEveryShapeField) {
+  const Json base = Json::parse(kLlama31Config);
+  const std::string reference = ParseOrDie(base.dump()).Fingerprint();
+  const std::vector<std::pair<std::string, std::function<void(Json&)>>>
+      changes = {
+          {"hidden_size", [](Json& j) { j["hidden_size"] = 4160; }},
+          {"intermediate_size",
+           [](Json& j) { j["intermediate_size"] = 14337; }},
+          {"num_hidden_layers", [](Json& j) { j["num_hidden_layers"] = 31; }},
+          {"num_attention_heads",
+           [](Json& j) {
+             j["num_attention_heads"] = 16;
+             j["head_dim"] = 128;
+           }},
+          {"num_key_value_heads",
+           [](Json& j) { j["num_key_value_heads"] = 4; }},
+          {"head_dim", [](Json& j) { j["head_dim"] = 64; }},
+          {"rms_norm_eps", [](Json& j) { j["rms_norm_eps"] = 1e-6; }},
+          {"rope_theta", [](Json& j) { j["rope_theta"] = 500001.0; }},
+          {"rope_scaling.factor",
+           [](Json& j) { j["rope_scaling"]["factor"] = 16.0; }},
+          {"rope_scaling.original",
+           [](Json& j) {
+             j["rope_scaling"]["original_max_position_embeddings"] = 4096;
+           }},
+          {"rope_scaling_null", [](Json& j) { j["rope_scaling"] = nullptr; }},
+          {"vocab_size", [](Json& j) { j["vocab_size"] = 128000; }},
+          {"tie_word_embeddings",
+           [](Json& j) { j["tie_word_embeddings"] = true; }},
+          {"attention_bias", [](Json& j) { j["attention_bias"] = true; }},
+          {"architecture",
+           [](Json& j) { j["architectures"] = {"MistralForCausalLM"}; }},
+      };
+  std::vector<std::string> seen = {reference};
+  for (const auto& [name, change] : changes) {
+    SCOPED_TRACE(name);
+    Json j = base;
+    change(j);
+    const std::string fingerprint = ParseOrDie(j.dump()).Fingerprint();
+    for (const std::string& other : seen) EXPECT_NE(fingerprint, other);
+    seen.push_back(fingerprint);
+  }
+}
+
+}  // namespace
+}  // namespace pdworker

@@ -1,0 +1,368 @@
+#!/usr/bin/python3
+"""Independent reference forward pass for Llama-family checkpoints.
+
+Written from the Hugging Face transformers modelling code's *semantics*
+(LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM), sharing no code
+with pdworker's C++: its own config.json reading, its own safetensors parser,
+numpy only (Debian's python3-numpy), run with /usr/bin/python3.
+
+Precision: every weight is converted to float64 and the whole forward runs in
+float64 (numpy), so the reference's own rounding error (~1e-15 relative) is
+negligible next to the fp32 CPU and bf16 CUDA backends under test.
+
+The forward is the simplest correct one: no KV cache, every sequence is run
+from scratch over positions 0..n-1 with a full causal mask:
+
+  h = embed_tokens[tokens]
+  per layer:
+    x = RMSNorm(h) * input_layernorm
+    q, k, v = x @ Wq^T (+bq), x @ Wk^T (+bk), x @ Wv^T (+bv)
+    q, k = RoPE(q), RoPE(k)        # rotate_half convention, positions 0..n-1
+    attn = softmax(q k^T / sqrt(head_dim) + causal mask) v
+                                   # query head h reads KV head h // (H / KVH)
+    h = h + attn @ Wo^T (+bo)
+    x = RMSNorm(h) * post_attention_layernorm
+    h = h + (silu(x @ Wg^T) * (x @ Wu^T)) @ Wd^T
+  logits = (RMSNorm(h) * norm) @ lm_head^T   # lm_head = embed_tokens if tied
+
+Usage:
+  llama_reference.py --model DIR --tokens "1,2,3;4,5" --out FILE
+      Writes logits for every position of every ';'-separated sequence.
+  llama_reference.py --model DIR --tokens "1,2,3" --greedy N
+      Appends N argmax tokens (ties -> lowest id) one at a time, re-running the
+      full forward each step, and prints them comma-separated on stdout.
+
+Output file format (--out), little-endian, sequences in input order:
+  for each sequence:
+    int32   n_positions           (= the sequence's token count)
+    int32   vocab                 (= config vocab_size)
+    float32 logits[n_positions * vocab]   row-major [position][token id];
+                                          row p is the next-token logits after
+                                          tokens[0..p]
+(float64 results are rounded to float32 only when written.)
+
+Exit status 0 on success; 1 with a message on stderr for any error (bad
+config, malformed safetensors, token out of range, ...).
+"""
+
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+
+import numpy as np
+
+
+class ReferenceError(Exception):
+    pass
+
+
+# ----------------------------------------------------------------------------
+# config.json
+
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM",
+                           "MistralForCausalLM")
+
+
+class Config:
+    def __init__(self, raw):
+        archs = raw.get("architectures") or []
+        found = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+        if not found:
+            raise ReferenceError("unsupported architectures %r" % (archs,))
+        self.architecture = found[0]
+        self.hidden_size = int(raw["hidden_size"])
+        self.intermediate_size = int(raw["intermediate_size"])
+        self.num_layers = int(raw["num_hidden_layers"])
+        self.num_heads = int(raw["num_attention_heads"])
+        kv = raw.get("num_key_value_heads")
+        self.num_kv_heads = int(kv) if kv is not None else self.num_heads
+        hd = raw.get("head_dim")
+        self.head_dim = (int(hd) if hd is not None else
+                         self.hidden_size // self.num_heads)
+        self.rms_norm_eps = float(raw["rms_norm_eps"])
+        theta = raw.get("rope_theta")
+        self.rope_theta = float(theta) if theta is not None else 10000.0
+        self.rope_scaling = raw.get("rope_scaling")
+        self.vocab_size = int(raw["vocab_size"])
+        self.tie_word_embeddings = bool(raw.get("tie_word_embeddings", False))
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ReferenceError("unsupported hidden_act %r" % (act,))
+        if self.architecture == "Qwen2ForCausalLM":
+            # Qwen2Attention: q/k/v always biased, o never.
+            self.qkv_bias, self.o_bias = True, False
+        elif self.architecture == "MistralForCausalLM":
+            self.qkv_bias, self.o_bias = False, False
+        else:
+            # LlamaAttention: bias=config.attention_bias on q, k, v and o.
+            bias = bool(raw.get("attention_bias", False))
+            self.qkv_bias, self.o_bias = bias, bias
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ReferenceError("num_attention_heads % num_key_value_heads")
+
+
+def load_config(model_dir):
+    with open(os.path.join(model_dir, "config.json"), "r") as f:
+        return Config(json.load(f))
+
+
+# ----------------------------------------------------------------------------
+# safetensors: [u64 LE header length][JSON header][data]
+
+
+def _bf16_to_float64(raw):
+    bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
+    return bits.view(np.float32).astype(np.float64)
+
+
+_DECODERS = {
+    "F32": (4, lambda raw: np.frombuffer(raw, dtype="<f4").astype(np.float64)),
+    "F16": (2, lambda raw: np.frombuffer(raw, dtype="<f2").astype(np.float64)),
+    "BF16": (2, _bf16_to_float64),
+}
+
+
+def read_safetensors(path):
+    """Returns {name: float64 ndarray} for every tensor in the file."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    if len(blob) < 8:
+        raise ReferenceError("%s: shorter than 8 bytes" % path)
+    (header_len,) = struct.unpack("<Q", blob[:8])
+    if 8 + header_len > len(blob):
+        raise ReferenceError("%s: header length past end of file" % path)
+    header = json.loads(blob[8:8 + header_len].decode("utf-8"))
+    data = blob[8 + header_len:]
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = entry["dtype"]
+        if dtype not in _DECODERS:
+            raise ReferenceError("%s: %s has unsupported dtype %s" %
+                                 (path, name, dtype))
+        size, decode = _DECODERS[dtype]
+        shape = [int(d) for d in entry["shape"]]
+        begin, end = (int(o) for o in entry["data_offsets"])
+        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if not 0 <= begin <= end <= len(data) or end - begin != numel * size:
+            raise ReferenceError("%s: %s has bad data_offsets" % (path, name))
+        tensors[name] = decode(data[begin:end]).reshape(shape)
+    return tensors
+
+
+def load_weights(model_dir):
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.exists(single):
+        return read_safetensors(single)
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if not os.path.exists(index_path):
+        raise ReferenceError("%s: no model.safetensors or index" % model_dir)
+    with open(index_path, "r") as f:
+        weight_map = json.load(f)["weight_map"]
+    shards = {}
+    weights = {}
+    for name, shard in sorted(weight_map.items()):
+        if shard not in shards:
+            shards[shard] = read_safetensors(os.path.join(model_dir, shard))
+        if name not in shards[shard]:
+            raise ReferenceError("%s: %s not in %s" % (model_dir, name, shard))
+        weights[name] = shards[shard][name]
+    return weights
+
+
+# ----------------------------------------------------------------------------
+# The model
+
+
+def rope_inv_freq(cfg):
+    """inv_freq[i] for the pairs (i, i + head_dim/2), shape [head_dim/2]."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2,
+                                                   dtype=np.float64) / dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return inv_freq
+    if kind != "llama3":
+        raise ReferenceError("unsupported rope_scaling type %r" % (kind,))
+    # Llama 3.1: keep high frequencies (short wavelengths), divide low ones by
+    # `factor`, interpolate smoothly in between.
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    out = np.empty_like(inv_freq)
+    for i, freq in enumerate(inv_freq):
+        wavelen = 2.0 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            out[i] = freq
+        elif wavelen > low_freq_wavelen:
+            out[i] = freq / factor
+        else:
+            smooth = ((old_context / wavelen - low_freq_factor) /
+                      (high_freq_factor - low_freq_factor))
+            out[i] = (1.0 - smooth) * freq / factor + smooth * freq
+    return out
+
+
+def rms_norm(x, weight, eps):
+    variance = np.mean(x * x, axis=-1, keepdims=True)
+    return x / np.sqrt(variance + eps) * weight
+
+
+def apply_rope(x, cos, sin):
+    """x: [n, heads, head_dim]; cos/sin: [n, head_dim]. HF rotate_half."""
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+class Model:
+    def __init__(self, model_dir):
+        self.cfg = load_config(model_dir)
+        self.w = load_weights(model_dir)
+        cfg = self.cfg
+        self.embed = self._get("model.embed_tokens.weight",
+                               (cfg.vocab_size, cfg.hidden_size))
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = self._get("lm_head.weight",
+                                     (cfg.vocab_size, cfg.hidden_size))
+        self.final_norm = self._get("model.norm.weight", (cfg.hidden_size,))
+        self.inv_freq = rope_inv_freq(cfg)
+
+    def _get(self, name, shape):
+        if name not in self.w:
+            raise ReferenceError("missing tensor %s" % name)
+        t = self.w[name]
+        if tuple(t.shape) != tuple(shape):
+            raise ReferenceError("%s has shape %s, expected %s" %
+                                 (name, t.shape, shape))
+        return t
+
+    def _linear(self, x, prefix, out_features, in_features, bias):
+        y = x @ self._get(prefix + ".weight", (out_features, in_features)).T
+        if bias:
+            y = y + self._get(prefix + ".bias", (out_features,))
+        return y
+
+    def logits(self, tokens):
+        """tokens: list of ints -> float64 logits [n, vocab]."""
+        cfg = self.cfg
+        n = len(tokens)
+        for t in tokens:
+            if not 0 <= t < cfg.vocab_size:
+                raise ReferenceError("token %d outside vocab %d" %
+                                     (t, cfg.vocab_size))
+        H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        hidden = cfg.hidden_size
+        positions = np.arange(n, dtype=np.float64)
+        freqs = np.outer(positions, self.inv_freq)          # [n, D/2]
+        emb = np.concatenate([freqs, freqs], axis=-1)       # [n, D]
+        cos, sin = np.cos(emb), np.sin(emb)
+        causal = np.triu(np.full((n, n), -np.inf), k=1)     # [q, k]
+        group = H // KVH
+
+        h = self.embed[np.asarray(tokens, dtype=np.int64)]  # [n, hidden]
+        for layer in range(cfg.num_layers):
+            p = "model.layers.%d." % layer
+            x = rms_norm(h, self._get(p + "input_layernorm.weight", (hidden,)),
+                         cfg.rms_norm_eps)
+            q = self._linear(x, p + "self_attn.q_proj", H * D, hidden,
+                             cfg.qkv_bias).reshape(n, H, D)
+            k = self._linear(x, p + "self_attn.k_proj", KVH * D, hidden,
+                             cfg.qkv_bias).reshape(n, KVH, D)
+            v = self._linear(x, p + "self_attn.v_proj", KVH * D, hidden,
+                             cfg.qkv_bias).reshape(n, KVH, D)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            attn = np.empty((n, H, D))
+            for head in range(H):
+                kv = head // group
+                scores = (q[:, head, :] @ k[:, kv, :].T) / math.sqrt(D)
+                scores = scores + causal
+                scores = scores - scores.max(axis=-1, keepdims=True)
+                probs = np.exp(scores)
+                probs /= probs.sum(axis=-1, keepdims=True)
+                attn[:, head, :] = probs @ v[:, kv, :]
+            h = h + self._linear(attn.reshape(n, H * D), p + "self_attn.o_proj",
+                                 hidden, H * D, cfg.o_bias)
+            x = rms_norm(h, self._get(p + "post_attention_layernorm.weight",
+                                      (hidden,)), cfg.rms_norm_eps)
+            inter = cfg.intermediate_size
+            gate = self._linear(x, p + "mlp.gate_proj", inter, hidden, False)
+            up = self._linear(x, p + "mlp.up_proj", inter, hidden, False)
+            h = h + self._linear(silu(gate) * up, p + "mlp.down_proj", hidden,
+                                 inter, False)
+        h = rms_norm(h, self.final_norm, cfg.rms_norm_eps)
+        return h @ self.lm_head.T
+
+
+# ----------------------------------------------------------------------------
+# CLI
+
+
+def parse_sequences(text):
+    sequences = []
+    for part in text.split(";"):
+        part = part.strip()
+        if not part:
+            raise ReferenceError("empty sequence in --tokens %r" % text)
+        sequences.append([int(t) for t in part.split(",")])
+    return sequences
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="model directory")
+    parser.add_argument("--tokens", required=True,
+                        help='sequences: "1,2,3;4,5"')
+    parser.add_argument("--out", help="logits output file (see format)")
+    parser.add_argument("--greedy", type=int,
+                        help="append this many argmax tokens to the single "
+                             "sequence and print them")
+    args = parser.parse_args(argv)
+    if (args.out is None) == (args.greedy is None):
+        parser.error("give exactly one of --out and --greedy")
+    try:
+        model = Model(args.model)
+        sequences = parse_sequences(args.tokens)
+        if args.greedy is not None:
+            if len(sequences) != 1:
+                raise ReferenceError("--greedy takes exactly one sequence")
+            tokens = list(sequences[0])
+            generated = []
+            for _ in range(args.greedy):
+                nxt = int(np.argmax(model.logits(tokens)[-1]))
+                generated.append(nxt)
+                tokens.append(nxt)
+            print(",".join(str(t) for t in generated))
+            return 0
+        with open(args.out, "wb") as f:
+            for seq in sequences:
+                logits = model.logits(seq).astype("<f4")
+                f.write(struct.pack("<ii", logits.shape[0], logits.shape[1]))
+                f.write(logits.tobytes())
+        return 0
+    except (ReferenceError, KeyError, ValueError, OSError) as e:
+        print("llama_reference: error: %s: %s" % (type(e).__name__, e),
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,125 @@
+#include "worker/runner/step_inputs.h"
+
+#include <memory>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "worker/kv_cache/kv_cache_manager.h"
+#include "worker/runtime/arena.h"
+#include "worker/runtime/cpu_device.h"
+#include "worker/runtime/stream.h"
+
+namespace pdworker {
+namespace {
+
+constexpr int kBlockSize = 4;
+
+class StepInputsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    device_ = std::make_unique<CpuDevice>();
+    auto arena = Arena::Create(*device_, {1 << 20, 256, "test"});
+    ASSERT_TRUE(arena.ok()) << arena.status();
+    arena_ = std::move(*arena);
+    auto stream = device_->CreateStream();
+    ASSERT_TRUE(stream.ok());
+    stream_ = std::move(*stream);
+    limits_ = {/*max_num_seqs=*/4, /*max_num_batched_tokens=*/16,
+               /*max_blocks_per_seq=*/8};
+    auto inputs = StepInputs::Create(*arena_, limits_, kBlockSize);
+    ASSERT_TRUE(inputs.ok()) << inputs.status();
+    inputs_ = std::move(*inputs);
+  }
+
+  std::vector<int32_t> ReadBack(DeviceBuffer b, int n) {
+    std::vector<int32_t> out(n);
+    EXPECT_TRUE(stream_->CopyToHost(out.data(), b, n * sizeof(int32_t)).ok());
+    return out;
+  }
+
+  std::unique_ptr<CpuDevice> device_;
+  std::unique_ptr<Arena> arena_;
+  std::unique_ptr<Stream> stream_;
+  StepLimits limits_;
+  std::unique_ptr<StepInputs> inputs_;
+  KvCacheManager kv_{/*num_blocks=*/16, kBlockSize, /*max_model_len=*/32};
+};
+
+// A mixed batch: a 5-token prefill and a decode of a sequence that already
+// has 6 tokens, padded to 8 tokens (relaxed key: padding tokens belong to no
+// request).
+TEST_F(StepInputsTest, MixedBatchWithPaddingTokens) {
+  ASSERT_TRUE(kv_.Append({{"old", 6}}).ok());
+  ASSERT_TRUE(kv_.Append({{"new", 5}, {"old", 1}}).ok());
+  const std::vector<int32_t> prompt = {11, 12, 13, 14, 15};
+  const std::vector<int32_t> decode = {21};
+  const SequenceKv* a = kv_.Find("new");
+  const SequenceKv* b = kv_.Find("old");
+  ASSERT_TRUE(inputs_->Build({{a, prompt}, {b, decode}}, {8, 2, 0}).ok());
+  ASSERT_TRUE(inputs_->Upload(*stream_).ok());
+
+  // Expected values computed here from the block tables, not by the code.
+  std::vector<int32_t> slots;
+  for (int p = 0; p < 5; ++p) {
+    slots.push_back(a->blocks[p / kBlockSize] * kBlockSize + p % kBlockSize);
+  }
+  slots.push_back(b->blocks[6 / kBlockSize] * kBlockSize + 6 % kBlockSize);
+  for (int p = 0; p < 2; ++p) slots.push_back(-1);
+
+  const StepBuffers& buf = inputs_->buffers();
+  EXPECT_EQ(ReadBack(buf.token_ids, 8),
+            (std::vector<int32_t>{11, 12, 13, 14, 15, 21, 0, 0}));
+  EXPECT_EQ(ReadBack(buf.positions, 8),
+            (std::vector<int32_t>{0, 1, 2, 3, 4, 6, 0, 0}));
+  EXPECT_EQ(ReadBack(buf.slot_mapping, 8), slots);
+  EXPECT_EQ(ReadBack(buf.seq_lens, 2), (std::vector<int32_t>{5, 7}));
+  EXPECT_EQ(ReadBack(buf.query_start_loc, 3), (std::vector<int32_t>{0, 5, 6}));
+  EXPECT_EQ(ReadBack(buf.num_reqs, 1), (std::vector<int32_t>{2}));
+  EXPECT_EQ(ReadBack(buf.logits_indices, 2), (std::vector<int32_t>{4, 5}));
+  std::vector<int32_t> tables = ReadBack(buf.block_tables, 2 * 8);
+  EXPECT_EQ(tables[0], a->blocks[0]);
+  EXPECT_EQ(tables[1], a->blocks[1]);
+  EXPECT_EQ(tables[8], b->blocks[0]);
+  EXPECT_EQ(tables[9], b->blocks[1]);
+}
+
+// Uniform decode of 3 sequences padded to a 4-request key: the padding
+// request has an empty context and its own padding token.
+TEST_F(StepInputsTest, UniformDecodeWithPaddingRequest) {
+  ASSERT_TRUE(kv_.Append({{"x", 3}, {"y", 4}, {"z", 1}}).ok());
+  ASSERT_TRUE(kv_.Append({{"x", 1}, {"y", 1}, {"z", 1}}).ok());
+  const std::vector<int32_t> t1 = {1}, t2 = {2}, t3 = {3};
+  ASSERT_TRUE(
+      inputs_
+          ->Build(
+              {{kv_.Find("x"), t1}, {kv_.Find("y"), t2}, {kv_.Find("z"), t3}},
+              {4, 4, 1})
+          .ok());
+  EXPECT_EQ(std::vector<int32_t>(inputs_->host_seq_lens().begin(),
+                                 inputs_->host_seq_lens().end()),
+            (std::vector<int32_t>{4, 5, 2, 0}));
+  EXPECT_EQ(std::vector<int32_t>(inputs_->host_query_start_loc().begin(),
+                                 inputs_->host_query_start_loc().end()),
+            (std::vector<int32_t>{0, 1, 2, 3, 4}));
+  EXPECT_EQ(inputs_->host_slot_mapping()[3], -1);
+  EXPECT_EQ(inputs_->host_positions()[1], 4);
+  EXPECT_EQ(inputs_->host_logits_indices()[3], 3);
+  EXPECT_EQ(inputs_->num_reqs(), 3);
+}
+
+TEST_F(StepInputsTest, RejectsShapesThatDoNotFit) {
+  ASSERT_TRUE(kv_.Append({{"x", 3}}).ok());
+  const std::vector<int32_t> t = {1, 2, 3};
+  const SequenceKv* x = kv_.Find("x");
+  // Fewer padded tokens than real ones.
+  EXPECT_FALSE(inputs_->Build({{x, t}}, {2, 1, 0}).ok());
+  // Beyond the token limit.
+  EXPECT_FALSE(inputs_->Build({{x, t}}, {17, 1, 0}).ok());
+  // Padding requests that do not cover the padding tokens exactly.
+  EXPECT_FALSE(inputs_->Build({{x, t}}, {4, 2, 2}).ok());
+  // Empty batch.
+  EXPECT_FALSE(inputs_->Build({}, {4, 1, 0}).ok());
+}
+
+}  // namespace
+}  // namespace pdworker

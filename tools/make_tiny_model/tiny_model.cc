@@ -1,0 +1,354 @@
+#include "tools/make_tiny_model/tiny_model.h"
+
+#include <cmath>
+#include <filesystem>
+#include <system_error>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "nlohmann/json.hpp"
+#include "worker/model/safetensors_writer.h"
+
+namespace pdworker {
+namespace {
+
+using Json = nlohmann::json;
+
+// All dimensions of one shape. head_dim_override 0 means "not in config.json"
+// (then head_dim = hidden / heads).
+struct TinyDims {
+  const char* architecture;
+  const char* model_type;
+  int64_t hidden;
+  int64_t intermediate;
+  int64_t layers;
+  int64_t heads;
+  int64_t kv_heads;
+  int64_t head_dim_override;
+  int64_t vocab;
+  double rope_theta;
+  double rms_norm_eps;
+  bool tied;
+  bool qkv_bias;
+  bool llama3_rope;
+};
+
+// Small enough that the float64 reference and the CPU forward take
+// milliseconds; each shape varies something the forward must get right.
+TinyDims DimsFor(TinyShape shape) {
+  switch (shape) {
+    case TinyShape::kGqa:
+      return {"LlamaForCausalLM",
+              "llama",
+              64,
+              128,
+              2,
+              8,
+              2,
+              0,
+              256,
+              10000.0,
+              1e-5,
+              false,
+              false,
+              false};
+    case TinyShape::kTied:
+      return {"LlamaForCausalLM",
+              "llama",
+              64,
+              160,
+              2,
+              4,
+              4,
+              0,
+              320,
+              10000.0,
+              1e-5,
+              true,
+              false,
+              false};
+    case TinyShape::kQkvBias:
+      return {"Qwen2ForCausalLM", "qwen2", 64,    192,  2,    4, 2, 0, 384,
+              1000000.0,          1e-6,    false, true, false};
+    case TinyShape::kHeadDim:
+      return {"LlamaForCausalLM",
+              "llama",
+              64,
+              128,
+              3,
+              4,
+              2,
+              32,
+              256,
+              10000.0,
+              1e-5,
+              false,
+              false,
+              false};
+    case TinyShape::kLlama3Rope:
+      return {"LlamaForCausalLM", "llama", 64,    128,   2,   4, 1, 0, 512,
+              500000.0,           1e-5,    false, false, true};
+  }
+  return DimsFor(TinyShape::kGqa);
+}
+
+constexpr int64_t kMaxPositionEmbeddings = 512;
+// llama3 scaling: with head_dim 16 and theta 5e5 the RoPE wavelengths are
+// ~6, ~32, ~167, ... tokens; original context 64 with low/high factors 1/4
+// puts them in all three regimes (kept < 16, smoothed 16..64, scaled > 64).
+constexpr double kLlama3Factor = 8.0;
+constexpr double kLlama3LowFreqFactor = 1.0;
+constexpr double kLlama3HighFreqFactor = 4.0;
+constexpr int64_t kLlama3OriginalMaxPositions = 64;
+
+// splitmix64 (Steele, Lea, Flood 2014): tiny, fast, and fully specified, so
+// the weights are the same on every platform and compiler.
+class SplitMix64 {
+ public:
+  explicit SplitMix64(uint64_t state) : state_(state) {}
+  uint64_t Next() {
+    uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [-1, 1), on a 2^-23 grid (exact in float32).
+  float UniformSymmetric() {
+    const uint64_t top24 = Next() >> 40;
+    return static_cast<float>(top24) / static_cast<float>(1 << 23) - 1.0f;
+  }
+
+ private:
+  uint64_t state_;
+};
+
+uint64_t Fnv1a64(absl::string_view text) {
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (const char c : text) {
+    hash ^= static_cast<uint8_t>(c);
+    hash *= 0x100000001b3ull;
+  }
+  return hash;
+}
+
+enum class Init {
+  kMatrix,  // uniform with std 1/sqrt(fan_in): activations stay O(1), so
+            // attention is far from uniform and RoPE/GQA mistakes show up
+  kNorm,    // 1 +- 0.1
+  kBias,    // uniform with std 0.1
+};
+
+struct TensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  Init init;
+};
+
+// HF's tensor order (embeddings, layers in order, final norm, lm_head).
+std::vector<TensorSpec> TensorsFor(const TinyDims& d) {
+  const int64_t head_dim =
+      d.head_dim_override > 0 ? d.head_dim_override : d.hidden / d.heads;
+  const int64_t q_size = d.heads * head_dim;
+  const int64_t kv_size = d.kv_heads * head_dim;
+  std::vector<TensorSpec> specs;
+  specs.push_back(
+      {"model.embed_tokens.weight", {d.vocab, d.hidden}, Init::kMatrix});
+  for (int64_t layer = 0; layer < d.layers; ++layer) {
+    const std::string p = absl::StrCat("model.layers.", layer, ".");
+    specs.push_back({p + "input_layernorm.weight", {d.hidden}, Init::kNorm});
+    specs.push_back(
+        {p + "self_attn.q_proj.weight", {q_size, d.hidden}, Init::kMatrix});
+    specs.push_back(
+        {p + "self_attn.k_proj.weight", {kv_size, d.hidden}, Init::kMatrix});
+    specs.push_back(
+        {p + "self_attn.v_proj.weight", {kv_size, d.hidden}, Init::kMatrix});
+    if (d.qkv_bias) {
+      specs.push_back({p + "self_attn.q_proj.bias", {q_size}, Init::kBias});
+      specs.push_back({p + "self_attn.k_proj.bias", {kv_size}, Init::kBias});
+      specs.push_back({p + "self_attn.v_proj.bias", {kv_size}, Init::kBias});
+    }
+    specs.push_back(
+        {p + "self_attn.o_proj.weight", {d.hidden, q_size}, Init::kMatrix});
+    specs.push_back(
+        {p + "post_attention_layernorm.weight", {d.hidden}, Init::kNorm});
+    specs.push_back({p + "mlp.gate_proj.weight",
+                     {d.intermediate, d.hidden},
+                     Init::kMatrix});
+    specs.push_back(
+        {p + "mlp.up_proj.weight", {d.intermediate, d.hidden}, Init::kMatrix});
+    specs.push_back({p + "mlp.down_proj.weight",
+                     {d.hidden, d.intermediate},
+                     Init::kMatrix});
+  }
+  specs.push_back({"model.norm.weight", {d.hidden}, Init::kNorm});
+  if (!d.tied) {
+    specs.push_back({"lm_head.weight", {d.vocab, d.hidden}, Init::kMatrix});
+  }
+  return specs;
+}
+
+// Each tensor has its own stream keyed by (seed, name), so values do not
+// depend on which other tensors exist or on the write order.
+std::vector<float> Generate(const TensorSpec& spec, uint64_t seed) {
+  int64_t count = 1;
+  for (const int64_t dim : spec.shape) count *= dim;
+  SplitMix64 rng(Fnv1a64(spec.name) ^ (seed * 0xd1b54a32d192ed03ull));
+  std::vector<float> values(static_cast<size_t>(count));
+  // A uniform on [-a, a) has std a / sqrt(3).
+  const float sqrt3 = std::sqrt(3.0f);
+  for (float& value : values) {
+    const float u = rng.UniformSymmetric();
+    switch (spec.init) {
+      case Init::kMatrix:
+        value = u * sqrt3 / std::sqrt(static_cast<float>(spec.shape.back()));
+        break;
+      case Init::kNorm:
+        value = 1.0f + 0.1f * u;
+        break;
+      case Init::kBias:
+        value = 0.1f * sqrt3 * u;
+        break;
+    }
+  }
+  return values;
+}
+
+}  // namespace
+
+std::vector<TinyShape> AllTinyShapes() {
+  return {TinyShape::kGqa, TinyShape::kTied, TinyShape::kQkvBias,
+          TinyShape::kHeadDim, TinyShape::kLlama3Rope};
+}
+
+absl::string_view TinyShapeName(TinyShape shape) {
+  switch (shape) {
+    case TinyShape::kGqa:
+      return "gqa";
+    case TinyShape::kTied:
+      return "tied";
+    case TinyShape::kQkvBias:
+      return "qkv_bias";
+    case TinyShape::kHeadDim:
+      return "head_dim";
+    case TinyShape::kLlama3Rope:
+      return "llama3_rope";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name) {
+  for (const TinyShape shape : AllTinyShapes()) {
+    if (TinyShapeName(shape) == name) return shape;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown tiny model shape \"", name,
+                   "\"; known: gqa, tied, qkv_bias, head_dim, llama3_rope"));
+}
+
+std::string TinyModelConfigJson(const TinyModelOptions& options) {
+  const TinyDims d = DimsFor(options.shape);
+  Json config = {
+      {"architectures", {d.architecture}},
+      {"model_type", d.model_type},
+      {"hidden_size", d.hidden},
+      {"intermediate_size", d.intermediate},
+      {"num_hidden_layers", d.layers},
+      {"num_attention_heads", d.heads},
+      {"num_key_value_heads", d.kv_heads},
+      {"vocab_size", d.vocab},
+      {"max_position_embeddings", kMaxPositionEmbeddings},
+      {"rms_norm_eps", d.rms_norm_eps},
+      {"rope_theta", d.rope_theta},
+      {"hidden_act", "silu"},
+      {"tie_word_embeddings", d.tied},
+      {"torch_dtype", absl::StrCat(DTypeName(options.dtype))},
+      {"bos_token_id", 1},
+      {"eos_token_id", 2},
+      {"rope_scaling", nullptr},
+  };
+  if (d.head_dim_override > 0) config["head_dim"] = d.head_dim_override;
+  // Qwen2 has no attention_bias field (its q/k/v biases are implied).
+  if (!d.qkv_bias) config["attention_bias"] = false;
+  if (d.llama3_rope) {
+    config["rope_scaling"] = {
+        {"rope_type", "llama3"},
+        {"factor", kLlama3Factor},
+        {"low_freq_factor", kLlama3LowFreqFactor},
+        {"high_freq_factor", kLlama3HighFreqFactor},
+        {"original_max_position_embeddings", kLlama3OriginalMaxPositions},
+    };
+  }
+  return config.dump(2) + "\n";
+}
+
+absl::Status WriteTinyModel(const TinyModelOptions& options,
+                            const std::string& out_dir) {
+  const TinyDims dims = DimsFor(options.shape);
+  const std::vector<TensorSpec> specs = TensorsFor(dims);
+  const int64_t num_tensors = static_cast<int64_t>(specs.size());
+  if (options.num_shards < 1 || options.num_shards > num_tensors) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--shards=", options.num_shards, " must be in [1, ", num_tensors,
+        "] for shape ", TinyShapeName(options.shape)));
+  }
+  std::error_code error;
+  std::filesystem::create_directories(out_dir, error);
+  if (error) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot create ", out_dir, ": ", error.message()));
+  }
+  if (absl::Status status = WriteStringToFile(
+          absl::StrCat(out_dir, "/config.json"), TinyModelConfigJson(options));
+      !status.ok()) {
+    return status;
+  }
+
+  const int shards = options.num_shards;
+  std::vector<SafetensorsWriter> writers(static_cast<size_t>(shards));
+  std::vector<std::string> file_names;
+  for (int i = 0; i < shards; ++i) {
+    file_names.push_back(
+        shards == 1
+            ? std::string("model.safetensors")
+            : absl::StrFormat("model-%05d-of-%05d.safetensors", i + 1, shards));
+    writers[static_cast<size_t>(i)].SetMetadata("format", "pt");
+  }
+  Json weight_map = Json::object();
+  uint64_t total_size = 0;
+  for (int64_t t = 0; t < num_tensors; ++t) {
+    // Contiguous split: tensor t goes to shard floor(t * shards / tensors),
+    // so every shard gets at least one tensor.
+    const size_t shard = static_cast<size_t>(t * shards / num_tensors);
+    const TensorSpec& spec = specs[static_cast<size_t>(t)];
+    if (absl::Status status = writers[shard].Add(
+            spec.name, options.dtype, spec.shape, Generate(spec, options.seed));
+        !status.ok()) {
+      return status;
+    }
+    weight_map[spec.name] = file_names[shard];
+  }
+  for (int i = 0; i < shards; ++i) {
+    total_size += writers[static_cast<size_t>(i)].data_bytes();
+    if (absl::Status status = writers[static_cast<size_t>(i)].WriteToFile(
+            absl::StrCat(out_dir, "/", file_names[static_cast<size_t>(i)]));
+        !status.ok()) {
+      return status;
+    }
+  }
+  // A stale file of the other layout would shadow (or confuse) this one.
+  const std::string single = absl::StrCat(out_dir, "/model.safetensors");
+  const std::string index =
+      absl::StrCat(out_dir, "/model.safetensors.index.json");
+  if (shards == 1) {
+    std::filesystem::remove(index, error);
+    return absl::OkStatus();
+  }
+  std::filesystem::remove(single, error);
+  const Json index_json = {
+      {"metadata", {{"total_size", total_size}}},
+      {"weight_map", weight_map},
+  };
+  return WriteStringToFile(index, index_json.dump(2) + "\n");
+}
+
+}  // namespace pdworker

@@ -1,0 +1,56 @@
+// Deterministic tiny Llama-family checkpoints for tests: real Hugging Face
+// model directories (config.json + model.safetensors, or shards + index) whose
+// weights come from a fixed-seed generator, so every run and every machine
+// writes the same bytes. Each shape exercises one feature of the family.
+#ifndef PDWORKER_TOOLS_MAKE_TINY_MODEL_TINY_MODEL_H_
+#define PDWORKER_TOOLS_MAKE_TINY_MODEL_TINY_MODEL_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "worker/model/dtype.h"
+
+namespace pdworker {
+
+// Every shape has hidden_size 64, max_position_embeddings 512, rms_norm_eps
+// 1e-5 (1e-6 for qkv_bias), SiLU MLP; see tiny_model.cc for the full table.
+enum class TinyShape {
+  kGqa,         // Llama, 8 query heads sharing 2 KV heads
+  kTied,        // Llama, tie_word_embeddings (no lm_head.weight), MHA
+  kQkvBias,     // Qwen2: q/k/v biases, rope_theta 1e6
+  kHeadDim,     // Llama, head_dim 32 != hidden/heads (16), 3 layers
+  kLlama3Rope,  // Llama, llama3 rope_scaling with original context 64, MQA
+};
+
+std::vector<TinyShape> AllTinyShapes();
+// "gqa", "tied", "qkv_bias", "head_dim", "llama3_rope".
+absl::string_view TinyShapeName(TinyShape shape);
+absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name);
+
+struct TinyModelOptions {
+  TinyShape shape = TinyShape::kGqa;
+  // Same seed -> same weights, independent of dtype and sharding (values are
+  // generated in float32 and rounded to `dtype` when written).
+  uint64_t seed = 0;
+  DType dtype = DType::kFloat32;  // storage type; also config.json torch_dtype
+  // 1: model.safetensors. N > 1: model-0000i-of-0000N.safetensors plus
+  // model.safetensors.index.json, tensors split contiguously in HF order.
+  int num_shards = 1;
+};
+
+// The config.json text for `options` (pretty-printed JSON).
+std::string TinyModelConfigJson(const TinyModelOptions& options);
+
+// Writes the model directory `out_dir` (created, with parents, if missing;
+// existing checkpoint files are overwritten). InvalidArgument when
+// num_shards is below 1 or above the number of tensors.
+absl::Status WriteTinyModel(const TinyModelOptions& options,
+                            const std::string& out_dir);
+
+}  // namespace pdworker
+
+#endif  // PDWORKER_TOOLS_MAKE_TINY_MODEL_TINY_MODEL_H_

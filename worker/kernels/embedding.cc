@@ -1,0 +1,58 @@
+#include "worker/kernels/embedding.h"
+
+#include <cstdint>
+#include <cstring>
+
+#include "absl/strings/str_format.h"
+#include "worker/kernels/kernel_checks.h"
+
+namespace pdworker {
+namespace kernels {
+namespace {
+
+constexpr char kOp[] = "embedding";
+
+void EmbeddingCpu(const EmbeddingParams& p) {
+  const int32_t* ids = p.token_ids.as<const int32_t>();
+  const float* table = p.table.as<const float>();
+  float* out = p.output.as<float>();
+  const size_t row_bytes = sizeof(float) * p.hidden_size;
+  for (int t = 0; t < p.num_tokens; ++t) {
+    const int32_t id = ids[t];
+    float* dst = out + static_cast<int64_t>(t) * p.hidden_size;
+    if (id < 0 || id >= p.vocab_size) {
+      std::memset(dst, 0, row_bytes);
+      continue;
+    }
+    std::memcpy(dst, table + static_cast<int64_t>(id) * p.hidden_size,
+                row_bytes);
+  }
+}
+
+}  // namespace
+
+absl::Status LaunchEmbedding(Stream& stream, const EmbeddingParams& p) {
+  absl::Status status =
+      FirstError({CheckPositive(kOp, "num_tokens", p.num_tokens),
+                  CheckPositive(kOp, "vocab_size", p.vocab_size),
+                  CheckPositive(kOp, "hidden_size", p.hidden_size)});
+  if (!status.ok()) return status;
+  const int64_t rows = p.num_tokens;
+  status = FirstError(
+      {CheckBuffer(kOp, "token_ids", p.token_ids, rows, sizeof(int32_t),
+                   absl::StrFormat("[num_tokens=%d] int32", rows)),
+       CheckBuffer(kOp, "table", p.table,
+                   static_cast<int64_t>(p.vocab_size) * p.hidden_size,
+                   sizeof(float),
+                   absl::StrFormat("[vocab_size=%d, hidden_size=%d] fp32",
+                                   p.vocab_size, p.hidden_size)),
+       CheckBuffer(kOp, "output", p.output, rows * p.hidden_size, sizeof(float),
+                   absl::StrFormat("[num_tokens=%d, hidden_size=%d] fp32", rows,
+                                   p.hidden_size)),
+       CheckBackendImplemented(stream, kOp)});
+  if (!status.ok()) return status;
+  return stream.Launch(kOp, [p](const OpContext&) { EmbeddingCpu(p); });
+}
+
+}  // namespace kernels
+}  // namespace pdworker

@@ -1,0 +1,31 @@
+// Token embedding lookup: out[t, :] = table[token_ids[t], :].
+#ifndef PDWORKER_WORKER_KERNELS_EMBEDDING_H_
+#define PDWORKER_WORKER_KERNELS_EMBEDDING_H_
+
+#include "absl/status/status.h"
+#include "worker/runtime/device_buffer.h"
+#include "worker/runtime/stream.h"
+
+namespace pdworker {
+namespace kernels {
+
+struct EmbeddingParams {
+  // int32 [>= num_tokens]; read at run time (a captured graph sees each
+  // step's ids). Padding tokens carry id 0. An id outside [0, vocab_size)
+  // yields a zero row: requests are validated against the vocabulary at the
+  // RPC boundary, so this only keeps a corrupted buffer from reading out of
+  // bounds.
+  DeviceBuffer token_ids;
+  DeviceBuffer table;   // fp32 [vocab_size, hidden_size]
+  DeviceBuffer output;  // fp32 [>= num_tokens, hidden_size]
+  int num_tokens = 0;   // padded token count the op is launched (captured) for
+  int vocab_size = 0;
+  int hidden_size = 0;
+};
+
+absl::Status LaunchEmbedding(Stream& stream, const EmbeddingParams& p);
+
+}  // namespace kernels
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_KERNELS_EMBEDDING_H_

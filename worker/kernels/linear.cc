@@ -1,0 +1,135 @@
+#include "worker/kernels/linear.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "absl/strings/str_format.h"
+#include "worker/kernels/kernel_checks.h"
+
+namespace pdworker {
+namespace kernels {
+namespace {
+
+constexpr char kOp[] = "linear";
+
+// Why not OpenBLAS sgemm: its result for one row depends on how many rows
+// are computed with it and where the row sits in its register tile (measured
+// on OpenBLAS 0.3.21: row 0 of an M=16 product differs in the last bits from
+// the same row computed with M=1). A captured graph runs at the padded token
+// count and eager runs at the real one, so sgemm would make graph and eager
+// results differ, breaking DESIGN.md's "eager and replay are bit-identical".
+// Here every output element is the same fixed sequence of fp32 operations
+// (the file is compiled with -ffp-contract=off), whatever the row count.
+
+constexpr int kLanes = 8;       // partial sums per dot product
+constexpr int kRowBlock = 4;    // token rows sharing one weight-row pass
+constexpr int kTokenTile = 64;  // token rows kept hot while weights stream
+
+// The one definition of an output element: 8 interleaved partial sums over
+// k (lane k % 8, in increasing k), a fixed pairwise reduction, then + bias.
+inline float Reduce(const float (&acc)[kLanes]) {
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) +
+         ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+inline float DotRow(const float* x, const float* w, int k) {
+  float acc[kLanes] = {};
+  int i = 0;
+  for (; i + kLanes <= k; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += x[i + l] * w[i + l];
+  }
+  for (int l = 0; i < k; ++i, ++l) acc[l] += x[i] * w[i];
+  return Reduce(acc);
+}
+
+// Four rows at once against one weight row: the same per-element operation
+// sequence as DotRow, so results do not depend on the blocking.
+inline void DotRows4(const float* x, int64_t x_stride, const float* w, int k,
+                     float out[kRowBlock]) {
+  float acc[kRowBlock][kLanes] = {};
+  int i = 0;
+  for (; i + kLanes <= k; i += kLanes) {
+    for (int r = 0; r < kRowBlock; ++r) {
+      const float* xr = x + r * x_stride;
+      for (int l = 0; l < kLanes; ++l) acc[r][l] += xr[i + l] * w[i + l];
+    }
+  }
+  for (int r = 0; r < kRowBlock; ++r) {
+    const float* xr = x + r * x_stride;
+    for (int j = i, l = 0; j < k; ++j, ++l) acc[r][l] += xr[j] * w[j];
+    out[r] = Reduce(acc[r]);
+  }
+}
+
+void LinearCpu(const LinearParams& p) {
+  const float* x = p.input.as<const float>();
+  const float* w = p.weight.as<const float>();
+  const float* b = p.bias.empty() ? nullptr : p.bias.as<const float>();
+  float* y = p.output.as<float>();
+  const int k = p.in_features;
+  // y[T, out] = x[T, in] · w[out, in]ᵀ (+ b).
+  for (int t0 = 0; t0 < p.num_tokens; t0 += kTokenTile) {
+    const int t1 = std::min(p.num_tokens, t0 + kTokenTile);
+    for (int o = 0; o < p.out_features; ++o) {
+      const float* wo = w + static_cast<int64_t>(o) * k;
+      const float bias = b ? b[o] : 0.0f;
+      int t = t0;
+      for (; t + kRowBlock <= t1; t += kRowBlock) {
+        float out[kRowBlock];
+        DotRows4(x + static_cast<int64_t>(t) * k, k, wo, k, out);
+        for (int r = 0; r < kRowBlock; ++r) {
+          y[static_cast<int64_t>(t + r) * p.out_features + o] = out[r] + bias;
+        }
+      }
+      for (; t < t1; ++t) {
+        y[static_cast<int64_t>(t) * p.out_features + o] =
+            DotRow(x + static_cast<int64_t>(t) * k, wo, k) + bias;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+absl::Status LaunchLinear(Stream& stream, const LinearParams& p) {
+  absl::Status status =
+      FirstError({CheckPositive(kOp, "num_tokens", p.num_tokens),
+                  CheckPositive(kOp, "in_features", p.in_features),
+                  CheckPositive(kOp, "out_features", p.out_features)});
+  if (!status.ok()) return status;
+  const int64_t in_elements =
+      static_cast<int64_t>(p.num_tokens) * p.in_features;
+  const int64_t weight_elements =
+      static_cast<int64_t>(p.out_features) * p.in_features;
+  const int64_t out_elements =
+      static_cast<int64_t>(p.num_tokens) * p.out_features;
+  const size_t out_bytes = sizeof(float) * out_elements;
+  status = FirstError(
+      {CheckBuffer(kOp, "input", p.input, in_elements, sizeof(float),
+                   absl::StrFormat("[num_tokens=%d, in_features=%d] fp32",
+                                   p.num_tokens, p.in_features)),
+       CheckBuffer(kOp, "weight", p.weight, weight_elements, sizeof(float),
+                   absl::StrFormat("[out_features=%d, in_features=%d] fp32",
+                                   p.out_features, p.in_features)),
+       p.bias.empty()
+           ? absl::OkStatus()
+           : CheckBuffer(
+                 kOp, "bias", p.bias, p.out_features, sizeof(float),
+                 absl::StrFormat("[out_features=%d] fp32", p.out_features)),
+       CheckBuffer(kOp, "output", p.output, out_elements, sizeof(float),
+                   absl::StrFormat("[num_tokens=%d, out_features=%d] fp32",
+                                   p.num_tokens, p.out_features)),
+       CheckDisjoint(kOp, "output", p.output, out_bytes, "input", p.input,
+                     sizeof(float) * in_elements),
+       CheckDisjoint(kOp, "output", p.output, out_bytes, "weight", p.weight,
+                     sizeof(float) * weight_elements),
+       CheckDisjoint(kOp, "output", p.output, out_bytes, "bias", p.bias,
+                     p.bias.empty() ? 0 : sizeof(float) * p.out_features),
+       CheckBackendImplemented(stream, kOp)});
+  if (!status.ok()) return status;
+  return stream.Launch(kOp, [p](const OpContext&) { LinearCpu(p); });
+}
+
+}  // namespace kernels
+}  // namespace pdworker

@@ -1,0 +1,123 @@
+#include "worker/kernels/lm_head.h"
+
+#include <cstdint>
+#include <cstring>
+
+#include "absl/strings/str_format.h"
+#include "worker/kernels/kernel_checks.h"
+#include "worker/kernels/linear.h"
+
+namespace pdworker {
+namespace kernels {
+namespace {
+
+void GatherRowsCpu(const GatherRowsParams& p) {
+  const int32_t* indices = p.indices.as<const int32_t>();
+  const float* in = p.input.as<const float>();
+  float* out = p.output.as<float>();
+  const size_t row_bytes = sizeof(float) * p.row_size;
+  for (int i = 0; i < p.num_indices; ++i) {
+    float* dst = out + static_cast<int64_t>(i) * p.row_size;
+    const int32_t index = indices[i];
+    if (index < 0 || index >= p.num_input_rows) {
+      std::memset(dst, 0, row_bytes);
+    } else {
+      std::memcpy(dst, in + static_cast<int64_t>(index) * p.row_size,
+                  row_bytes);
+    }
+  }
+}
+
+}  // namespace
+
+absl::Status LaunchGatherRows(Stream& stream, const GatherRowsParams& p) {
+  constexpr char kOp[] = "gather_rows";
+  absl::Status status =
+      FirstError({CheckPositive(kOp, "num_input_rows", p.num_input_rows),
+                  CheckPositive(kOp, "num_indices", p.num_indices),
+                  CheckPositive(kOp, "row_size", p.row_size)});
+  if (!status.ok()) return status;
+  const int64_t in_elements =
+      static_cast<int64_t>(p.num_input_rows) * p.row_size;
+  const int64_t out_elements = static_cast<int64_t>(p.num_indices) * p.row_size;
+  status = FirstError(
+      {CheckBuffer(kOp, "input", p.input, in_elements, sizeof(float),
+                   absl::StrFormat("[num_input_rows=%d, row_size=%d] fp32",
+                                   p.num_input_rows, p.row_size)),
+       CheckBuffer(kOp, "indices", p.indices, p.num_indices, sizeof(int32_t),
+                   absl::StrFormat("[num_indices=%d] int32", p.num_indices)),
+       CheckBuffer(kOp, "output", p.output, out_elements, sizeof(float),
+                   absl::StrFormat("[num_indices=%d, row_size=%d] fp32",
+                                   p.num_indices, p.row_size)),
+       CheckDisjoint(kOp, "output", p.output, sizeof(float) * out_elements,
+                     "input", p.input, sizeof(float) * in_elements),
+       CheckBackendImplemented(stream, kOp)});
+  if (!status.ok()) return status;
+  return stream.Launch(kOp, [p](const OpContext&) { GatherRowsCpu(p); });
+}
+
+absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p) {
+  // Checked up front so that a bad logits buffer fails before the gather is
+  // launched (a launcher either launches everything or nothing).
+  constexpr char kOp[] = "lm_head";
+  absl::Status status =
+      FirstError({CheckPositive(kOp, "num_tokens", p.num_tokens),
+                  CheckPositive(kOp, "num_rows", p.num_rows),
+                  CheckPositive(kOp, "hidden_size", p.hidden_size),
+                  CheckPositive(kOp, "vocab_size", p.vocab_size)});
+  if (!status.ok()) return status;
+  const int64_t gathered_elements =
+      static_cast<int64_t>(p.num_rows) * p.hidden_size;
+  const int64_t logits_elements =
+      static_cast<int64_t>(p.num_rows) * p.vocab_size;
+  status = FirstError(
+      {CheckBuffer(kOp, "hidden", p.hidden,
+                   static_cast<int64_t>(p.num_tokens) * p.hidden_size,
+                   sizeof(float),
+                   absl::StrFormat("[num_tokens=%d, hidden_size=%d] fp32",
+                                   p.num_tokens, p.hidden_size)),
+       CheckBuffer(kOp, "logits_indices", p.logits_indices, p.num_rows,
+                   sizeof(int32_t),
+                   absl::StrFormat("[num_rows=%d] int32", p.num_rows)),
+       CheckBuffer(kOp, "gathered", p.gathered, gathered_elements,
+                   sizeof(float),
+                   absl::StrFormat("[num_rows=%d, hidden_size=%d] fp32",
+                                   p.num_rows, p.hidden_size)),
+       CheckBuffer(kOp, "weight", p.weight,
+                   static_cast<int64_t>(p.vocab_size) * p.hidden_size,
+                   sizeof(float),
+                   absl::StrFormat("[vocab_size=%d, hidden_size=%d] fp32",
+                                   p.vocab_size, p.hidden_size)),
+       CheckBuffer(kOp, "logits", p.logits, logits_elements, sizeof(float),
+                   absl::StrFormat("[num_rows=%d, vocab_size=%d] fp32",
+                                   p.num_rows, p.vocab_size)),
+       CheckDisjoint(kOp, "logits", p.logits, sizeof(float) * logits_elements,
+                     "gathered", p.gathered, sizeof(float) * gathered_elements),
+       CheckDisjoint(kOp, "logits", p.logits, sizeof(float) * logits_elements,
+                     "weight", p.weight,
+                     sizeof(float) * p.vocab_size * p.hidden_size),
+       CheckBackendImplemented(stream, kOp)});
+  if (!status.ok()) return status;
+
+  GatherRowsParams gather;
+  gather.input = p.hidden;
+  gather.indices = p.logits_indices;
+  gather.output = p.gathered;
+  gather.num_input_rows = p.num_tokens;
+  gather.num_indices = p.num_rows;
+  gather.row_size = p.hidden_size;
+  status = LaunchGatherRows(stream, gather);
+  if (!status.ok()) return status;
+
+  LinearParams linear;
+  linear.input = p.gathered;
+  linear.weight = p.weight;
+  linear.output = p.logits;
+  linear.num_tokens = p.num_rows;
+  linear.in_features = p.hidden_size;
+  linear.out_features = p.vocab_size;
+  return LaunchLinear(stream, linear);
+}
+
+}  // namespace kernels
+}  // namespace pdworker

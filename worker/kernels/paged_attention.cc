@@ -1,0 +1,335 @@
+#include "worker/kernels/paged_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "absl/strings/str_format.h"
+#include "worker/kernels/kernel_checks.h"
+
+namespace pdworker {
+namespace kernels {
+namespace {
+
+// Scores of one cache block live in a stack array; vLLM's block sizes are
+// 8..128, so this bound is generous.
+constexpr int kMaxBlockSize = 256;
+
+// Dot product with eight independent partial sums: the compiler keeps them
+// in one vector register (a single running sum would serialize on the add
+// latency, and fp32 reassociation is not allowed without -ffast-math).
+inline float Dot(const float* a, const float* b, int n) {
+  float partial[8] = {};
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int lane = 0; lane < 8; ++lane)
+      partial[lane] += a[i + lane] * b[i + lane];
+  }
+  float tail = 0.0f;
+  for (; i < n; ++i) tail += a[i] * b[i];
+  return ((partial[0] + partial[1]) + (partial[2] + partial[3])) +
+         ((partial[4] + partial[5]) + (partial[6] + partial[7])) + tail;
+}
+
+// acc[0, n) += weight * v[0, n), written in blocks of eight lanes so that
+// -O2 (whose cheap vectorizer skips loops needing a scalar epilogue)
+// vectorizes it as straight-line code.
+inline void AddScaled(float weight, const float* v, float* acc, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int lane = 0; lane < 8; ++lane) acc[i + lane] += weight * v[i + lane];
+  }
+  for (; i < n; ++i) acc[i] += weight * v[i];
+}
+
+// Query heads processed together against one kv head: each K/V row is
+// loaded once and used by all of them (GQA shares a kv head between
+// num_heads / num_kv_heads query heads). Their scratch lives on the stack.
+constexpr int kMaxHeadsPerPass = 8;
+
+// Query heads [0, num_q) at `q` (head_dim apart) against cache positions
+// [0, context_len) of one request through its block table, all reading kv
+// head `kv_head`: out = softmax(q·Kᵀ·scale)·V, block by block with a running
+// maximum (online softmax), so no score buffer of context length is needed.
+// Blocks whose id is outside the cache are skipped (a corrupt block table
+// must not read out of bounds; the KV cache manager never writes one).
+// Writes zeros for a head that attended to nothing.
+void AttendHeads(const PagedAttentionParams& p, const float* q, int num_q,
+                 int kv_head, const int32_t* block_table, int context_len,
+                 float* out) {
+  const int head_dim = p.head_dim;
+  const int64_t kv_row = static_cast<int64_t>(p.num_kv_heads) * head_dim;
+  const int64_t head_offset = static_cast<int64_t>(kv_head) * head_dim;
+  const float* key_cache = p.key_cache.as<const float>();
+  const float* value_cache = p.value_cache.as<const float>();
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+  float acc[kMaxHeadsPerPass][kMaxHeadDim];
+  float scores[kMaxHeadsPerPass][kMaxBlockSize];
+  float running_max[kMaxHeadsPerPass];
+  float denominator[kMaxHeadsPerPass];
+  for (int h = 0; h < num_q; ++h) {
+    std::fill(acc[h], acc[h] + head_dim, 0.0f);
+    running_max[h] = kNegInf;
+    denominator[h] = 0.0f;
+  }
+
+  const int num_context_blocks =
+      (context_len + p.block_size - 1) / p.block_size;
+  for (int b = 0; b < num_context_blocks; ++b) {
+    const int32_t block_id = block_table[b];
+    if (block_id < 0 || block_id >= p.num_blocks) continue;
+    const int n = std::min(p.block_size, context_len - b * p.block_size);
+    const int64_t first_row = static_cast<int64_t>(block_id) * p.block_size;
+    const float* keys = key_cache + first_row * kv_row + head_offset;
+    const float* values = value_cache + first_row * kv_row + head_offset;
+
+    float block_max[kMaxHeadsPerPass];
+    std::fill(block_max, block_max + num_q, kNegInf);
+    for (int j = 0; j < n; ++j) {
+      const float* k = keys + j * kv_row;
+      for (int h = 0; h < num_q; ++h) {
+        scores[h][j] = Dot(q + h * head_dim, k, head_dim) * p.scale;
+        block_max[h] = std::max(block_max[h], scores[h][j]);
+      }
+    }
+    for (int h = 0; h < num_q; ++h) {
+      if (block_max[h] > running_max[h]) {
+        // Rescale what was accumulated under the old maximum (exp(-inf) = 0
+        // on the first block, when there is nothing to rescale).
+        const float correction = std::exp(running_max[h] - block_max[h]);
+        for (int d = 0; d < head_dim; ++d) acc[h][d] *= correction;
+        denominator[h] *= correction;
+        running_max[h] = block_max[h];
+      }
+      for (int j = 0; j < n; ++j) {
+        scores[h][j] = std::exp(scores[h][j] - running_max[h]);
+        denominator[h] += scores[h][j];
+      }
+    }
+    for (int j = 0; j < n; ++j) {
+      const float* v = values + j * kv_row;
+      for (int h = 0; h < num_q; ++h) {
+        AddScaled(scores[h][j], v, acc[h], head_dim);
+      }
+    }
+  }
+  for (int h = 0; h < num_q; ++h) {
+    float* o = out + h * head_dim;
+    if (denominator[h] > 0.0f) {
+      const float inv = 1.0f / denominator[h];
+      for (int d = 0; d < head_dim; ++d) o[d] = acc[h][d] * inv;
+    } else {
+      std::fill(o, o + head_dim, 0.0f);
+    }
+  }
+}
+
+// All heads of query row `token` of request `request`, whose last visible
+// cache position is `last_position` (the token's own position).
+void AttendToken(const PagedAttentionParams& p, int token, int request,
+                 int64_t last_position) {
+  const int64_t row_elements = static_cast<int64_t>(p.num_heads) * p.head_dim;
+  float* out = p.output.as<float>() + token * row_elements;
+  // The block table holds only max_blocks_per_seq blocks; positions past it
+  // cannot be located.
+  const int64_t context_len = std::min<int64_t>(
+      last_position + 1,
+      static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size);
+  if (context_len <= 0) {
+    std::fill(out, out + row_elements, 0.0f);
+    return;
+  }
+  const float* q = p.query.as<const float>() +
+                   static_cast<int64_t>(token) * p.query_row_stride;
+  const int32_t* block_table =
+      p.block_tables.as<const int32_t>() +
+      static_cast<int64_t>(request) * p.max_blocks_per_seq;
+  // Query heads h share kv head h / group; go through each group in passes
+  // of at most kMaxHeadsPerPass heads.
+  const int group = p.num_heads / p.num_kv_heads;
+  for (int h = 0; h < p.num_heads;) {
+    const int num_q = std::min(group - h % group, kMaxHeadsPerPass);
+    AttendHeads(p, q + static_cast<int64_t>(h) * p.head_dim, num_q, h / group,
+                block_table, static_cast<int>(context_len),
+                out + static_cast<int64_t>(h) * p.head_dim);
+    h += num_q;
+  }
+}
+
+void VarlenAttentionCpu(const PagedAttentionParams& p) {
+  const int64_t row_elements = static_cast<int64_t>(p.num_heads) * p.head_dim;
+  // Padding rows (and rows of malformed requests) read as zeros.
+  std::memset(p.output.data(), 0, sizeof(float) * p.num_tokens * row_elements);
+  const int32_t* query_start = p.query_start_loc.as<const int32_t>();
+  const int32_t* seq_lens = p.seq_lens.as<const int32_t>();
+  const int num_reqs =
+      std::clamp(p.num_reqs.as<const int32_t>()[0], 0, p.max_num_seqs);
+  for (int r = 0; r < num_reqs; ++r) {
+    const int begin = std::clamp(query_start[r], 0, p.num_tokens);
+    const int end = std::clamp(query_start[r + 1], begin, p.num_tokens);
+    const int64_t first_position =
+        static_cast<int64_t>(seq_lens[r]) - (end - begin);
+    for (int t = begin; t < end; ++t) {
+      AttendToken(p, t, r, first_position + (t - begin));
+    }
+  }
+}
+
+void UniformDecodeAttentionCpu(const PagedAttentionParams& p) {
+  const int k = p.uniform_query_len;
+  const int num_requests = p.num_tokens / k;
+  const int32_t* seq_lens = p.seq_lens.as<const int32_t>();
+  for (int r = 0; r < num_requests; ++r) {
+    // seq_len 0 (padding request) gives last positions < 0: zeros.
+    const int64_t first_position = static_cast<int64_t>(seq_lens[r]) - k;
+    for (int j = 0; j < k; ++j) {
+      AttendToken(p, r * k + j, r, seq_lens[r] > 0 ? first_position + j : -1);
+    }
+  }
+}
+
+enum class Routine { kVarlen, kUniformDecode };
+
+// Validates `p` for `routine` and returns it with defaults resolved (dense
+// query stride, 1/sqrt(head_dim) scale) in *resolved.
+absl::Status CheckAndResolve(const char* op, Routine routine,
+                             const PagedAttentionParams& p,
+                             PagedAttentionParams* resolved) {
+  absl::Status status = FirstError(
+      {CheckPositive(op, "num_tokens", p.num_tokens),
+       CheckPositive(op, "max_num_seqs", p.max_num_seqs),
+       CheckPositive(op, "num_heads", p.num_heads),
+       CheckPositive(op, "num_kv_heads", p.num_kv_heads),
+       CheckPositive(op, "head_dim", p.head_dim),
+       CheckPositive(op, "block_size", p.block_size),
+       CheckPositive(op, "num_blocks", p.num_blocks),
+       CheckPositive(op, "max_blocks_per_seq", p.max_blocks_per_seq)});
+  if (!status.ok()) return status;
+  if (p.num_heads % p.num_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: num_heads (%d) must be a multiple of num_kv_heads (%d)", op,
+        p.num_heads, p.num_kv_heads));
+  }
+  if (p.head_dim > kMaxHeadDim || p.block_size > kMaxBlockSize) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: head_dim %d / block_size %d exceed the CPU kernel's limits %d / "
+        "%d",
+        op, p.head_dim, p.block_size, kMaxHeadDim, kMaxBlockSize));
+  }
+  if (!(p.scale >= 0.0f) || std::isinf(p.scale)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got %g", op,
+        p.scale));
+  }
+  *resolved = p;
+  const int q_width = p.num_heads * p.head_dim;
+  if (resolved->query_row_stride == 0) resolved->query_row_stride = q_width;
+  if (resolved->query_row_stride < q_width) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: query_row_stride %d is below the row width %d", op,
+                        p.query_row_stride, q_width));
+  }
+  if (resolved->scale == 0.0f) {
+    resolved->scale = static_cast<float>(1.0 / std::sqrt(p.head_dim));
+  }
+  if (routine == Routine::kUniformDecode) {
+    status = CheckPositive(op, "uniform_query_len", p.uniform_query_len);
+    if (!status.ok()) return status;
+    if (p.num_tokens % p.uniform_query_len != 0 ||
+        p.num_tokens / p.uniform_query_len > p.max_num_seqs) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: num_tokens %d must be a multiple of uniform_query_len %d with "
+          "at most max_num_seqs=%d requests",
+          op, p.num_tokens, p.uniform_query_len, p.max_num_seqs));
+    }
+  }
+
+  const int64_t kv_width = static_cast<int64_t>(p.num_kv_heads) * p.head_dim;
+  const int64_t cache_elements =
+      static_cast<int64_t>(p.num_blocks) * p.block_size * kv_width;
+  const std::string cache_layout = absl::StrFormat(
+      "[num_blocks=%d, block_size=%d, num_kv_heads=%d, head_dim=%d] fp32",
+      p.num_blocks, p.block_size, p.num_kv_heads, p.head_dim);
+  status = FirstError(
+      {routine == Routine::kVarlen ? CheckBuffer(op, "num_reqs", p.num_reqs, 1,
+                                                 sizeof(int32_t), "[1] int32")
+                                   : absl::OkStatus(),
+       routine == Routine::kVarlen
+           ? CheckBuffer(op, "query_start_loc", p.query_start_loc,
+                         p.max_num_seqs + 1, sizeof(int32_t),
+                         absl::StrFormat("[max_num_seqs + 1=%d] int32",
+                                         p.max_num_seqs + 1))
+           : absl::OkStatus(),
+       CheckBuffer(op, "seq_lens", p.seq_lens, p.max_num_seqs, sizeof(int32_t),
+                   absl::StrFormat("[max_num_seqs=%d] int32", p.max_num_seqs)),
+       CheckBuffer(
+           op, "block_tables", p.block_tables,
+           static_cast<int64_t>(p.max_num_seqs) * p.max_blocks_per_seq,
+           sizeof(int32_t),
+           absl::StrFormat("[max_num_seqs=%d, max_blocks_per_seq=%d] int32",
+                           p.max_num_seqs, p.max_blocks_per_seq)),
+       CheckBuffer(
+           op, "query", p.query,
+           StridedElements(p.num_tokens, q_width, resolved->query_row_stride),
+           sizeof(float),
+           absl::StrFormat(
+               "[num_tokens=%d, num_heads=%d, head_dim=%d] fp32, row "
+               "stride %d",
+               p.num_tokens, p.num_heads, p.head_dim,
+               resolved->query_row_stride)),
+       CheckBuffer(op, "key_cache", p.key_cache, cache_elements, sizeof(float),
+                   cache_layout),
+       CheckBuffer(op, "value_cache", p.value_cache, cache_elements,
+                   sizeof(float), cache_layout),
+       CheckBuffer(
+           op, "output", p.output, static_cast<int64_t>(p.num_tokens) * q_width,
+           sizeof(float),
+           absl::StrFormat("[num_tokens=%d, num_heads=%d, head_dim=%d] fp32",
+                           p.num_tokens, p.num_heads, p.head_dim))});
+  if (!status.ok()) return status;
+  // The output is written while q and the caches are still being read.
+  const size_t out_bytes = sizeof(float) * p.num_tokens * q_width;
+  return FirstError(
+      {CheckDisjoint(
+           op, "output", p.output, out_bytes, "query", p.query,
+           sizeof(float) * StridedElements(p.num_tokens, q_width,
+                                           resolved->query_row_stride)),
+       CheckDisjoint(op, "output", p.output, out_bytes, "key_cache",
+                     p.key_cache, sizeof(float) * cache_elements),
+       CheckDisjoint(op, "output", p.output, out_bytes, "value_cache",
+                     p.value_cache, sizeof(float) * cache_elements)});
+}
+
+}  // namespace
+
+absl::Status LaunchPagedAttention(Stream& stream,
+                                  const PagedAttentionParams& p) {
+  constexpr char kOp[] = "paged_attention";
+  PagedAttentionParams resolved;
+  absl::Status status =
+      FirstError({CheckAndResolve(kOp, Routine::kVarlen, p, &resolved),
+                  CheckBackendImplemented(stream, kOp)});
+  if (!status.ok()) return status;
+  return stream.Launch(
+      kOp, [resolved](const OpContext&) { VarlenAttentionCpu(resolved); });
+}
+
+absl::Status LaunchPagedAttentionUniformDecode(Stream& stream,
+                                               const PagedAttentionParams& p) {
+  constexpr char kOp[] = "paged_attention_decode";
+  PagedAttentionParams resolved;
+  absl::Status status =
+      FirstError({CheckAndResolve(kOp, Routine::kUniformDecode, p, &resolved),
+                  CheckBackendImplemented(stream, kOp)});
+  if (!status.ok()) return status;
+  return stream.Launch(kOp, [resolved](const OpContext&) {
+    UniformDecodeAttentionCpu(resolved);
+  });
+}
+
+}  // namespace kernels
+}  // namespace pdworker

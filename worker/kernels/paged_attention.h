@@ -1,0 +1,88 @@
+// Attention over the paged KV cache: the op the forward is split at. Two
+// routines share one params struct and one inner loop:
+//  - varlen (prefill / mixed batches): any mix of query lengths per request;
+//  - uniform decode: every request has exactly `uniform_query_len` query
+//    tokens (1, or 1 + speculative tokens), laid out request after request.
+// Both are causal, support GQA/MQA, and read all per-step metadata from the
+// static buffers when the op runs.
+#ifndef PDWORKER_WORKER_KERNELS_PAGED_ATTENTION_H_
+#define PDWORKER_WORKER_KERNELS_PAGED_ATTENTION_H_
+
+#include "absl/status/status.h"
+#include "dispatcher/attention_cg_support.h"
+#include "worker/runtime/device_buffer.h"
+#include "worker/runtime/stream.h"
+
+namespace pdworker {
+namespace kernels {
+
+// The CPU kernels read num_reqs, query_start_loc, seq_lens and block_tables
+// from their static buffers each time the op runs, and derive every loop
+// bound from them; the closure holds only buffer pointers and the padded
+// shape of the captured batch. A graph captured for one batch therefore
+// stays correct for any batch of the same padded size — uniform or mixed,
+// any split into requests — so attention may be inside FULL graphs always.
+constexpr AttentionCGSupport kCpuPagedAttentionCGSupport =
+    AttentionCGSupport::kAlways;
+
+struct PagedAttentionParams {
+  // --- Step metadata (int32), read at run time. ---
+  // Real requests this step, [1]. Varlen only (uniform decode may leave it
+  // empty). Clamped to [0, max_num_seqs].
+  DeviceBuffer num_reqs;
+  // Cumulative query lengths, [max_num_seqs + 1]: request r's query tokens
+  // are rows [query_start_loc[r], query_start_loc[r + 1]). Varlen only.
+  DeviceBuffer query_start_loc;
+  // Context length of each request INCLUDING this step's query tokens,
+  // [max_num_seqs]; 0 for padding requests.
+  DeviceBuffer seq_lens;
+  // [max_num_seqs, max_blocks_per_seq]: cache block ids of each request's
+  // positions 0, block_size, 2·block_size, ... in order (any block ids).
+  DeviceBuffer block_tables;
+
+  // --- Tensors (fp32). ---
+  // [num_tokens, num_heads, head_dim], rows `query_row_stride` elements
+  // apart (0: dense), so q may be a slice of a fused qkv output. Already
+  // rotated (rope_kv_cache), whose k/v for this step are already in the cache.
+  DeviceBuffer query;
+  // One layer's cache, [num_blocks, block_size, num_kv_heads, head_dim].
+  DeviceBuffer key_cache;
+  DeviceBuffer value_cache;
+  // [num_tokens, num_heads, head_dim], dense (the o_proj input). Rows no
+  // real query token maps to (padding) are written with zeros.
+  DeviceBuffer output;
+
+  // --- Shape, fixed for a captured graph. ---
+  int num_tokens = 0;    // padded query rows
+  int max_num_seqs = 0;  // rows of seq_lens / block_tables
+  int num_heads = 0;     // query heads; a multiple of num_kv_heads
+  int num_kv_heads = 0;  // head h reads kv head h / (num_heads / num_kv_heads)
+  int head_dim = 0;      // <= kMaxHeadDim
+  int block_size = 0;    // tokens per cache block, <= 256
+  int num_blocks = 0;    // blocks in the cache
+  int max_blocks_per_seq = 0;
+  int query_row_stride = 0;
+  float scale = 0.0f;  // softmax scale; 0 means 1 / sqrt(head_dim)
+  // Uniform decode only: query tokens per request (k >= 1); request r owns
+  // rows [r·k, (r + 1)·k) and num_tokens / k (<= max_num_seqs) requests are
+  // processed, padding requests (seq_len 0) included.
+  int uniform_query_len = 0;
+};
+
+// Varlen causal attention. For r < num_reqs[0] with q_len = query_start_loc
+// [r+1] − query_start_loc[r]: query token j of r sits at absolute position
+// seq_lens[r] − q_len + j and attends to cache positions 0..that position
+// through block_tables[r]. Every other output row is zero.
+absl::Status LaunchPagedAttention(Stream& stream,
+                                  const PagedAttentionParams& p);
+
+// Uniform decode: the same math for num_tokens / uniform_query_len requests
+// of uniform_query_len tokens each; query_start_loc and num_reqs are not
+// read. A request with seq_len 0 (padding) gets zeros, never NaN.
+absl::Status LaunchPagedAttentionUniformDecode(Stream& stream,
+                                               const PagedAttentionParams& p);
+
+}  // namespace kernels
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_KERNELS_PAGED_ATTENTION_H_

@@ -1,0 +1,50 @@
+// RMSNorm (Llama): out = x / sqrt(mean(x^2) + epsilon) * weight, per token
+// row, and vLLM's fused residual-add + RMSNorm.
+#ifndef PDWORKER_WORKER_KERNELS_RMS_NORM_H_
+#define PDWORKER_WORKER_KERNELS_RMS_NORM_H_
+
+#include "absl/status/status.h"
+#include "worker/runtime/device_buffer.h"
+#include "worker/runtime/stream.h"
+
+namespace pdworker {
+namespace kernels {
+
+struct RmsNormParams {
+  DeviceBuffer input;   // fp32 [>= num_tokens, hidden_size]
+  DeviceBuffer weight;  // fp32 [hidden_size]
+  // fp32 [>= num_tokens, hidden_size]. May be `input` itself (in place):
+  // each row is fully read before it is written.
+  DeviceBuffer output;
+  int num_tokens = 0;  // padded; padding rows are normalized too (harmless)
+  int hidden_size = 0;
+  float epsilon = 1e-6f;  // config.json "rms_norm_eps"
+};
+
+// output[t] = rmsnorm(input[t]) * weight.
+absl::Status LaunchRmsNorm(Stream& stream, const RmsNormParams& p);
+
+// The pre-attention / pre-MLP norm of every layer after the first, as
+// vLLM's fused_add_rms_norm:
+//   residual[t] += input[t]           (the skip connection, kept for later)
+//   output[t]    = rmsnorm(residual[t]) * weight
+// `output` may be `input` (vLLM writes the result over `input`); `residual`
+// must be neither.
+struct FusedAddRmsNormParams {
+  DeviceBuffer input;     // fp32 [>= num_tokens, hidden_size]: the sublayer's
+                          // output (attention o_proj or MLP down_proj)
+  DeviceBuffer residual;  // fp32 [>= num_tokens, hidden_size], read-write
+  DeviceBuffer weight;    // fp32 [hidden_size]
+  DeviceBuffer output;    // fp32 [>= num_tokens, hidden_size]; may be `input`
+  int num_tokens = 0;
+  int hidden_size = 0;
+  float epsilon = 1e-6f;
+};
+
+absl::Status LaunchFusedAddRmsNorm(Stream& stream,
+                                   const FusedAddRmsNormParams& p);
+
+}  // namespace kernels
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_KERNELS_RMS_NORM_H_

@@ -1,0 +1,212 @@
+#include "worker/kernels/rope_kv_cache.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "absl/strings/str_format.h"
+#include "glog/logging.h"
+#include "worker/kernels/kernel_checks.h"
+
+namespace pdworker {
+namespace kernels {
+namespace {
+
+constexpr char kOp[] = "rope_kv_cache";
+constexpr double kPi = 3.14159265358979323846;
+
+// Rotates `num_heads` heads of `head_dim` floats at `x` (contiguous heads)
+// by the per-pair cos/sin of one token.
+void RotateHeads(float* x, int num_heads, int head_dim, const float* cos_half,
+                 const float* sin_half) {
+  const int half = head_dim / 2;
+  for (int h = 0; h < num_heads; ++h) {
+    float* lo = x + static_cast<int64_t>(h) * head_dim;
+    float* hi = lo + half;
+    for (int i = 0; i < half; ++i) {
+      const float a = lo[i];
+      const float b = hi[i];
+      lo[i] = a * cos_half[i] - b * sin_half[i];
+      hi[i] = b * cos_half[i] + a * sin_half[i];
+    }
+  }
+}
+
+void RopeKvCacheCpu(const RopeKvCacheParams& p) {
+  const int32_t* positions = p.positions.as<const int32_t>();
+  const int32_t* slots = p.slot_mapping.as<const int32_t>();
+  const float* inv_freq = p.inv_freq.as<const float>();
+  const int half = p.head_dim / 2;
+  const int64_t kv_row = static_cast<int64_t>(p.num_kv_heads) * p.head_dim;
+  const int64_t num_slots = static_cast<int64_t>(p.num_blocks) * p.block_size;
+  float cos_half[kMaxHeadDim / 2];
+  float sin_half[kMaxHeadDim / 2];
+  for (int t = 0; t < p.num_tokens; ++t) {
+    const float position = static_cast<float>(positions[t]);
+    for (int i = 0; i < half; ++i) {
+      const float angle = position * inv_freq[i];
+      cos_half[i] = std::cos(angle);
+      sin_half[i] = std::sin(angle);
+    }
+    float* q =
+        p.query.as<float>() + static_cast<int64_t>(t) * p.query_row_stride;
+    float* k = p.key.as<float>() + static_cast<int64_t>(t) * p.key_row_stride;
+    const float* v = p.value.as<const float>() +
+                     static_cast<int64_t>(t) * p.value_row_stride;
+    RotateHeads(q, p.num_heads, p.head_dim, cos_half, sin_half);
+    RotateHeads(k, p.num_kv_heads, p.head_dim, cos_half, sin_half);
+
+    const int64_t slot = slots[t];
+    if (slot < 0 || slot >= num_slots) continue;  // padding token
+    std::memcpy(p.key_cache.as<float>() + slot * kv_row, k,
+                sizeof(float) * kv_row);
+    std::memcpy(p.value_cache.as<float>() + slot * kv_row, v,
+                sizeof(float) * kv_row);
+  }
+}
+
+}  // namespace
+
+absl::Status ValidateRopeConfig(const RopeConfig& config) {
+  if (config.head_dim <= 0 || config.head_dim % 2 != 0 ||
+      config.head_dim > kMaxHeadDim) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("rope: head_dim must be even and in [2, %d], got %d",
+                        kMaxHeadDim, config.head_dim));
+  }
+  if (!(config.theta > 0.0)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "rope: rope_theta must be positive, got %g", config.theta));
+  }
+  if (config.scaling == RopeScalingType::kLlama3) {
+    if (!(config.factor > 0.0)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "rope: rope_scaling.factor must be positive, got %g", config.factor));
+    }
+    if (!(config.low_freq_factor > 0.0) ||
+        !(config.high_freq_factor > config.low_freq_factor)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "rope: rope_scaling needs 0 < low_freq_factor < high_freq_factor, "
+          "got %g and %g",
+          config.low_freq_factor, config.high_freq_factor));
+    }
+    if (config.original_max_position_embeddings <= 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "rope: rope_scaling.original_max_position_embeddings must be "
+          "positive, got %d",
+          config.original_max_position_embeddings));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<float> ComputeRopeInvFreq(const RopeConfig& config) {
+  const absl::Status valid = ValidateRopeConfig(config);
+  CHECK(valid.ok()) << valid;
+  const int half = config.head_dim / 2;
+  std::vector<float> inv_freq(half);
+  // Wavelength bounds (in positions) of the llama3 bands.
+  const double context = config.original_max_position_embeddings;
+  const double keep_below = context / config.high_freq_factor;
+  const double scale_above = context / config.low_freq_factor;
+  for (int i = 0; i < half; ++i) {
+    const double exponent = 2.0 * i / config.head_dim;
+    double freq = 1.0 / std::pow(config.theta, exponent);
+    if (config.scaling == RopeScalingType::kLlama3) {
+      const double wavelength = 2.0 * kPi / freq;
+      if (wavelength > scale_above) {
+        freq /= config.factor;  // low frequency: fully interpolated
+      } else if (wavelength >= keep_below) {
+        // Medium band: blend the scaled and unscaled frequency, weighted by
+        // where context / wavelength lies in [low_freq_factor,
+        // high_freq_factor] (0 at the low end, 1 at the high end).
+        const double blend = (context / wavelength - config.low_freq_factor) /
+                             (config.high_freq_factor - config.low_freq_factor);
+        freq = (1.0 - blend) * freq / config.factor + blend * freq;
+      }
+      // High frequency (wavelength < keep_below): unchanged.
+    }
+    inv_freq[i] = static_cast<float>(freq);
+  }
+  return inv_freq;
+}
+
+absl::Status LaunchRopeKvCache(Stream& stream, const RopeKvCacheParams& p) {
+  absl::Status status =
+      FirstError({CheckPositive(kOp, "num_tokens", p.num_tokens),
+                  CheckPositive(kOp, "num_heads", p.num_heads),
+                  CheckPositive(kOp, "num_kv_heads", p.num_kv_heads),
+                  CheckPositive(kOp, "head_dim", p.head_dim),
+                  CheckPositive(kOp, "block_size", p.block_size),
+                  CheckPositive(kOp, "num_blocks", p.num_blocks)});
+  if (!status.ok()) return status;
+  if (p.head_dim % 2 != 0 || p.head_dim > kMaxHeadDim) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: head_dim must be even and <= %d, got %d", kOp,
+                        kMaxHeadDim, p.head_dim));
+  }
+  RopeKvCacheParams resolved = p;
+  const int q_width = p.num_heads * p.head_dim;
+  const int kv_width = p.num_kv_heads * p.head_dim;
+  if (resolved.query_row_stride == 0) resolved.query_row_stride = q_width;
+  if (resolved.key_row_stride == 0) resolved.key_row_stride = kv_width;
+  if (resolved.value_row_stride == 0) resolved.value_row_stride = kv_width;
+  if (resolved.query_row_stride < q_width ||
+      resolved.key_row_stride < kv_width ||
+      resolved.value_row_stride < kv_width) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: row strides (query %d, key %d, value %d) must be 0 or at least "
+        "the row width (%d, %d, %d)",
+        kOp, p.query_row_stride, p.key_row_stride, p.value_row_stride, q_width,
+        kv_width, kv_width));
+  }
+  const int64_t cache_elements =
+      static_cast<int64_t>(p.num_blocks) * p.block_size * kv_width;
+  const std::string cache_layout = absl::StrFormat(
+      "[num_blocks=%d, block_size=%d, num_kv_heads=%d, head_dim=%d] fp32",
+      p.num_blocks, p.block_size, p.num_kv_heads, p.head_dim);
+  status = FirstError(
+      {CheckBuffer(kOp, "positions", p.positions, p.num_tokens, sizeof(int32_t),
+                   absl::StrFormat("[num_tokens=%d] int32", p.num_tokens)),
+       CheckBuffer(kOp, "slot_mapping", p.slot_mapping, p.num_tokens,
+                   sizeof(int32_t),
+                   absl::StrFormat("[num_tokens=%d] int32", p.num_tokens)),
+       CheckBuffer(kOp, "inv_freq", p.inv_freq, p.head_dim / 2, sizeof(float),
+                   absl::StrFormat("[head_dim / 2=%d] fp32", p.head_dim / 2)),
+       CheckBuffer(
+           kOp, "query", p.query,
+           StridedElements(p.num_tokens, q_width, resolved.query_row_stride),
+           sizeof(float),
+           absl::StrFormat("[num_tokens=%d, num_heads=%d, "
+                           "head_dim=%d] fp32, row stride %d",
+                           p.num_tokens, p.num_heads, p.head_dim,
+                           resolved.query_row_stride)),
+       CheckBuffer(
+           kOp, "key", p.key,
+           StridedElements(p.num_tokens, kv_width, resolved.key_row_stride),
+           sizeof(float),
+           absl::StrFormat("[num_tokens=%d, num_kv_heads=%d, "
+                           "head_dim=%d] fp32, row stride %d",
+                           p.num_tokens, p.num_kv_heads, p.head_dim,
+                           resolved.key_row_stride)),
+       CheckBuffer(
+           kOp, "value", p.value,
+           StridedElements(p.num_tokens, kv_width, resolved.value_row_stride),
+           sizeof(float),
+           absl::StrFormat("[num_tokens=%d, num_kv_heads=%d, "
+                           "head_dim=%d] fp32, row stride %d",
+                           p.num_tokens, p.num_kv_heads, p.head_dim,
+                           resolved.value_row_stride)),
+       CheckBuffer(kOp, "key_cache", p.key_cache, cache_elements, sizeof(float),
+                   cache_layout),
+       CheckBuffer(kOp, "value_cache", p.value_cache, cache_elements,
+                   sizeof(float), cache_layout),
+       CheckBackendImplemented(stream, kOp)});
+  if (!status.ok()) return status;
+  return stream.Launch(
+      kOp, [resolved](const OpContext&) { RopeKvCacheCpu(resolved); });
+}
+
+}  // namespace kernels
+}  // namespace pdworker

@@ -1,0 +1,90 @@
+// Rotary position embedding (Hugging Face Llama "rotate_half" convention) on
+// q and k, then the write of k and v into the paged KV cache: the first half
+// of attention, which runs right before paged_attention in every layer.
+#ifndef PDWORKER_WORKER_KERNELS_ROPE_KV_CACHE_H_
+#define PDWORKER_WORKER_KERNELS_ROPE_KV_CACHE_H_
+
+#include <vector>
+
+#include "absl/status/status.h"
+#include "worker/runtime/device_buffer.h"
+#include "worker/runtime/stream.h"
+
+namespace pdworker {
+namespace kernels {
+
+// config.json "rope_scaling.rope_type"; absent means kNone.
+enum class RopeScalingType {
+  kNone,    // plain RoPE: inv_freq[i] = theta^(-2i / head_dim)
+  kLlama3,  // Llama 3.1+ frequency-dependent scaling (below)
+};
+
+struct RopeConfig {
+  int head_dim = 0;        // rotary dimension (the full head_dim; even)
+  double theta = 10000.0;  // config.json "rope_theta"
+  RopeScalingType scaling = RopeScalingType::kNone;
+  // kLlama3 only (config.json "rope_scaling"): wavelengths longer than
+  // original_max_position_embeddings / low_freq_factor are slowed down by
+  // `factor`, wavelengths shorter than original_max_position_embeddings /
+  // high_freq_factor are kept, and the band in between is interpolated.
+  double factor = 8.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int original_max_position_embeddings = 8192;
+};
+
+// INVALID_ARGUMENT naming the field when `config` is unusable (odd or too
+// large head_dim, theta <= 0, llama3 factors out of range). Call this where
+// the model config is parsed.
+absl::Status ValidateRopeConfig(const RopeConfig& config);
+
+// The rotation frequencies in radians per position, [head_dim / 2], computed
+// once at startup and uploaded into the `inv_freq` buffer. CHECK-fails on a
+// config ValidateRopeConfig rejects. Computed in double and rounded to fp32
+// (Hugging Face computes in fp32; the two agree to about 1 ulp).
+std::vector<float> ComputeRopeInvFreq(const RopeConfig& config);
+
+// Per token t (all num_tokens rows, padding included):
+//   1. angle[i] = float(positions[t]) * inv_freq[i]  (an fp32 product, as
+//      Hugging Face and vLLM compute it); for every q head and k head, pairs
+//      (x[i], x[i + head_dim/2]) become
+//      (x[i]·cos − x[i+h/2]·sin, x[i+h/2]·cos + x[i]·sin), in place.
+//   2. slot = slot_mapping[t]; slot −1 (padding) writes nothing; otherwise
+//      key_cache[slot] = k[t] (rotated) and value_cache[slot] = v[t], where
+//      slot = block_id * block_size + offset indexes
+//      [num_blocks * block_size] rows of [num_kv_heads, head_dim]. A slot
+//      beyond the cache is skipped too (it cannot be reported from inside a
+//      graph; the KV cache manager never produces one).
+// positions and slot_mapping are read when the op runs, so one captured
+// graph serves every step of its padded size.
+struct RopeKvCacheParams {
+  DeviceBuffer positions;     // int32 [>= num_tokens]
+  DeviceBuffer slot_mapping;  // int32 [>= num_tokens]
+  DeviceBuffer inv_freq;      // fp32 [head_dim / 2], from ComputeRopeInvFreq
+  // Activations, rows of one token. q and k are rotated in place. Rows are
+  // `*_row_stride` elements apart (0 means dense: num_heads * head_dim for q,
+  // num_kv_heads * head_dim for k and v), so q, k and v may be column slices
+  // of one fused qkv projection output [num_tokens, (H + 2·KV) · head_dim].
+  DeviceBuffer query;  // fp32 [num_tokens, num_heads, head_dim]
+  DeviceBuffer key;    // fp32 [num_tokens, num_kv_heads, head_dim]
+  DeviceBuffer value;  // fp32 [num_tokens, num_kv_heads, head_dim]
+  // One layer's cache, fp32 [num_blocks, block_size, num_kv_heads, head_dim].
+  DeviceBuffer key_cache;
+  DeviceBuffer value_cache;
+  int num_tokens = 0;  // padded token count
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;  // even, <= kMaxHeadDim
+  int block_size = 0;
+  int num_blocks = 0;
+  int query_row_stride = 0;
+  int key_row_stride = 0;
+  int value_row_stride = 0;
+};
+
+absl::Status LaunchRopeKvCache(Stream& stream, const RopeKvCacheParams& p);
+
+}  // namespace kernels
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_KERNELS_ROPE_KV_CACHE_H_

@@ -1,0 +1,86 @@
+// Token sampling from the lm_head logits: greedy, temperature, top-k, top-p,
+// with a counter-based RNG so that a request's draws depend only on its own
+// (seed, position), never on which other requests share the batch or on
+// their order.
+//
+// Runs after the step, outside graphs: num_reqs is a host value (the real
+// requests, never the padded count). The per-request parameters are still
+// read from device buffers, so the CUDA version can sample without a host
+// round trip.
+#ifndef PDWORKER_WORKER_KERNELS_SAMPLING_H_
+#define PDWORKER_WORKER_KERNELS_SAMPLING_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "worker/runtime/device_buffer.h"
+#include "worker/runtime/stream.h"
+
+namespace pdworker {
+namespace kernels {
+
+// Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by a
+// tinier temperature would overflow the scaled logits.
+inline constexpr float kGreedyTemperature = 1e-5f;
+
+// What sampled_logprobs reports for the sampled token.
+enum class LogprobMode {
+  // log p(token) under the distribution the token was actually drawn from:
+  // softmax(logits / temperature) restricted to the top-k ∩ top-p set and
+  // renormalized. Greedy requests use temperature 1 (then the value is the
+  // argmax's log-probability within that set). This is the default: it is
+  // what a caller checking "how likely was this draw" needs.
+  kProcessed,
+  // log_softmax(logits)[token] over the whole vocabulary, before temperature
+  // and truncation (vLLM's "raw_logprobs"; the model's own belief).
+  kRaw,
+};
+
+// Per request r < num_reqs (row r of every buffer):
+//  - temperature[r] < kGreedyTemperature (or NaN): greedy, argmax of the
+//    logits, ties to the lowest token id; top_k/top_p do not change the token.
+//  - otherwise p ∝ exp(logits / temperature); top_k[r] > 0 keeps the k most
+//    likely tokens (ties to lower ids); then top_p[r] < 1 keeps the shortest
+//    most-likely-first prefix whose probability reaches top_p (at least one
+//    token; top_p <= 0 keeps exactly one); the token is drawn by inverse CDF
+//    with u = Uniform(seed[r], position[r]) in [0, 1).
+// NaN logits count as −inf. A row whose logits are all −inf yields token 0
+// with logprob −inf.
+struct SamplingParams {
+  DeviceBuffer logits;       // fp32 [>= num_reqs, vocab_size]
+  DeviceBuffer temperature;  // fp32 [>= num_reqs]
+  DeviceBuffer top_k;        // int32 [>= num_reqs]; 0 (or >= vocab): off
+  DeviceBuffer top_p;        // fp32 [>= num_reqs]; >= 1 (or NaN): off
+  // uint64 [>= num_reqs]: the request's seed; the runner draws one at
+  // admission for requests that did not specify it.
+  DeviceBuffer seeds;
+  // int32 [>= num_reqs]: the RNG counter, distinct for every token a request
+  // samples; use the absolute position of the token being sampled (the
+  // request's seq_len after this step).
+  DeviceBuffer positions;
+  // >= SamplingWorkspaceBytes(vocab_size) bytes of scratch (sort order and
+  // weights of one row), allocated once at startup.
+  DeviceBuffer workspace;
+  DeviceBuffer sampled_token_ids;  // int32 [>= num_reqs], written
+  DeviceBuffer sampled_logprobs;   // fp32 [>= num_reqs], written
+  int num_reqs = 0;
+  int vocab_size = 0;
+  LogprobMode logprob_mode = LogprobMode::kProcessed;
+};
+
+size_t SamplingWorkspaceBytes(int vocab_size);
+
+// The uniform draw in [0, 1) for (seed, position): splitmix64 of the seed
+// selects a stream and the position indexes it (53 random bits). Exposed for
+// tests and for tools that replay a sampling decision.
+double SamplingUniform(uint64_t seed, int32_t position);
+
+// FAILED_PRECONDITION while the stream is capturing (sampling is never part
+// of a graph: num_reqs would be frozen), and the capture is invalidated.
+absl::Status LaunchSampling(Stream& stream, const SamplingParams& p);
+
+}  // namespace kernels
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_KERNELS_SAMPLING_H_

@@ -1,0 +1,361 @@
+#include "worker/model/llama_forward.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "worker/kernels/embedding.h"
+#include "worker/kernels/linear.h"
+#include "worker/kernels/lm_head.h"
+#include "worker/kernels/paged_attention.h"
+#include "worker/kernels/rms_norm.h"
+#include "worker/kernels/rope_kv_cache.h"
+#include "worker/kernels/silu_and_mul.h"
+
+namespace pdworker {
+namespace {
+
+constexpr size_t kAlignment = 256;
+
+size_t AlignedFloats(int64_t elements) {
+  const size_t bytes = static_cast<size_t>(elements) * sizeof(float);
+  return (bytes + kAlignment - 1) / kAlignment * kAlignment;
+}
+
+kernels::RopeConfig RopeConfigFor(const ModelConfig& c) {
+  kernels::RopeConfig rope;
+  rope.head_dim = static_cast<int>(c.head_dim);
+  rope.theta = c.rope_theta;
+  if (c.rope_scaling.type == RopeScalingType::kLlama3) {
+    rope.scaling = kernels::RopeScalingType::kLlama3;
+    rope.factor = c.rope_scaling.factor;
+    rope.low_freq_factor = c.rope_scaling.low_freq_factor;
+    rope.high_freq_factor = c.rope_scaling.high_freq_factor;
+    rope.original_max_position_embeddings =
+        static_cast<int>(c.rope_scaling.original_max_position_embeddings);
+  }
+  return rope;
+}
+
+}  // namespace
+
+size_t LlamaForward::ActivationBytes(const ModelConfig& c,
+                                     const LlamaForwardOptions& o) {
+  const int64_t t = o.max_num_tokens, s = o.max_num_seqs;
+  return AlignedFloats(t * c.hidden_size) * 2 +
+         AlignedFloats(t * (c.q_size() + 2 * c.kv_size())) +
+         AlignedFloats(t * c.q_size()) +
+         AlignedFloats(t * 2 * c.intermediate_size) +
+         AlignedFloats(t * c.intermediate_size) +
+         AlignedFloats(s * c.hidden_size) + AlignedFloats(s * c.vocab_size) +
+         AlignedFloats(c.head_dim / 2);
+}
+
+size_t LlamaForward::KvCacheBytes(const ModelConfig& c,
+                                  const LlamaForwardOptions& o) {
+  const int64_t per_layer =
+      static_cast<int64_t>(o.num_blocks) * o.block_size * c.kv_size();
+  return 2 * c.num_hidden_layers * AlignedFloats(per_layer);
+}
+
+LlamaForward::LlamaForward(const ModelConfig& config,
+                           const LlamaWeights& weights, const StepBuffers& step,
+                           const LlamaForwardOptions& options, Stream& stream)
+    : config_(config),
+      weights_(weights),
+      step_(step),
+      options_(options),
+      stream_(stream) {}
+
+absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
+    const ModelConfig& config, const LlamaWeights& weights,
+    const StepBuffers& step, const LlamaForwardOptions& options, Device& device,
+    Stream& stream, const CapturePhase& capture_phase) {
+  if (options.max_num_tokens <= 0 || options.max_num_seqs <= 0 ||
+      options.num_blocks <= 0 || options.block_size <= 0 ||
+      options.max_blocks_per_seq <= 0 ||
+      options.uniform_decode_query_len <= 0) {
+    return absl::InvalidArgumentError("LlamaForward: options must be positive");
+  }
+  kernels::RopeConfig rope = RopeConfigFor(config);
+  PDW_RETURN_IF_ERROR(kernels::ValidateRopeConfig(rope));
+
+  std::unique_ptr<LlamaForward> f(
+      new LlamaForward(config, weights, step, options, stream));
+  PDW_ASSIGN_OR_RETURN(f->activation_arena_,
+                       Arena::Create(device, {ActivationBytes(config, options),
+                                              kAlignment, "activations"}));
+  PDW_ASSIGN_OR_RETURN(f->kv_arena_,
+                       Arena::Create(device, {KvCacheBytes(config, options),
+                                              kAlignment, "kv_cache"}));
+  const int64_t t = options.max_num_tokens, s = options.max_num_seqs;
+  Arena& a = *f->activation_arena_;
+  auto floats = [](int64_t n) {
+    return static_cast<size_t>(n) * sizeof(float);
+  };
+  LlamaActivations& act = f->act_;
+  PDW_ASSIGN_OR_RETURN(act.residual,
+                       a.Allocate(floats(t * config.hidden_size), "residual"));
+  PDW_ASSIGN_OR_RETURN(act.hidden,
+                       a.Allocate(floats(t * config.hidden_size), "hidden"));
+  PDW_ASSIGN_OR_RETURN(
+      act.qkv,
+      a.Allocate(floats(t * (config.q_size() + 2 * config.kv_size())), "qkv"));
+  PDW_ASSIGN_OR_RETURN(act.attn_out,
+                       a.Allocate(floats(t * config.q_size()), "attn_out"));
+  PDW_ASSIGN_OR_RETURN(
+      act.gate_up,
+      a.Allocate(floats(t * 2 * config.intermediate_size), "gate_up"));
+  PDW_ASSIGN_OR_RETURN(
+      act.mlp_act, a.Allocate(floats(t * config.intermediate_size), "mlp_act"));
+  PDW_ASSIGN_OR_RETURN(act.gathered,
+                       a.Allocate(floats(s * config.hidden_size), "gathered"));
+  PDW_ASSIGN_OR_RETURN(act.logits,
+                       a.Allocate(floats(s * config.vocab_size), "logits"));
+  PDW_ASSIGN_OR_RETURN(act.inv_freq,
+                       a.Allocate(floats(config.head_dim / 2), "inv_freq"));
+  const std::vector<float> inv_freq = kernels::ComputeRopeInvFreq(rope);
+  PDW_RETURN_IF_ERROR(stream.CopyToDevice(act.inv_freq, inv_freq.data(),
+                                          inv_freq.size() * sizeof(float)));
+
+  const int64_t cache_elems = static_cast<int64_t>(options.num_blocks) *
+                              options.block_size * config.kv_size();
+  for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+    PDW_ASSIGN_OR_RETURN(DeviceBuffer k, f->kv_arena_->Allocate(
+                                             floats(cache_elems), "key_cache"));
+    PDW_ASSIGN_OR_RETURN(
+        DeviceBuffer v,
+        f->kv_arena_->Allocate(floats(cache_elems), "value_cache"));
+    f->key_cache_.push_back(k);
+    f->value_cache_.push_back(v);
+  }
+  f->input_addresses_ = {
+      step.token_ids.data(),       step.positions.data(),
+      step.slot_mapping.data(),    step.seq_lens.data(),
+      step.query_start_loc.data(), step.num_reqs.data(),
+      step.block_tables.data(),    step.logits_indices.data()};
+
+  LlamaForward* self = f.get();
+  GraphWrapperOptions full_options;
+  full_options.name = "full_forward";
+  full_options.input_address_check = options.input_address_check;
+  f->full_ = std::make_unique<GraphWrapper>(GraphWrapper::Params{
+      [self](const ForwardContext& ctx) { return self->RunBody(ctx); },
+      RuntimeMode::kFull, &stream, &capture_phase, full_options});
+  for (int64_t i = 0; i <= config.num_hidden_layers; ++i) {
+    GraphWrapperOptions piece_options;
+    piece_options.name = absl::StrCat("piece_", i);
+    piece_options.input_address_check = options.input_address_check;
+    const int piece = static_cast<int>(i);
+    f->pieces_.push_back(std::make_unique<GraphWrapper>(GraphWrapper::Params{
+        [self, piece](const ForwardContext& ctx) {
+          return self->RunPiece(piece, ctx);
+        },
+        RuntimeMode::kPiecewise, &stream, &capture_phase, piece_options}));
+  }
+  return f;
+}
+
+int LlamaForward::LogitsRows(const ForwardContext& context) const {
+  const BatchDescriptor& d = context.batch_descriptor;
+  if (d.uniform) return d.num_reqs;
+  return std::min(d.num_tokens, options_.max_num_seqs);
+}
+
+absl::Status LlamaForward::Run(const ForwardContext& context) {
+  const int num_tokens = context.batch_descriptor.num_tokens;
+  if (num_tokens <= 0 || num_tokens > options_.max_num_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("forward of ", num_tokens, " tokens outside [1, ",
+                     options_.max_num_tokens, "]"));
+  }
+  return full_->Run(context, input_addresses_);
+}
+
+absl::Status LlamaForward::RunBody(const ForwardContext& context) {
+  const int num_layers = static_cast<int>(config_.num_hidden_layers);
+  for (int layer = 0; layer < num_layers; ++layer) {
+    PDW_RETURN_IF_ERROR(pieces_[layer]->Run(context, input_addresses_));
+    PDW_RETURN_IF_ERROR(RunAttention(layer, context));
+  }
+  return pieces_[num_layers]->Run(context, input_addresses_);
+}
+
+absl::Status LlamaForward::RunQkv(int layer, int num_tokens) {
+  const LlamaLayerWeights& w = weights_.layers[layer];
+  kernels::LinearParams qkv;
+  qkv.input = act_.hidden;
+  qkv.weight = w.qkv;
+  qkv.bias = w.qkv_bias;
+  qkv.output = act_.qkv;
+  qkv.num_tokens = num_tokens;
+  qkv.in_features = static_cast<int>(config_.hidden_size);
+  qkv.out_features = static_cast<int>(config_.q_size() + 2 * config_.kv_size());
+  return kernels::LaunchLinear(stream_, qkv);
+}
+
+absl::Status LlamaForward::RunOutputAndMlp(int layer, int num_tokens) {
+  const LlamaLayerWeights& w = weights_.layers[layer];
+  const int hidden = static_cast<int>(config_.hidden_size);
+  const int inter = static_cast<int>(config_.intermediate_size);
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+
+  kernels::LinearParams o;
+  o.input = act_.attn_out;
+  o.weight = w.o_proj;
+  o.bias = w.o_bias;
+  o.output = act_.hidden;
+  o.num_tokens = num_tokens;
+  o.in_features = static_cast<int>(config_.q_size());
+  o.out_features = hidden;
+  PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, o));
+
+  // residual += attention output; hidden = post_norm(residual).
+  kernels::FusedAddRmsNormParams post{act_.hidden, act_.residual, w.post_norm,
+                                      act_.hidden, num_tokens,    hidden,
+                                      eps};
+  PDW_RETURN_IF_ERROR(kernels::LaunchFusedAddRmsNorm(stream_, post));
+
+  kernels::LinearParams gate_up;
+  gate_up.input = act_.hidden;
+  gate_up.weight = w.gate_up;
+  gate_up.output = act_.gate_up;
+  gate_up.num_tokens = num_tokens;
+  gate_up.in_features = hidden;
+  gate_up.out_features = 2 * inter;
+  PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, gate_up));
+
+  kernels::SiluAndMulParams silu{act_.gate_up, act_.mlp_act, num_tokens, inter};
+  PDW_RETURN_IF_ERROR(kernels::LaunchSiluAndMul(stream_, silu));
+
+  kernels::LinearParams down;
+  down.input = act_.mlp_act;
+  down.weight = w.down;
+  down.output = act_.hidden;
+  down.num_tokens = num_tokens;
+  down.in_features = inter;
+  down.out_features = hidden;
+  return kernels::LaunchLinear(stream_, down);
+}
+
+absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
+  const int num_tokens = context.batch_descriptor.num_tokens;
+  const int num_layers = static_cast<int>(config_.num_hidden_layers);
+  const int hidden = static_cast<int>(config_.hidden_size);
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+
+  if (i == 0) {
+    // residual = embed(tokens); hidden = input_norm[0](residual).
+    kernels::EmbeddingParams embed{step_.token_ids,
+                                   weights_.embed_tokens,
+                                   act_.residual,
+                                   num_tokens,
+                                   static_cast<int>(config_.vocab_size),
+                                   hidden};
+    PDW_RETURN_IF_ERROR(kernels::LaunchEmbedding(stream_, embed));
+    kernels::RmsNormParams norm{act_.residual, weights_.layers[0].input_norm,
+                                act_.hidden,   num_tokens,
+                                hidden,        eps};
+    PDW_RETURN_IF_ERROR(kernels::LaunchRmsNorm(stream_, norm));
+    return RunQkv(0, num_tokens);
+  }
+
+  PDW_RETURN_IF_ERROR(RunOutputAndMlp(i - 1, num_tokens));
+  if (i < num_layers) {
+    // residual += mlp output; hidden = input_norm[i](residual).
+    kernels::FusedAddRmsNormParams next{
+        act_.hidden, act_.residual, weights_.layers[i].input_norm,
+        act_.hidden, num_tokens,    hidden,
+        eps};
+    PDW_RETURN_IF_ERROR(kernels::LaunchFusedAddRmsNorm(stream_, next));
+    return RunQkv(i, num_tokens);
+  }
+  // Last piece: final norm, then logits for each request's last token.
+  kernels::FusedAddRmsNormParams final_norm{
+      act_.hidden, act_.residual, weights_.final_norm,
+      act_.hidden, num_tokens,    hidden,
+      eps};
+  PDW_RETURN_IF_ERROR(kernels::LaunchFusedAddRmsNorm(stream_, final_norm));
+  kernels::LmHeadParams head;
+  head.hidden = act_.hidden;
+  head.logits_indices = step_.logits_indices;
+  head.gathered = act_.gathered;
+  head.weight = weights_.lm_head;
+  head.logits = act_.logits;
+  head.num_tokens = num_tokens;
+  head.num_rows = LogitsRows(context);
+  head.hidden_size = hidden;
+  head.vocab_size = static_cast<int>(config_.vocab_size);
+  return kernels::LaunchLmHead(stream_, head);
+}
+
+absl::Status LlamaForward::RunAttention(int layer,
+                                        const ForwardContext& context) {
+  const int num_tokens = context.batch_descriptor.num_tokens;
+  const int heads = static_cast<int>(config_.num_attention_heads);
+  const int kv_heads = static_cast<int>(config_.num_key_value_heads);
+  const int head_dim = static_cast<int>(config_.head_dim);
+  const int q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  const int qkv_stride = q_size + 2 * kv_size;
+  const size_t row_bytes =
+      static_cast<size_t>(num_tokens) * qkv_stride * sizeof(float);
+  // q, k and v are column slices of the fused qkv rows.
+  DeviceBuffer qkv = act_.qkv.Slice(0, row_bytes);
+  DeviceBuffer q = qkv;
+  DeviceBuffer k =
+      qkv.Slice(q_size * sizeof(float), row_bytes - q_size * sizeof(float));
+  DeviceBuffer v = qkv.Slice((q_size + kv_size) * sizeof(float),
+                             row_bytes - (q_size + kv_size) * sizeof(float));
+
+  kernels::RopeKvCacheParams rope;
+  rope.positions = step_.positions;
+  rope.slot_mapping = step_.slot_mapping;
+  rope.inv_freq = act_.inv_freq;
+  rope.query = q;
+  rope.key = k;
+  rope.value = v;
+  rope.key_cache = key_cache_[layer];
+  rope.value_cache = value_cache_[layer];
+  rope.num_tokens = num_tokens;
+  rope.num_heads = heads;
+  rope.num_kv_heads = kv_heads;
+  rope.head_dim = head_dim;
+  rope.block_size = options_.block_size;
+  rope.num_blocks = options_.num_blocks;
+  rope.query_row_stride = qkv_stride;
+  rope.key_row_stride = qkv_stride;
+  rope.value_row_stride = qkv_stride;
+  PDW_RETURN_IF_ERROR(kernels::LaunchRopeKvCache(stream_, rope));
+
+  kernels::PagedAttentionParams attn;
+  attn.num_reqs = step_.num_reqs;
+  attn.query_start_loc = step_.query_start_loc;
+  attn.seq_lens = step_.seq_lens;
+  attn.block_tables = step_.block_tables;
+  attn.query = q;
+  attn.key_cache = key_cache_[layer];
+  attn.value_cache = value_cache_[layer];
+  attn.output = act_.attn_out;
+  attn.num_tokens = num_tokens;
+  attn.max_num_seqs = options_.max_num_seqs;
+  attn.num_heads = heads;
+  attn.num_kv_heads = kv_heads;
+  attn.head_dim = head_dim;
+  attn.block_size = options_.block_size;
+  attn.num_blocks = options_.num_blocks;
+  attn.max_blocks_per_seq = options_.max_blocks_per_seq;
+  attn.query_row_stride = qkv_stride;
+  // A uniform key was captured for uniform decode batches: use the decode
+  // routine (same inner loop as varlen, so results are bit-identical).
+  if (context.runtime_mode != RuntimeMode::kNone &&
+      context.batch_descriptor.uniform) {
+    attn.uniform_query_len = options_.uniform_decode_query_len;
+    return kernels::LaunchPagedAttentionUniformDecode(stream_, attn);
+  }
+  return kernels::LaunchPagedAttention(stream_, attn);
+}
+
+}  // namespace pdworker

@@ -1,0 +1,129 @@
+// LlamaForward: the decoder forward as pieces split at attention, wrapped for
+// FULL and PIECEWISE graphs exactly like vLLM's nested wrappers.
+//
+//   piece 0      embed -> input_norm[0] -> qkv[0]
+//   attention 0  rope + KV write + paged attention          (split op)
+//   piece l      o_proj[l-1] -> post_norm -> MLP -> input_norm[l] -> qkv[l]
+//   ...
+//   piece L      o_proj[L-1] -> post_norm -> MLP -> final norm -> lm_head
+//
+// A FULL GraphWrapper wraps the whole sequence; a PIECEWISE GraphWrapper
+// wraps each piece. The ForwardContext decides which one fires: FULL -> the
+// outer graph (pieces run directly inside its capture), PIECEWISE -> each
+// piece's graph with attention eager in between, NONE -> everything eager.
+#ifndef PDWORKER_WORKER_MODEL_LLAMA_FORWARD_H_
+#define PDWORKER_WORKER_MODEL_LLAMA_FORWARD_H_
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "dispatcher/capture_phase.h"
+#include "dispatcher/forward_context.h"
+#include "dispatcher/graph_wrapper.h"
+#include "worker/model/llama_weights.h"
+#include "worker/model/model_config.h"
+#include "worker/model/step_buffers.h"
+#include "worker/runtime/arena.h"
+#include "worker/runtime/stream.h"
+
+namespace pdworker {
+
+struct LlamaForwardOptions {
+  int max_num_tokens = 0;  // padded query tokens per step
+  int max_num_seqs = 0;    // requests per step
+  int block_size = 16;     // KV tokens per block
+  int num_blocks = 0;      // KV blocks per layer
+  int max_blocks_per_seq = 0;
+  int uniform_decode_query_len = 1;
+  InputAddressCheck input_address_check = InputAddressCheck::kOff;
+};
+
+// Static activations, fp32, reused by every step and every graph.
+struct LlamaActivations {
+  DeviceBuffer residual;  // [max_tokens, hidden]
+  DeviceBuffer hidden;    // [max_tokens, hidden]
+  DeviceBuffer qkv;       // [max_tokens, q_size + 2 * kv_size]
+  DeviceBuffer attn_out;  // [max_tokens, q_size]
+  DeviceBuffer gate_up;   // [max_tokens, 2 * intermediate]
+  DeviceBuffer mlp_act;   // [max_tokens, intermediate]
+  DeviceBuffer gathered;  // [max_seqs, hidden]
+  DeviceBuffer logits;    // [max_seqs, vocab]
+  DeviceBuffer inv_freq;  // [head_dim / 2]
+};
+
+class LlamaForward {
+ public:
+  // Bytes of the activation arena and of the KV cache (all layers).
+  static size_t ActivationBytes(const ModelConfig& config,
+                                const LlamaForwardOptions& options);
+  static size_t KvCacheBytes(const ModelConfig& config,
+                             const LlamaForwardOptions& options);
+
+  // Allocates activations and the KV cache (two arenas) and builds the
+  // wrappers. `weights`, `step`, `stream` and `capture_phase` must outlive
+  // the forward.
+  static absl::StatusOr<std::unique_ptr<LlamaForward>> Create(
+      const ModelConfig& config, const LlamaWeights& weights,
+      const StepBuffers& step, const LlamaForwardOptions& options,
+      Device& device, Stream& stream, const CapturePhase& capture_phase);
+
+  LlamaForward(const LlamaForward&) = delete;
+  LlamaForward& operator=(const LlamaForward&) = delete;
+
+  // Runs (captures, replays) one forward for `context`; the step's metadata
+  // must already be in the StepBuffers. Logits of request r land in row r of
+  // logits(); rows up to LogitsRows(context) are computed.
+  absl::Status Run(const ForwardContext& context);
+
+  // Rows the LM head computes for `context`: the key's request count for a
+  // uniform key, otherwise min(num_tokens, max_num_seqs) (a mixed key fixes
+  // only the token count; every request count up to it must fit).
+  int LogitsRows(const ForwardContext& context) const;
+
+  DeviceBuffer logits() const { return act_.logits; }
+  const GraphWrapper& full_wrapper() const { return *full_; }
+  const std::vector<std::unique_ptr<GraphWrapper>>& piece_wrappers() const {
+    return pieces_;
+  }
+  size_t activation_bytes() const { return activation_arena_->used_bytes(); }
+  size_t kv_cache_bytes() const { return kv_arena_->used_bytes(); }
+  // Per-layer K and V caches, [num_blocks, block_size, kv_heads, head_dim].
+  const std::vector<DeviceBuffer>& key_caches() const { return key_cache_; }
+  const std::vector<DeviceBuffer>& value_caches() const { return value_cache_; }
+
+ private:
+  LlamaForward(const ModelConfig& config, const LlamaWeights& weights,
+               const StepBuffers& step, const LlamaForwardOptions& options,
+               Stream& stream);
+
+  // The body the FULL wrapper wraps: pieces and attention in order.
+  absl::Status RunBody(const ForwardContext& context);
+  // Piece `i` in [0, num_layers]; see the file comment.
+  absl::Status RunPiece(int i, const ForwardContext& context);
+  absl::Status RunAttention(int layer, const ForwardContext& context);
+  // The tail of a piece: o_proj and MLP of `layer`.
+  absl::Status RunOutputAndMlp(int layer, int num_tokens);
+  // qkv projection of `layer` from act_.hidden.
+  absl::Status RunQkv(int layer, int num_tokens);
+
+  const ModelConfig config_;
+  const LlamaWeights& weights_;
+  const StepBuffers step_;
+  const LlamaForwardOptions options_;
+  Stream& stream_;
+  std::unique_ptr<Arena> activation_arena_;
+  std::unique_ptr<Arena> kv_arena_;
+  LlamaActivations act_;
+  std::vector<DeviceBuffer> key_cache_, value_cache_;
+  std::unique_ptr<GraphWrapper> full_;
+  std::vector<std::unique_ptr<GraphWrapper>> pieces_;
+  // Addresses every graph reads (for InputAddressCheck).
+  std::vector<const void*> input_addresses_;
+};
+
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_MODEL_LLAMA_FORWARD_H_

@@ -1,0 +1,141 @@
+#include "worker/model/llama_weights.h"
+
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace pdworker {
+namespace {
+
+constexpr size_t kAlignment = 256;
+
+size_t Aligned(size_t bytes) {
+  return (bytes + kAlignment - 1) / kAlignment * kAlignment;
+}
+
+size_t FloatBytes(int64_t elements) {
+  return Aligned(static_cast<size_t>(elements) * sizeof(float));
+}
+
+// Uploads host tensors (concatenated in order) into one new arena buffer.
+class Uploader {
+ public:
+  Uploader(Arena& arena, Stream& stream) : arena_(arena), stream_(stream) {}
+
+  absl::StatusOr<DeviceBuffer> Upload(
+      const std::vector<const std::vector<float>*>& parts,
+      absl::string_view label) {
+    size_t elements = 0;
+    for (const auto* p : parts) elements += p->size();
+    absl::StatusOr<DeviceBuffer> buf =
+        arena_.Allocate(elements * sizeof(float), label);
+    if (!buf.ok()) return buf.status();
+    size_t offset = 0;
+    for (const auto* p : parts) {
+      const size_t bytes = p->size() * sizeof(float);
+      if (bytes == 0) continue;
+      absl::Status s =
+          stream_.CopyToDevice(buf->Slice(offset, bytes), p->data(), bytes);
+      if (!s.ok()) return s;
+      offset += bytes;
+    }
+    return *buf;
+  }
+
+ private:
+  Arena& arena_;
+  Stream& stream_;
+};
+
+}  // namespace
+
+size_t LlamaWeightBytes(const ModelConfig& c) {
+  const int64_t h = c.hidden_size, qkv = c.q_size() + 2 * c.kv_size();
+  size_t per_layer = FloatBytes(h) * 2 + FloatBytes(qkv * h) +
+                     FloatBytes(h * c.q_size()) +
+                     FloatBytes(2 * c.intermediate_size * h) +
+                     FloatBytes(h * c.intermediate_size);
+  if (c.qkv_bias) per_layer += FloatBytes(qkv);
+  if (c.o_proj_bias) per_layer += FloatBytes(h);
+  size_t total = per_layer * c.num_hidden_layers +
+                 FloatBytes(c.vocab_size * h) + FloatBytes(h);
+  if (!c.tie_word_embeddings) total += FloatBytes(c.vocab_size * h);
+  return total;
+}
+
+absl::StatusOr<LlamaWeights> LoadLlamaWeights(const ModelConfig& c,
+                                              const Checkpoint& checkpoint,
+                                              Device& device, Stream& stream) {
+  LlamaWeights w;
+  absl::StatusOr<std::unique_ptr<Arena>> arena =
+      Arena::Create(device, {LlamaWeightBytes(c), kAlignment, "weights"});
+  if (!arena.ok()) return arena.status();
+  w.arena = std::move(*arena);
+  Uploader up(*w.arena, stream);
+  const int64_t h = c.hidden_size, inter = c.intermediate_size;
+
+  // Loads one tensor (shape-checked) into host memory.
+  auto get = [&](const std::string& name, const std::vector<int64_t>& shape,
+                 std::vector<float>* out) -> absl::Status {
+    absl::StatusOr<std::vector<float>> t = checkpoint.GetFloat32(name, shape);
+    if (!t.ok()) return t.status();
+    *out = std::move(*t);
+    return absl::OkStatus();
+  };
+  std::vector<float> embed;
+  PDW_RETURN_IF_ERROR(
+      get("model.embed_tokens.weight", {c.vocab_size, h}, &embed));
+  PDW_ASSIGN_OR_RETURN(w.embed_tokens, up.Upload({&embed}, "embed_tokens"));
+
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    LlamaLayerWeights L;
+    std::vector<float> a, b, d;
+    PDW_RETURN_IF_ERROR(get(p + "input_layernorm.weight", {h}, &a));
+    PDW_ASSIGN_OR_RETURN(L.input_norm, up.Upload({&a}, "input_norm"));
+    PDW_RETURN_IF_ERROR(
+        get(p + "self_attn.q_proj.weight", {c.q_size(), h}, &a));
+    PDW_RETURN_IF_ERROR(
+        get(p + "self_attn.k_proj.weight", {c.kv_size(), h}, &b));
+    PDW_RETURN_IF_ERROR(
+        get(p + "self_attn.v_proj.weight", {c.kv_size(), h}, &d));
+    PDW_ASSIGN_OR_RETURN(L.qkv, up.Upload({&a, &b, &d}, "qkv"));
+    if (c.qkv_bias) {
+      PDW_RETURN_IF_ERROR(get(p + "self_attn.q_proj.bias", {c.q_size()}, &a));
+      PDW_RETURN_IF_ERROR(get(p + "self_attn.k_proj.bias", {c.kv_size()}, &b));
+      PDW_RETURN_IF_ERROR(get(p + "self_attn.v_proj.bias", {c.kv_size()}, &d));
+      PDW_ASSIGN_OR_RETURN(L.qkv_bias, up.Upload({&a, &b, &d}, "qkv_bias"));
+    }
+    PDW_RETURN_IF_ERROR(
+        get(p + "self_attn.o_proj.weight", {h, c.q_size()}, &a));
+    PDW_ASSIGN_OR_RETURN(L.o_proj, up.Upload({&a}, "o_proj"));
+    if (c.o_proj_bias) {
+      PDW_RETURN_IF_ERROR(get(p + "self_attn.o_proj.bias", {h}, &a));
+      PDW_ASSIGN_OR_RETURN(L.o_bias, up.Upload({&a}, "o_bias"));
+    }
+    PDW_RETURN_IF_ERROR(get(p + "post_attention_layernorm.weight", {h}, &a));
+    PDW_ASSIGN_OR_RETURN(L.post_norm, up.Upload({&a}, "post_norm"));
+    PDW_RETURN_IF_ERROR(get(p + "mlp.gate_proj.weight", {inter, h}, &a));
+    PDW_RETURN_IF_ERROR(get(p + "mlp.up_proj.weight", {inter, h}, &b));
+    PDW_ASSIGN_OR_RETURN(L.gate_up, up.Upload({&a, &b}, "gate_up"));
+    PDW_RETURN_IF_ERROR(get(p + "mlp.down_proj.weight", {h, inter}, &a));
+    PDW_ASSIGN_OR_RETURN(L.down, up.Upload({&a}, "down"));
+    w.layers.push_back(L);
+  }
+  std::vector<float> norm;
+  PDW_RETURN_IF_ERROR(get("model.norm.weight", {h}, &norm));
+  PDW_ASSIGN_OR_RETURN(w.final_norm, up.Upload({&norm}, "final_norm"));
+  if (c.tie_word_embeddings) {
+    w.lm_head = w.embed_tokens;
+  } else {
+    std::vector<float> head;
+    PDW_RETURN_IF_ERROR(get("lm_head.weight", {c.vocab_size, h}, &head));
+    PDW_ASSIGN_OR_RETURN(w.lm_head, up.Upload({&head}, "lm_head"));
+  }
+  return w;
+}
+
+}  // namespace pdworker

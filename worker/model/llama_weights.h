@@ -1,0 +1,54 @@
+// LlamaWeights: a Llama-family checkpoint laid out in device memory the way
+// the forward wants it (fp32 on the CPU backend).
+#ifndef PDWORKER_WORKER_MODEL_LLAMA_WEIGHTS_H_
+#define PDWORKER_WORKER_MODEL_LLAMA_WEIGHTS_H_
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "worker/model/checkpoint.h"
+#include "worker/model/model_config.h"
+#include "worker/runtime/arena.h"
+#include "worker/runtime/device.h"
+#include "worker/runtime/device_buffer.h"
+#include "worker/runtime/stream.h"
+
+namespace pdworker {
+
+// One decoder layer. Projections that read the same input are fused so each
+// is one GEMM: qkv = [q; k; v] rows, gate_up = [gate; up] rows (HF's
+// [out_features, in_features] layout, concatenated along out_features).
+struct LlamaLayerWeights {
+  DeviceBuffer input_norm;  // [hidden]
+  DeviceBuffer qkv;         // [q_size + 2 * kv_size, hidden]
+  DeviceBuffer qkv_bias;    // [q_size + 2 * kv_size] or empty
+  DeviceBuffer o_proj;      // [hidden, q_size]
+  DeviceBuffer o_bias;      // [hidden] or empty
+  DeviceBuffer post_norm;   // [hidden]
+  DeviceBuffer gate_up;     // [2 * intermediate, hidden]
+  DeviceBuffer down;        // [hidden, intermediate]
+};
+
+struct LlamaWeights {
+  DeviceBuffer embed_tokens;  // [vocab, hidden]
+  std::vector<LlamaLayerWeights> layers;
+  DeviceBuffer final_norm;  // [hidden]
+  DeviceBuffer lm_head;     // [vocab, hidden]; == embed_tokens when tied
+  // Owns all of the above.
+  std::unique_ptr<Arena> arena;
+};
+
+// Bytes LoadLlamaWeights allocates for `config` (fp32), alignment included.
+size_t LlamaWeightBytes(const ModelConfig& config);
+
+// Reads every tensor (checking names and shapes), fuses and uploads them.
+// Errors name the tensor.
+absl::StatusOr<LlamaWeights> LoadLlamaWeights(const ModelConfig& config,
+                                              const Checkpoint& checkpoint,
+                                              Device& device, Stream& stream);
+
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_MODEL_LLAMA_WEIGHTS_H_

@@ -1,0 +1,492 @@
+#include "worker/model/model_config.h"
+
+#include <cstdint>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
+
+namespace pdworker {
+namespace {
+
+using Json = nlohmann::json;
+
+constexpr absl::string_view kPrefix = "config.json: ";
+
+absl::Status FieldError(absl::string_view field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(kPrefix, field, " ", what));
+}
+
+// Short rendering of a JSON value for error messages ("string \"2\"").
+std::string Describe(const Json& value) {
+  std::string text = value.dump();
+  if (text.size() > 60) text = text.substr(0, 57) + "...";
+  return absl::StrCat(value.type_name(), " ", text);
+}
+
+// `root[field]`, or nullptr when absent or null (HF writes null for "unset").
+const Json* Find(const Json& object, const std::string& field) {
+  const auto it = object.find(field);
+  if (it == object.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+absl::StatusOr<int64_t> AsInt(const Json& value, absl::string_view field) {
+  if (!value.is_number_integer()) {
+    return FieldError(
+        field, absl::StrCat("must be an integer, got ", Describe(value)));
+  }
+  if (value.is_number_unsigned() &&
+      value.get<uint64_t>() >
+          static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    return FieldError(field, absl::StrCat("is out of range: ", value.dump()));
+  }
+  return value.get<int64_t>();
+}
+
+absl::StatusOr<int64_t> RequiredInt(const Json& object,
+                                    const std::string& field,
+                                    absl::string_view path = "") {
+  const std::string name = absl::StrCat(path, field);
+  const Json* value = Find(object, field);
+  if (value == nullptr) return FieldError(name, "is missing");
+  return AsInt(*value, name);
+}
+
+absl::StatusOr<double> AsNumber(const Json& value, absl::string_view field) {
+  if (!value.is_number()) {
+    return FieldError(field,
+                      absl::StrCat("must be a number, got ", Describe(value)));
+  }
+  return value.get<double>();
+}
+
+absl::StatusOr<double> RequiredNumber(const Json& object,
+                                      const std::string& field,
+                                      absl::string_view path = "") {
+  const std::string name = absl::StrCat(path, field);
+  const Json* value = Find(object, field);
+  if (value == nullptr) return FieldError(name, "is missing");
+  return AsNumber(*value, name);
+}
+
+absl::StatusOr<bool> OptionalBool(const Json& object, const std::string& field,
+                                  bool default_value) {
+  const Json* value = Find(object, field);
+  if (value == nullptr) return default_value;
+  if (!value->is_boolean()) {
+    return FieldError(
+        field, absl::StrCat("must be a boolean, got ", Describe(*value)));
+  }
+  return value->get<bool>();
+}
+
+absl::StatusOr<Architecture> ParseArchitectures(const Json& root) {
+  const Json* value = Find(root, "architectures");
+  if (value == nullptr) return FieldError("architectures", "is missing");
+  if (!value->is_array()) {
+    return FieldError(
+        "architectures",
+        absl::StrCat("must be a list of strings, got ", Describe(*value)));
+  }
+  std::vector<std::string> found;
+  for (const Json& entry : *value) {
+    if (!entry.is_string()) {
+      return FieldError("architectures",
+                        absl::StrCat("must be a list of strings, got element ",
+                                     Describe(entry)));
+    }
+    const std::string name = entry.get<std::string>();
+    if (name == "LlamaForCausalLM") return Architecture::kLlama;
+    if (name == "Qwen2ForCausalLM") return Architecture::kQwen2;
+    if (name == "MistralForCausalLM") return Architecture::kMistral;
+    found.push_back(name);
+  }
+  return FieldError(
+      "architectures",
+      absl::StrCat("[", absl::StrJoin(found, ", "),
+                   "] names no supported architecture; supported: "
+                   "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"));
+}
+
+absl::StatusOr<RopeScaling> ParseRopeScaling(const Json& root) {
+  RopeScaling scaling;
+  const Json* value = Find(root, "rope_scaling");
+  if (value == nullptr) return scaling;
+  if (!value->is_object()) {
+    return FieldError("rope_scaling", absl::StrCat("must be an object or null, "
+                                                   "got ",
+                                                   Describe(*value)));
+  }
+  // transformers >= 4.45 writes "rope_type"; older configs write "type".
+  std::string type_field = "rope_type";
+  const Json* type = Find(*value, type_field);
+  if (type == nullptr) {
+    type_field = "type";
+    type = Find(*value, type_field);
+  }
+  const std::string type_name = absl::StrCat("rope_scaling.", type_field);
+  if (type == nullptr) {
+    return FieldError("rope_scaling.rope_type", "is missing");
+  }
+  if (!type->is_string()) {
+    return FieldError(type_name,
+                      absl::StrCat("must be a string, got ", Describe(*type)));
+  }
+  const std::string kind = type->get<std::string>();
+  if (kind == "default") return scaling;  // HF's name for "no scaling"
+  if (kind != "llama3") {
+    return FieldError(type_name,
+                      absl::StrCat("\"", kind,
+                                   "\" is not supported; supported: llama3 "
+                                   "(or rope_scaling null)"));
+  }
+  scaling.type = RopeScalingType::kLlama3;
+  constexpr absl::string_view kPath = "rope_scaling.";
+  auto factor = RequiredNumber(*value, "factor", kPath);
+  if (!factor.ok()) return factor.status();
+  auto low = RequiredNumber(*value, "low_freq_factor", kPath);
+  if (!low.ok()) return low.status();
+  auto high = RequiredNumber(*value, "high_freq_factor", kPath);
+  if (!high.ok()) return high.status();
+  auto original =
+      RequiredInt(*value, "original_max_position_embeddings", kPath);
+  if (!original.ok()) return original.status();
+  scaling.factor = *factor;
+  scaling.low_freq_factor = *low;
+  scaling.high_freq_factor = *high;
+  scaling.original_max_position_embeddings = *original;
+  if (!(scaling.factor > 0)) {
+    return FieldError("rope_scaling.factor",
+                      absl::StrCat("must be positive, got ", scaling.factor));
+  }
+  if (!(scaling.low_freq_factor > 0)) {
+    return FieldError(
+        "rope_scaling.low_freq_factor",
+        absl::StrCat("must be positive, got ", scaling.low_freq_factor));
+  }
+  // The smoothing divides by (high - low).
+  if (!(scaling.high_freq_factor > scaling.low_freq_factor)) {
+    return FieldError("rope_scaling.high_freq_factor",
+                      absl::StrCat("(", scaling.high_freq_factor,
+                                   ") must be greater than low_freq_factor (",
+                                   scaling.low_freq_factor, ")"));
+  }
+  if (scaling.original_max_position_embeddings <= 0) {
+    return FieldError("rope_scaling.original_max_position_embeddings",
+                      absl::StrCat("must be positive, got ",
+                                   scaling.original_max_position_embeddings));
+  }
+  return scaling;
+}
+
+absl::Status ParseTokenIds(const Json& root, ModelConfig* config) {
+  if (const Json* bos = Find(root, "bos_token_id"); bos != nullptr) {
+    auto id = AsInt(*bos, "bos_token_id");
+    if (!id.ok()) return id.status();
+    config->bos_token_id = *id;
+  }
+  if (const Json* eos = Find(root, "eos_token_id"); eos != nullptr) {
+    if (eos->is_array()) {
+      for (const Json& entry : *eos) {
+        auto id = AsInt(entry, "eos_token_id[]");
+        if (!id.ok()) return id.status();
+        config->eos_token_ids.push_back(*id);
+      }
+    } else {
+      auto id = AsInt(*eos, "eos_token_id");
+      if (!id.ok()) return id.status();
+      config->eos_token_ids.push_back(*id);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Attention biases and sliding window differ by architecture.
+absl::Status ParseArchitectureSpecifics(const Json& root, ModelConfig* config) {
+  auto attention_bias = OptionalBool(root, "attention_bias", false);
+  if (!attention_bias.ok()) return attention_bias.status();
+  auto mlp_bias = OptionalBool(root, "mlp_bias", false);
+  if (!mlp_bias.ok()) return mlp_bias.status();
+  if (*mlp_bias) {
+    return FieldError("mlp_bias", "= true is not supported");
+  }
+  switch (config->architecture) {
+    case Architecture::kLlama:
+      // LlamaAttention: bias=config.attention_bias on all four projections.
+      config->qkv_bias = *attention_bias;
+      config->o_proj_bias = *attention_bias;
+      break;
+    case Architecture::kQwen2: {
+      // Qwen2Attention hard-codes bias=True on q/k/v and False on o.
+      config->qkv_bias = true;
+      config->o_proj_bias = false;
+      auto use_window = OptionalBool(root, "use_sliding_window", false);
+      if (!use_window.ok()) return use_window.status();
+      if (*use_window) {
+        auto window = RequiredInt(root, "sliding_window");
+        if (!window.ok()) return window.status();
+        config->sliding_window = *window;
+      }
+      break;
+    }
+    case Architecture::kMistral:
+      if (*attention_bias) {
+        return FieldError("attention_bias",
+                          "= true is not supported for MistralForCausalLM");
+      }
+      if (const Json* window = Find(root, "sliding_window");
+          window != nullptr) {
+        auto value = AsInt(*window, "sliding_window");
+        if (!value.ok()) return value.status();
+        config->sliding_window = *value;
+      }
+      break;
+  }
+  if (config->sliding_window.has_value() && *config->sliding_window <= 0) {
+    return FieldError("sliding_window", absl::StrCat("must be positive, got ",
+                                                     *config->sliding_window));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Validate(const ModelConfig& config) {
+  const std::pair<absl::string_view, int64_t> positive[] = {
+      {"hidden_size", config.hidden_size},
+      {"intermediate_size", config.intermediate_size},
+      {"num_hidden_layers", config.num_hidden_layers},
+      {"num_attention_heads", config.num_attention_heads},
+      {"num_key_value_heads", config.num_key_value_heads},
+      {"head_dim", config.head_dim},
+      {"vocab_size", config.vocab_size},
+      {"max_position_embeddings", config.max_position_embeddings},
+  };
+  for (const auto& [field, value] : positive) {
+    if (value <= 0) {
+      return FieldError(field, absl::StrCat("must be positive, got ", value));
+    }
+  }
+  if (config.num_attention_heads % config.num_key_value_heads != 0) {
+    return FieldError(
+        "num_attention_heads",
+        absl::StrCat("(", config.num_attention_heads,
+                     ") must be a multiple of num_key_value_heads (",
+                     config.num_key_value_heads, ")"));
+  }
+  if (config.head_dim % 2 != 0) {
+    return FieldError("head_dim",
+                      absl::StrCat("(", config.head_dim,
+                                   ") must be even: RoPE rotates pairs"));
+  }
+  if (!(config.rms_norm_eps > 0)) {
+    return FieldError("rms_norm_eps", absl::StrCat("must be positive, got ",
+                                                   config.rms_norm_eps));
+  }
+  if (!(config.rope_theta > 0)) {
+    return FieldError("rope_theta", absl::StrCat("must be positive, got ",
+                                                 config.rope_theta));
+  }
+  return absl::OkStatus();
+}
+
+// 64-bit FNV-1a: tiny, well known, and identical on every platform.
+uint64_t Fnv1a64(absl::string_view text) {
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (const char c : text) {
+    hash ^= static_cast<uint8_t>(c);
+    hash *= 0x100000001b3ull;
+  }
+  return hash;
+}
+
+}  // namespace
+
+absl::string_view ArchitectureName(Architecture architecture) {
+  switch (architecture) {
+    case Architecture::kLlama:
+      return "LlamaForCausalLM";
+    case Architecture::kQwen2:
+      return "Qwen2ForCausalLM";
+    case Architecture::kMistral:
+      return "MistralForCausalLM";
+  }
+  return "unknown";
+}
+
+std::string ModelConfig::CanonicalString() const {
+  // %.17g round-trips doubles exactly, so equal configs give equal strings.
+  std::string text = absl::StrFormat(
+      "arch=%s;hidden=%d;intermediate=%d;layers=%d;heads=%d;kv_heads=%d;"
+      "head_dim=%d;eps=%.17g;theta=%.17g;vocab=%d;tied=%d;qkv_bias=%d;"
+      "o_bias=%d;",
+      ArchitectureName(architecture), hidden_size, intermediate_size,
+      num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
+      rms_norm_eps, rope_theta, vocab_size, tie_word_embeddings ? 1 : 0,
+      qkv_bias ? 1 : 0, o_proj_bias ? 1 : 0);
+  if (rope_scaling.type == RopeScalingType::kLlama3) {
+    absl::StrAppendFormat(&text, "rope=llama3,%.17g,%.17g,%.17g,%d;",
+                          rope_scaling.factor, rope_scaling.low_freq_factor,
+                          rope_scaling.high_freq_factor,
+                          rope_scaling.original_max_position_embeddings);
+  } else {
+    absl::StrAppend(&text, "rope=none;");
+  }
+  if (sliding_window.has_value()) {
+    absl::StrAppendFormat(&text, "window=%d;", *sliding_window);
+  }
+  return text;
+}
+
+std::string ModelConfig::Fingerprint() const {
+  return absl::StrFormat("%016x", Fnv1a64(CanonicalString()));
+}
+
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text) {
+  // nlohmann reports syntax errors (with their position) only by exception;
+  // it is caught here so none crosses this API.
+  Json root;
+  try {
+    root = Json::parse(json_text);
+  } catch (const Json::parse_error& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kPrefix, "not valid JSON: ", e.what()));
+  }
+  if (!root.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kPrefix, "must be a JSON object, got ", root.type_name()));
+  }
+
+  ModelConfig config;
+  auto architecture = ParseArchitectures(root);
+  if (!architecture.ok()) return architecture.status();
+  config.architecture = *architecture;
+
+  struct IntField {
+    const char* name;
+    int64_t* target;
+  };
+  const IntField required_ints[] = {
+      {"hidden_size", &config.hidden_size},
+      {"intermediate_size", &config.intermediate_size},
+      {"num_hidden_layers", &config.num_hidden_layers},
+      {"num_attention_heads", &config.num_attention_heads},
+      {"vocab_size", &config.vocab_size},
+      {"max_position_embeddings", &config.max_position_embeddings},
+  };
+  for (const IntField& field : required_ints) {
+    auto value = RequiredInt(root, field.name);
+    if (!value.ok()) return value.status();
+    *field.target = *value;
+  }
+
+  if (const Json* kv = Find(root, "num_key_value_heads"); kv != nullptr) {
+    auto value = AsInt(*kv, "num_key_value_heads");
+    if (!value.ok()) return value.status();
+    config.num_key_value_heads = *value;
+  } else {
+    config.num_key_value_heads = config.num_attention_heads;
+  }
+
+  if (const Json* head_dim = Find(root, "head_dim"); head_dim != nullptr) {
+    auto value = AsInt(*head_dim, "head_dim");
+    if (!value.ok()) return value.status();
+    config.head_dim = *value;
+  } else {
+    if (config.num_attention_heads <= 0) {
+      return FieldError(
+          "num_attention_heads",
+          absl::StrCat("must be positive, got ", config.num_attention_heads));
+    }
+    if (config.hidden_size % config.num_attention_heads != 0) {
+      return FieldError(
+          "head_dim",
+          absl::StrCat("is absent and hidden_size (", config.hidden_size,
+                       ") is not a multiple of num_attention_heads (",
+                       config.num_attention_heads, ")"));
+    }
+    config.head_dim = config.hidden_size / config.num_attention_heads;
+  }
+
+  auto eps = RequiredNumber(root, "rms_norm_eps");
+  if (!eps.ok()) return eps.status();
+  config.rms_norm_eps = *eps;
+
+  if (const Json* theta = Find(root, "rope_theta"); theta != nullptr) {
+    auto value = AsNumber(*theta, "rope_theta");
+    if (!value.ok()) return value.status();
+    config.rope_theta = *value;
+  }
+
+  auto scaling = ParseRopeScaling(root);
+  if (!scaling.ok()) return scaling.status();
+  config.rope_scaling = *scaling;
+
+  auto tied = OptionalBool(root, "tie_word_embeddings", false);
+  if (!tied.ok()) return tied.status();
+  config.tie_word_embeddings = *tied;
+
+  // transformers >= 4.56 renamed torch_dtype to dtype.
+  const char* dtype_field = "torch_dtype";
+  const Json* dtype = Find(root, dtype_field);
+  if (dtype == nullptr) {
+    dtype_field = "dtype";
+    dtype = Find(root, dtype_field);
+  }
+  if (dtype != nullptr) {
+    if (!dtype->is_string()) {
+      return FieldError(dtype_field, absl::StrCat("must be a string, got ",
+                                                  Describe(*dtype)));
+    }
+    auto parsed = ParseTorchDType(dtype->get<std::string>());
+    if (!parsed.ok()) return FieldError(dtype_field, parsed.status().message());
+    config.torch_dtype = *parsed;
+  }
+
+  if (const Json* act = Find(root, "hidden_act"); act != nullptr) {
+    if (!act->is_string()) {
+      return FieldError("hidden_act",
+                        absl::StrCat("must be a string, got ", Describe(*act)));
+    }
+    if (act->get<std::string>() != "silu") {
+      return FieldError("hidden_act",
+                        absl::StrCat("\"", act->get<std::string>(),
+                                     "\" is not supported; supported: silu"));
+    }
+  }
+
+  if (absl::Status status = ParseArchitectureSpecifics(root, &config);
+      !status.ok()) {
+    return status;
+  }
+  if (absl::Status status = ParseTokenIds(root, &config); !status.ok()) {
+    return status;
+  }
+  if (absl::Status status = Validate(config); !status.ok()) return status;
+  return config;
+}
+
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir) {
+  const std::string path = absl::StrCat(model_dir, "/config.json");
+  std::ifstream file(path, std::ios::binary);
+  if (!file) {
+    return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  }
+  std::ostringstream text;
+  text << file.rdbuf();
+  if (file.bad()) {
+    return absl::DataLossError(absl::StrCat("error reading ", path));
+  }
+  auto config = ParseModelConfig(text.str());
+  if (!config.ok()) {
+    return absl::Status(config.status().code(),
+                        absl::StrCat(path, ": ", config.status().message()));
+  }
+  return config;
+}
+
+}  // namespace pdworker

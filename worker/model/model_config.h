@@ -1,0 +1,105 @@
+// The model description from a Hugging Face config.json: the shape of a
+// Llama-family decoder (Llama, Qwen2, Mistral) and its numerics (RMSNorm eps,
+// RoPE base and llama3 frequency scaling). Everything the forward pass and the
+// KV cache size themselves by comes from here.
+#ifndef PDWORKER_WORKER_MODEL_MODEL_CONFIG_H_
+#define PDWORKER_WORKER_MODEL_MODEL_CONFIG_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "worker/model/dtype.h"
+
+namespace pdworker {
+
+// config.json "architectures"; the three share one decoder layout and differ
+// only in which projections carry a bias.
+enum class Architecture { kLlama, kQwen2, kMistral };
+
+// "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM".
+absl::string_view ArchitectureName(Architecture architecture);
+
+enum class RopeScalingType {
+  kNone,    // plain RoPE: inv_freq[i] = theta^(-2i / head_dim)
+  kLlama3,  // Llama 3.1 frequency-dependent rescaling of inv_freq
+};
+
+// config.json "rope_scaling". Only meaningful when type == kLlama3; for kNone
+// the numbers are unused (and zero).
+struct RopeScaling {
+  RopeScalingType type = RopeScalingType::kNone;
+  double factor = 0;            // how much the low frequencies are slowed
+  double low_freq_factor = 0;   // wavelengths above original/low are scaled
+  double high_freq_factor = 0;  // wavelengths below original/high are kept
+  int64_t original_max_position_embeddings = 0;  // in tokens
+};
+
+struct ModelConfig {
+  Architecture architecture = Architecture::kLlama;
+  int64_t hidden_size = 0;          // residual stream width
+  int64_t intermediate_size = 0;    // MLP width (gate/up outputs)
+  int64_t num_hidden_layers = 0;    // decoder layers
+  int64_t num_attention_heads = 0;  // query heads
+  int64_t num_key_value_heads = 0;  // K/V heads; query head h reads KV head
+                                    // h / (num_attention_heads / this)
+  int64_t head_dim = 0;  // per-head width; may differ from hidden/heads
+  double rms_norm_eps = 0;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  int64_t vocab_size = 0;
+  int64_t max_position_embeddings = 0;  // longest supported sequence, tokens
+  // true: there is no lm_head.weight; logits = hidden @ embed_tokens^T.
+  bool tie_word_embeddings = false;
+  // Biases on the attention projections. Llama's attention_bias puts one on
+  // q, k, v and o; Qwen2 always has q/k/v biases and never an o bias;
+  // Mistral has none.
+  bool qkv_bias = false;
+  bool o_proj_bias = false;
+  // config.json "torch_dtype" (or "dtype"): the checkpoint's storage type.
+  // Absent -> float32, transformers' default.
+  DType torch_dtype = DType::kFloat32;
+  // Token ids from config.json when present (informational; "eos_token_id"
+  // may be a list in HF configs).
+  std::optional<int64_t> bos_token_id;
+  std::vector<int64_t> eos_token_ids;
+  // Mistral's "sliding_window" (and Qwen2's when "use_sliding_window" is
+  // true): attention only sees this many previous tokens. Recorded so callers
+  // can refuse or cap sequences; the forward does not implement it.
+  std::optional<int64_t> sliding_window;
+
+  // Derived sizes.
+  int64_t q_size() const { return num_attention_heads * head_dim; }
+  int64_t kv_size() const { return num_key_value_heads * head_dim; }
+  int64_t num_queries_per_kv() const {
+    return num_attention_heads / num_key_value_heads;
+  }
+
+  // A stable hash (16 lowercase hex digits, FNV-1a 64 over a canonical
+  // "field=value;" string) of every field that defines the model's shape and
+  // numerics: architecture, sizes, heads, head_dim, eps, RoPE, vocab, tying,
+  // biases. Two workers with equal fingerprints compute the same KV layout
+  // and the same positions' K/V, so a KV handoff between them is meaningful.
+  // torch_dtype, token ids and max_position_embeddings are excluded: they do
+  // not change what a KV block holds. Weights are not covered either.
+  std::string Fingerprint() const;
+  // The canonical string Fingerprint() hashes (for logs and debugging).
+  std::string CanonicalString() const;
+};
+
+// Parses config.json text. Unknown fields are ignored (HF configs carry many).
+// Errors are InvalidArgument and name the field, e.g.
+// "config.json: num_key_value_heads must be an integer, got string \"2\"" or
+// "config.json: num_attention_heads (8) must be a multiple of
+// num_key_value_heads (3)".
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text);
+
+// Reads <model_dir>/config.json and parses it; NotFound when it is missing.
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir);
+
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_MODEL_MODEL_CONFIG_H_

@@ -1,0 +1,157 @@
+// ModelRunner: one model step, end to end, as in DESIGN.md's diagram:
+//   1. KV cache: reserve blocks for the new tokens (all-or-nothing)
+//   2. write the step's inputs into the static buffers
+//   3. dispatcher.Dispatch -> (runtime mode, padded descriptor)
+//   4. fill padding rows up to the padded shape
+//   5. run the forward under ForwardContext{mode, descriptor}
+//   6. sample the real rows (outside graphs)
+//   7. record (unpadded, padded, mode) in the statistics table
+#ifndef PDWORKER_WORKER_RUNNER_MODEL_RUNNER_H_
+#define PDWORKER_WORKER_RUNNER_MODEL_RUNNER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "dispatcher/capture_phase.h"
+#include "dispatcher/compilation_config.h"
+#include "dispatcher/cudagraph_dispatcher.h"
+#include "dispatcher/graph_stats.h"
+#include "dispatcher/graph_wrapper.h"
+#include "dispatcher/role_defaults.h"
+#include "worker/kv_cache/kv_cache_manager.h"
+#include "worker/model/checkpoint.h"
+#include "worker/model/llama_forward.h"
+#include "worker/model/llama_weights.h"
+#include "worker/model/model_config.h"
+#include "worker/runner/sampler.h"
+#include "worker/runner/step_inputs.h"
+#include "worker/runtime/arena.h"
+#include "worker/runtime/capture_session.h"
+#include "worker/runtime/device.h"
+#include "worker/runtime/stream.h"
+
+namespace pdworker {
+
+struct ModelRunnerOptions {
+  Role role = Role::kBoth;
+  CompilationConfig compilation;      // overrides the role's graph defaults
+  int max_num_seqs = 64;              // requests per step
+  int max_num_batched_tokens = 2048;  // query tokens per step
+  int64_t kv_cache_bytes = int64_t{64} << 20;
+  int block_size = 16;    // KV tokens per block
+  int max_model_len = 0;  // tokens per sequence; 0: max_position_embeddings
+  int uniform_decode_query_len = 1;  // 1 + speculative tokens
+  int num_warmups = 1;               // eager runs before each capture
+  InputAddressCheck input_address_check = InputAddressCheck::kOff;
+};
+
+// One sequence's part of a step.
+struct SequenceStep {
+  std::string sequence_id;
+  std::vector<int32_t> token_ids;  // new tokens (prompt chunk or last token)
+  SamplingOptions sampling;
+  SequenceCreation creation = SequenceCreation::kCreateIfMissing;
+};
+
+struct SequenceResult {
+  int32_t token_id = -1;  // sampled next token
+  float logprob = 0.0f;
+  int32_t num_tokens = 0;  // sequence length after the step (KV cached)
+};
+
+struct StepResult {
+  std::vector<SequenceResult> sequences;  // in the order of the batch
+  RuntimeMode mode = RuntimeMode::kNone;
+  FallbackReason fallback_reason = FallbackReason::kNone;
+  BatchDescriptor descriptor;  // the key that ran (padded unless NONE)
+  int unpadded_tokens = 0;
+  int padded_tokens = 0;
+  double forward_seconds = 0.0;  // inputs + forward + sampling, host clock
+};
+
+class ModelRunner {
+ public:
+  // Loads `model_dir`, resolves the graph mode, allocates everything. Graphs
+  // are captured by CaptureGraphs(); until then steps run eagerly.
+  static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(
+      Device& device, const std::string& model_dir,
+      const ModelRunnerOptions& options);
+
+  ModelRunner(const ModelRunner&) = delete;
+  ModelRunner& operator=(const ModelRunner&) = delete;
+  ~ModelRunner();
+
+  // Warms up and captures every graph the dispatcher can hand out.
+  absl::StatusOr<CaptureSummary> CaptureGraphs();
+
+  // Runs one step. Every error leaves the runner unchanged (no KV allocated,
+  // no sequence advanced): INVALID_ARGUMENT (bad ids, tokens, sampling,
+  // duplicate sequence, too many sequences or tokens, past max_model_len),
+  // NOT_FOUND / ALREADY_EXISTS (per SequenceStep::creation),
+  // RESOURCE_EXHAUSTED (KV cache full). Not thread-safe: one executor thread.
+  absl::StatusOr<StepResult> Execute(absl::Span<const SequenceStep> batch);
+
+  // Frees a sequence's KV blocks. NOT_FOUND when unknown.
+  absl::Status Release(absl::string_view sequence_id);
+
+  // Debug/test read-backs (synchronize the stream; not during capture):
+  // the last step's logits rows [0, rows) as [rows, vocab], and one layer's
+  // whole K or V cache as raw bytes.
+  absl::Status ReadLogits(int rows, std::vector<float>* out);
+  enum class KvPart { kKey, kValue };
+  absl::Status ReadKvCache(int layer, KvPart part, std::vector<uint8_t>* out);
+
+  const ModelConfig& model_config() const { return config_; }
+  const ModelRunnerOptions& options() const { return options_; }
+  const GraphPlan& graph_plan() const { return plan_; }
+  CudaGraphMode resolved_mode() const { return dispatcher_.mode(); }
+  const std::string& downgrade_reason() const { return downgrade_reason_; }
+  const CudagraphDispatcher& dispatcher() const { return dispatcher_; }
+  CudagraphDispatcher& dispatcher() { return dispatcher_; }
+  const GraphStats& graph_stats() const { return stats_; }
+  const KvCacheManager& kv_cache() const { return *kv_; }
+  const LlamaForward& forward() const { return *forward_; }
+  int max_model_len() const { return max_model_len_; }
+  // Graphs captured so far (FULL + every PIECEWISE piece's).
+  int NumCapturedGraphs() const;
+  Stream& stream() { return *stream_; }
+
+ private:
+  ModelRunner(Device& device, const ModelRunnerOptions& options);
+
+  // Everything checkable without touching state.
+  absl::Status Validate(absl::Span<const SequenceStep> batch) const;
+
+  Device& device_;
+  ModelRunnerOptions options_;
+  ModelConfig config_;
+  GraphPlan plan_;
+  std::string downgrade_reason_;
+  int max_model_len_ = 0;
+  std::unique_ptr<Stream> stream_;
+  LlamaWeights weights_;
+  std::unique_ptr<Arena> step_arena_;
+  std::unique_ptr<StepInputs> inputs_;
+  std::unique_ptr<Sampler> sampler_;
+  CapturePhase capture_phase_;
+  std::unique_ptr<LlamaForward> forward_;
+  std::unique_ptr<KvCacheManager> kv_;
+  CudagraphDispatcher dispatcher_;
+  GraphStats stats_;
+  // Step-path scratch, sized at startup.
+  std::vector<SequenceAppend> appends_;
+  std::vector<StepSequence> step_seqs_;
+  std::vector<SamplingOptions> sampling_;
+  std::vector<int32_t> sample_positions_;
+  std::vector<SampledToken> sampled_;
+};
+
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_RUNNER_MODEL_RUNNER_H_

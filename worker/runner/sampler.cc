@@ -1,0 +1,109 @@
+#include "worker/runner/sampler.h"
+
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "worker/kernels/sampling.h"
+
+namespace pdworker {
+
+absl::Status ValidateSamplingOptions(const SamplingOptions& o) {
+  if (!std::isfinite(o.temperature) || o.temperature < 0.0f) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling.temperature must be a finite number >= 0, got ",
+                     o.temperature));
+  }
+  if (o.top_k < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling.top_k must be >= 0 (0 = off), got ", o.top_k));
+  }
+  if (!std::isfinite(o.top_p) || o.top_p <= 0.0f || o.top_p > 1.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sampling.top_p must be in (0, 1] (1 = off), got ", o.top_p));
+  }
+  return absl::OkStatus();
+}
+
+Sampler::Sampler(int max_num_seqs, int vocab_size)
+    : max_num_seqs_(max_num_seqs),
+      vocab_size_(vocab_size),
+      h_temperature_(max_num_seqs),
+      h_top_p_(max_num_seqs),
+      h_logprobs_(max_num_seqs),
+      h_top_k_(max_num_seqs),
+      h_positions_(max_num_seqs),
+      h_token_ids_(max_num_seqs),
+      h_seeds_(max_num_seqs) {}
+
+absl::StatusOr<std::unique_ptr<Sampler>> Sampler::Create(Arena& arena,
+                                                         int max_num_seqs,
+                                                         int vocab_size) {
+  std::unique_ptr<Sampler> s(new Sampler(max_num_seqs, vocab_size));
+  const size_t n = static_cast<size_t>(max_num_seqs);
+  PDW_ASSIGN_OR_RETURN(s->temperature_,
+                       arena.Allocate(n * sizeof(float), "temperature"));
+  PDW_ASSIGN_OR_RETURN(s->top_k_, arena.Allocate(n * sizeof(int32_t), "top_k"));
+  PDW_ASSIGN_OR_RETURN(s->top_p_, arena.Allocate(n * sizeof(float), "top_p"));
+  PDW_ASSIGN_OR_RETURN(s->seeds_,
+                       arena.Allocate(n * sizeof(uint64_t), "seeds"));
+  PDW_ASSIGN_OR_RETURN(s->positions_,
+                       arena.Allocate(n * sizeof(int32_t), "sample_positions"));
+  PDW_ASSIGN_OR_RETURN(
+      s->workspace_, arena.Allocate(kernels::SamplingWorkspaceBytes(vocab_size),
+                                    "sampling_workspace"));
+  PDW_ASSIGN_OR_RETURN(s->token_ids_,
+                       arena.Allocate(n * sizeof(int32_t), "sampled_tokens"));
+  PDW_ASSIGN_OR_RETURN(s->logprobs_,
+                       arena.Allocate(n * sizeof(float), "sampled_logprobs"));
+  return s;
+}
+
+absl::Status Sampler::Sample(Stream& stream, DeviceBuffer logits,
+                             absl::Span<const SamplingOptions> options,
+                             absl::Span<const int32_t> positions,
+                             std::vector<SampledToken>* out) {
+  const int n = static_cast<int>(options.size());
+  if (n <= 0 || n > max_num_seqs_ || positions.size() != options.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Sampler: ", n, " requests outside [1, ", max_num_seqs_,
+                     "] or positions mismatch"));
+  }
+  for (int r = 0; r < n; ++r) {
+    h_temperature_[r] = options[r].temperature;
+    h_top_k_[r] = options[r].top_k;
+    h_top_p_[r] = options[r].top_p;
+    h_seeds_[r] = options[r].seed;
+    h_positions_[r] = positions[r];
+  }
+  const size_t f = n * sizeof(float), i = n * sizeof(int32_t);
+  PDW_RETURN_IF_ERROR(
+      stream.CopyToDevice(temperature_, h_temperature_.data(), f));
+  PDW_RETURN_IF_ERROR(stream.CopyToDevice(top_k_, h_top_k_.data(), i));
+  PDW_RETURN_IF_ERROR(stream.CopyToDevice(top_p_, h_top_p_.data(), f));
+  PDW_RETURN_IF_ERROR(
+      stream.CopyToDevice(seeds_, h_seeds_.data(), n * sizeof(uint64_t)));
+  PDW_RETURN_IF_ERROR(stream.CopyToDevice(positions_, h_positions_.data(), i));
+
+  kernels::SamplingParams p;
+  p.logits = logits;
+  p.temperature = temperature_;
+  p.top_k = top_k_;
+  p.top_p = top_p_;
+  p.seeds = seeds_;
+  p.positions = positions_;
+  p.workspace = workspace_;
+  p.sampled_token_ids = token_ids_;
+  p.sampled_logprobs = logprobs_;
+  p.num_reqs = n;
+  p.vocab_size = vocab_size_;
+  PDW_RETURN_IF_ERROR(kernels::LaunchSampling(stream, p));
+  PDW_RETURN_IF_ERROR(stream.CopyToHost(h_token_ids_.data(), token_ids_, i));
+  PDW_RETURN_IF_ERROR(stream.CopyToHost(h_logprobs_.data(), logprobs_, f));
+  out->resize(n);
+  for (int r = 0; r < n; ++r) (*out)[r] = {h_token_ids_[r], h_logprobs_[r]};
+  return absl::OkStatus();
+}
+
+}  // namespace pdworker
