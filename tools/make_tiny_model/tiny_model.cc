@@ -88,6 +88,23 @@ TinyDims DimsFor(TinyShape shape) {
     case TinyShape::kLlama3Rope:
       return {"LlamaForCausalLM", "llama", 64,    128,   2,   4, 1, 0, 512,
               500000.0,           1e-5,    false, false, true};
+    case TinyShape::kSmall:
+      // Benchmarks: big enough that compute, not launch overhead, shows in
+      // prefill steps; small enough for a 2-core CPU (3.8M parameters).
+      return {"LlamaForCausalLM",
+              "llama",
+              256,
+              704,
+              4,
+              8,
+              2,
+              0,
+              2048,
+              10000.0,
+              1e-5,
+              false,
+              false,
+              false};
   }
   return DimsFor(TinyShape::kGqa);
 }
@@ -232,6 +249,8 @@ absl::string_view TinyShapeName(TinyShape shape) {
       return "head_dim";
     case TinyShape::kLlama3Rope:
       return "llama3_rope";
+    case TinyShape::kSmall:
+      return "small";
   }
   return "unknown";
 }
@@ -240,9 +259,10 @@ absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name) {
   for (const TinyShape shape : AllTinyShapes()) {
     if (TinyShapeName(shape) == name) return shape;
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown tiny model shape \"", name,
-                   "\"; known: gqa, tied, qkv_bias, head_dim, llama3_rope"));
+  if (name == TinyShapeName(TinyShape::kSmall)) return TinyShape::kSmall;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown tiny model shape \"", name,
+      "\"; known: gqa, tied, qkv_bias, head_dim, llama3_rope, small"));
 }
 
 std::string TinyModelConfigJson(const TinyModelOptions& options) {

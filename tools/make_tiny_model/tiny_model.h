@@ -24,10 +24,11 @@ enum class TinyShape {
   kQkvBias,     // Qwen2: q/k/v biases, rope_theta 1e6
   kHeadDim,     // Llama, head_dim 32 != hidden/heads (16), 3 layers
   kLlama3Rope,  // Llama, llama3 rope_scaling with original context 64, MQA
+  kSmall,       // benchmark config (hidden 256, 4 layers); not in All
 };
 
 std::vector<TinyShape> AllTinyShapes();
-// "gqa", "tied", "qkv_bias", "head_dim", "llama3_rope".
+// "gqa", "tied", "qkv_bias", "head_dim", "llama3_rope", "small".
 absl::string_view TinyShapeName(TinyShape shape);
 absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name);
 
