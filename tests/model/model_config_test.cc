@@ -199,6 +199,9 @@ TEST(ModelConfigTest, ParsesEveryTinyShape) {
         EXPECT_LT(c.rope_scaling.original_max_position_embeddings,
                   c.max_position_embeddings);
         break;
+      case TinyShape::kSmall:
+        ADD_FAILURE() << "the benchmark shape is not part of AllTinyShapes()";
+        break;
     }
   }
 }
