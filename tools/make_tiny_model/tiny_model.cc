@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/fnv1a.h"
 #include "nlohmann/json.hpp"
 #include "worker/model/safetensors_writer.h"
 
@@ -138,15 +139,6 @@ class SplitMix64 {
  private:
   uint64_t state_;
 };
-
-uint64_t Fnv1a64(absl::string_view text) {
-  uint64_t hash = 0xcbf29ce484222325ull;
-  for (const char c : text) {
-    hash ^= static_cast<uint8_t>(c);
-    hash *= 0x100000001b3ull;
-  }
-  return hash;
-}
 
 enum class Init {
   kMatrix,  // uniform with std 1/sqrt(fan_in): activations stay O(1), so

@@ -186,14 +186,15 @@ absl::Status LlamaForward::RunBody(const ForwardContext& context) {
 
 absl::Status LlamaForward::RunQkv(int layer, int num_tokens) {
   const LlamaLayerWeights& w = weights_.layers[layer];
-  kernels::LinearParams qkv;
-  qkv.input = act_.hidden;
-  qkv.weight = w.qkv;
-  qkv.bias = w.qkv_bias;
-  qkv.output = act_.qkv;
-  qkv.num_tokens = num_tokens;
-  qkv.in_features = static_cast<int>(config_.hidden_size);
-  qkv.out_features = static_cast<int>(config_.q_size() + 2 * config_.kv_size());
+  // {input, weight, bias, output, num_tokens, in_features, out_features}
+  const kernels::LinearParams qkv{
+      act_.hidden,
+      w.qkv,
+      w.qkv_bias,
+      act_.qkv,
+      num_tokens,
+      static_cast<int>(config_.hidden_size),
+      static_cast<int>(config_.q_size() + 2 * config_.kv_size())};
   return kernels::LaunchLinear(stream_, qkv);
 }
 
@@ -201,16 +202,12 @@ absl::Status LlamaForward::RunOutputAndMlp(int layer, int num_tokens) {
   const LlamaLayerWeights& w = weights_.layers[layer];
   const int hidden = static_cast<int>(config_.hidden_size);
   const int inter = static_cast<int>(config_.intermediate_size);
+  const int q_size = static_cast<int>(config_.q_size());
   const float eps = static_cast<float>(config_.rms_norm_eps);
 
-  kernels::LinearParams o;
-  o.input = act_.attn_out;
-  o.weight = w.o_proj;
-  o.bias = w.o_bias;
-  o.output = act_.hidden;
-  o.num_tokens = num_tokens;
-  o.in_features = static_cast<int>(config_.q_size());
-  o.out_features = hidden;
+  // Linear params: {input, weight, bias, output, num_tokens, in, out}.
+  const kernels::LinearParams o{act_.attn_out, w.o_proj, w.o_bias, act_.hidden,
+                                num_tokens,    q_size,   hidden};
   PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, o));
 
   // residual += attention output; hidden = post_norm(residual).
@@ -219,25 +216,15 @@ absl::Status LlamaForward::RunOutputAndMlp(int layer, int num_tokens) {
                                       eps};
   PDW_RETURN_IF_ERROR(kernels::LaunchFusedAddRmsNorm(stream_, post));
 
-  kernels::LinearParams gate_up;
-  gate_up.input = act_.hidden;
-  gate_up.weight = w.gate_up;
-  gate_up.output = act_.gate_up;
-  gate_up.num_tokens = num_tokens;
-  gate_up.in_features = hidden;
-  gate_up.out_features = 2 * inter;
+  const kernels::LinearParams gate_up{
+      act_.hidden, w.gate_up, {}, act_.gate_up, num_tokens, hidden, 2 * inter};
   PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, gate_up));
 
   kernels::SiluAndMulParams silu{act_.gate_up, act_.mlp_act, num_tokens, inter};
   PDW_RETURN_IF_ERROR(kernels::LaunchSiluAndMul(stream_, silu));
 
-  kernels::LinearParams down;
-  down.input = act_.mlp_act;
-  down.weight = w.down;
-  down.output = act_.hidden;
-  down.num_tokens = num_tokens;
-  down.in_features = inter;
-  down.out_features = hidden;
+  const kernels::LinearParams down{act_.mlp_act, w.down, {},    act_.hidden,
+                                   num_tokens,   inter,  hidden};
   return kernels::LaunchLinear(stream_, down);
 }
 

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/fnv1a.h"
 #include "nlohmann/json.hpp"
 
 namespace pdworker {
@@ -292,16 +293,6 @@ absl::Status Validate(const ModelConfig& config) {
                                                  config.rope_theta));
   }
   return absl::OkStatus();
-}
-
-// 64-bit FNV-1a: tiny, well known, and identical on every platform.
-uint64_t Fnv1a64(absl::string_view text) {
-  uint64_t hash = 0xcbf29ce484222325ull;
-  for (const char c : text) {
-    hash ^= static_cast<uint8_t>(c);
-    hash *= 0x100000001b3ull;
-  }
-  return hash;
 }
 
 }  // namespace
