@@ -22,13 +22,22 @@ _NVCC_FLAGS = [
     "-Werror=all-warnings",
 ]
 
-def cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], **kwargs):
+def cuda_library(
+        name,
+        srcs,
+        hdrs = [],
+        textual_hdrs = [],
+        deps = [],
+        nvcc_flags = [],
+        **kwargs):
     """Compiles each .cu in srcs with nvcc and wraps the objects in a cc_library.
 
     Args:
       name: target name.
       srcs: .cu files (one op family per file pair).
       hdrs: headers declaring the launchers (plain C++, includable by .cc files).
+      textual_hdrs: device-code headers (.cuh) that only the .cu files include;
+        they are nvcc inputs and are not exported to C++ dependents.
       deps: cc_library deps whose headers the .cu files include.
       nvcc_flags: extra nvcc flags.
       **kwargs: forwarded to the cc_library (visibility, tags, ...).
@@ -50,7 +59,7 @@ def cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], **kwargs):
         obj = "_nvcc_%s/%s.pic.o" % (name, stem)
         native.genrule(
             name = "%s_%s_nvcc" % (name, stem),
-            srcs = [src] + hdrs + ["@local_cuda//:cuda_headers"],
+            srcs = [src] + hdrs + textual_hdrs + ["@local_cuda//:cuda_headers"],
             outs = [obj],
             # -I. and the bin dir so '#include "worker/kernels/x.h"' resolves.
             cmd = " ".join([

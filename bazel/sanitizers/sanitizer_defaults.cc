@@ -1,14 +1,15 @@
 // Default sanitizer suppressions, linked into every test through
-// //third_party:gtest. Only the sanitizer runtimes call these hooks, so they
+// //third_party:gtest and into binaries tests start as subprocesses
+// (//worker:pdworker). Only the sanitizer runtimes call these hooks, so they
 // are inert in ordinary builds.
 //
-// Why: Debian's abseil, gRPC, protobuf, glog and prometheus-cpp are not built
-// with -fsanitize=thread. ThreadSanitizer cannot see the synchronization
-// inside them (abseil's futex-based Mutex, which gRPC uses internally), so it
-// reports races between their own threads that are not real. We suppress only
-// reports raised from inside those libraries; our own code synchronizes with
-// std::mutex / std::atomic, which TSan understands, so races in our code are
-// still reported.
+// Why: Debian's abseil, gRPC, protobuf, OpenSSL, glog and prometheus-cpp are
+// not built with -fsanitize=thread. ThreadSanitizer cannot see the
+// synchronization inside them (abseil's futex-based Mutex, which gRPC uses
+// internally), so it reports races between their own threads that are not real.
+// We suppress only reports raised from inside those libraries; our own code
+// synchronizes with std::mutex / std::atomic, which TSan understands, so races
+// in our code are still reported.
 
 extern "C" {
 
@@ -26,6 +27,9 @@ const char* __tsan_default_suppressions() {
          "race:gpr_\n"
          "race:civetweb\n"
          "race:mg_\n"
+         // OpenSSL (gRPC's TLS) synchronizes with its own atomics.
+         "race:libcrypto.so\n"
+         "race:libssl.so\n"
          "deadlock:absl::debian3::\n"
          "deadlock:grpc_core::\n"
          "mutex:absl::debian3::\n";

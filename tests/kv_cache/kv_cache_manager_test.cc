@@ -141,6 +141,31 @@ TEST(KvCacheManagerTest, UndoRestoresExactly) {
   EXPECT_EQ(m.Find("b"), nullptr);
 }
 
+TEST(KvCacheManagerTest, TruncateFreesTrailingBlocks) {
+  KvCacheManager m(/*num_blocks=*/6, /*block_size=*/4, /*max_model_len=*/64);
+  ASSERT_TRUE(m.Append({{"a", 3}}).ok());
+  const std::vector<std::string> ids = {"a"};
+  const Snapshot before = Take(m, ids);
+  ASSERT_TRUE(m.Append({{"a", 6, SequenceCreation::kMustExist}}).ok());
+  ASSERT_TRUE(m.Append({{"a", 4, SequenceCreation::kMustExist}}).ok());
+  EXPECT_EQ(m.Stats().used_blocks, 4);  // 13 tokens
+
+  // Errors change nothing.
+  const Snapshot grown = Take(m, ids);
+  EXPECT_EQ(m.Truncate("a", 14).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(m.Truncate("a", -1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(m.Truncate("b", 0).code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(Take(m, ids) == grown);
+
+  // Back to 3 tokens: exactly the state before the two appends.
+  ASSERT_TRUE(m.Truncate("a", 3).ok());
+  EXPECT_TRUE(Take(m, ids) == before);
+  ASSERT_TRUE(m.Truncate("a", 0).ok());
+  EXPECT_EQ(m.Find("a")->num_tokens, 0);
+  EXPECT_EQ(m.Stats().used_blocks, 0);
+  EXPECT_EQ(m.Stats().num_sequences, 1);
+}
+
 // 10,000 random allocate/append/free/undo operations against a shadow model
 // that tracks only lengths. Invariants after every operation: each sequence
 // holds exactly ceil(len / block_size) blocks, no block is owned twice, and

@@ -3,6 +3,7 @@
 //
 //   make_tiny_model --out_dir=/tmp/tiny --shape=gqa --dtype=bfloat16 --shards=3
 //   make_tiny_model --out_dir=/tmp/tiny --shape=all   # /tmp/tiny/<shape>/...
+//   make_tiny_model --out_dir=/tmp/l1b --shape=llama_1b --dtype=bfloat16
 //
 // Same flags -> byte-identical output on every machine.
 #include <cstdint>
@@ -21,7 +22,9 @@ ABSL_FLAG(std::string, out_dir, "",
           "Model directory to write (created if missing). With --shape=all, "
           "one subdirectory per shape.");
 ABSL_FLAG(std::string, shape, "all",
-          "gqa | tied | qkv_bias | head_dim | llama3_rope | all");
+          "gqa | tied | qkv_bias | head_dim | llama3_rope | all (the test "
+          "shapes), or a benchmark shape: small | llama_1b (Llama-3.2-1B "
+          "dimensions, random weights, 2.5 GB with --dtype=bfloat16).");
 ABSL_FLAG(uint64_t, seed, 0, "Weight generator seed.");
 ABSL_FLAG(std::string, dtype, "float32",
           "Storage dtype: float32 | bfloat16 | float16.");

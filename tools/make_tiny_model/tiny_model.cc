@@ -32,6 +32,7 @@ struct TinyDims {
   bool tied;
   bool qkv_bias;
   bool llama3_rope;
+  int64_t max_position_embeddings = 512;
 };
 
 // Small enough that the float64 reference and the CPU forward take
@@ -106,11 +107,14 @@ TinyDims DimsFor(TinyShape shape) {
               false,
               false,
               false};
+    case TinyShape::kLlama1B:
+      return {
+          "LlamaForCausalLM", "llama", 2048, 8192,  16,    32,    8, 0, 128256,
+          500000.0,           1e-5,    true, false, false, 131072};
   }
   return DimsFor(TinyShape::kGqa);
 }
 
-constexpr int64_t kMaxPositionEmbeddings = 512;
 // llama3 scaling: with head_dim 16 and theta 5e5 the RoPE wavelengths are
 // ~6, ~32, ~167, ... tokens; original context 64 with low/high factors 1/4
 // puts them in all three regimes (kept < 16, smoothed 16..64, scaled > 64).
@@ -243,6 +247,8 @@ absl::string_view TinyShapeName(TinyShape shape) {
       return "llama3_rope";
     case TinyShape::kSmall:
       return "small";
+    case TinyShape::kLlama1B:
+      return "llama_1b";
   }
   return "unknown";
 }
@@ -251,10 +257,13 @@ absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name) {
   for (const TinyShape shape : AllTinyShapes()) {
     if (TinyShapeName(shape) == name) return shape;
   }
-  if (name == TinyShapeName(TinyShape::kSmall)) return TinyShape::kSmall;
+  for (const TinyShape shape : {TinyShape::kSmall, TinyShape::kLlama1B}) {
+    if (TinyShapeName(shape) == name) return shape;
+  }
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown tiny model shape \"", name,
-      "\"; known: gqa, tied, qkv_bias, head_dim, llama3_rope, small"));
+      "\"; known: gqa, tied, qkv_bias, head_dim, llama3_rope, small, "
+      "llama_1b"));
 }
 
 std::string TinyModelConfigJson(const TinyModelOptions& options) {
@@ -268,7 +277,7 @@ std::string TinyModelConfigJson(const TinyModelOptions& options) {
       {"num_attention_heads", d.heads},
       {"num_key_value_heads", d.kv_heads},
       {"vocab_size", d.vocab},
-      {"max_position_embeddings", kMaxPositionEmbeddings},
+      {"max_position_embeddings", d.max_position_embeddings},
       {"rms_norm_eps", d.rms_norm_eps},
       {"rope_theta", d.rope_theta},
       {"hidden_act", "silu"},

@@ -25,10 +25,15 @@ enum class TinyShape {
   kHeadDim,     // Llama, head_dim 32 != hidden/heads (16), 3 layers
   kLlama3Rope,  // Llama, llama3 rope_scaling with original context 64, MQA
   kSmall,       // benchmark config (hidden 256, 4 layers); not in All
+  // GPU benchmarks: Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads,
+  // 8 KV heads, intermediate 8192, vocab 128256, tied embeddings, theta 5e5,
+  // plain RoPE, 131072 positions) with random weights; ~1.24B parameters,
+  // 2.5 GB in bf16. Not in All.
+  kLlama1B,
 };
 
 std::vector<TinyShape> AllTinyShapes();
-// "gqa", "tied", "qkv_bias", "head_dim", "llama3_rope", "small".
+// "gqa", "tied", "qkv_bias", "head_dim", "llama3_rope", "small", "llama_1b".
 absl::string_view TinyShapeName(TinyShape shape);
 absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name);
 

@@ -6,6 +6,11 @@
 #include "absl/strings/str_format.h"
 #include "worker/kernels/kernel_checks.h"
 
+#if PDW_HAVE_CUDA
+#include "worker/kernels/embedding_cuda.h"
+#include "worker/runtime/cuda_status.h"
+#endif
+
 namespace pdworker {
 namespace kernels {
 namespace {
@@ -29,6 +34,23 @@ void EmbeddingCpu(const EmbeddingParams& p) {
   }
 }
 
+#if PDW_HAVE_CUDA
+absl::Status EmbeddingOnCuda(Stream& stream, const EmbeddingParams& p) {
+  EmbeddingCudaParams c;
+  c.token_ids = p.token_ids.as<const int32_t>();
+  c.table = p.table.as<const __nv_bfloat16>();
+  c.output = p.output.as<__nv_bfloat16>();
+  c.num_tokens = p.num_tokens;
+  c.vocab_size = p.vocab_size;
+  c.hidden_size = p.hidden_size;
+  return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
+    return CudaStatus(
+        LaunchEmbeddingCuda(c, static_cast<cudaStream_t>(ctx.cuda_stream)),
+        kOp);
+  });
+}
+#endif
+
 }  // namespace
 
 absl::Status LaunchEmbedding(Stream& stream, const EmbeddingParams& p) {
@@ -38,19 +60,24 @@ absl::Status LaunchEmbedding(Stream& stream, const EmbeddingParams& p) {
                   CheckPositive(kOp, "hidden_size", p.hidden_size)});
   if (!status.ok()) return status;
   const int64_t rows = p.num_tokens;
+  const size_t element = DTypeSize(p.dtype);
+  const absl::string_view type = ShortDTypeName(p.dtype);
   status = FirstError(
-      {CheckBuffer(kOp, "token_ids", p.token_ids, rows, sizeof(int32_t),
+      {CheckModelDType(stream, kOp, "dtype", p.dtype),
+       CheckBuffer(kOp, "token_ids", p.token_ids, rows, sizeof(int32_t),
                    absl::StrFormat("[num_tokens=%d] int32", rows)),
        CheckBuffer(kOp, "table", p.table,
-                   static_cast<int64_t>(p.vocab_size) * p.hidden_size,
-                   sizeof(float),
-                   absl::StrFormat("[vocab_size=%d, hidden_size=%d] fp32",
-                                   p.vocab_size, p.hidden_size)),
-       CheckBuffer(kOp, "output", p.output, rows * p.hidden_size, sizeof(float),
-                   absl::StrFormat("[num_tokens=%d, hidden_size=%d] fp32", rows,
-                                   p.hidden_size)),
+                   static_cast<int64_t>(p.vocab_size) * p.hidden_size, element,
+                   absl::StrFormat("[vocab_size=%d, hidden_size=%d] %s",
+                                   p.vocab_size, p.hidden_size, type)),
+       CheckBuffer(kOp, "output", p.output, rows * p.hidden_size, element,
+                   absl::StrFormat("[num_tokens=%d, hidden_size=%d] %s", rows,
+                                   p.hidden_size, type)),
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
+#if PDW_HAVE_CUDA
+  if (stream.kind() == DeviceKind::kCuda) return EmbeddingOnCuda(stream, p);
+#endif
   return stream.Launch(kOp, [p](const OpContext&) { EmbeddingCpu(p); });
 }
 

@@ -3,6 +3,7 @@
 #define PDWORKER_WORKER_KERNELS_EMBEDDING_H_
 
 #include "absl/status/status.h"
+#include "worker/model/dtype.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
 
@@ -16,11 +17,14 @@ struct EmbeddingParams {
   // RPC boundary, so this only keeps a corrupted buffer from reading out of
   // bounds.
   DeviceBuffer token_ids;
-  DeviceBuffer table;   // fp32 [vocab_size, hidden_size]
-  DeviceBuffer output;  // fp32 [>= num_tokens, hidden_size]
+  DeviceBuffer table;   // [vocab_size, hidden_size] of `dtype`
+  DeviceBuffer output;  // [>= num_tokens, hidden_size] of `dtype`
   int num_tokens = 0;   // padded token count the op is launched (captured) for
   int vocab_size = 0;
   int hidden_size = 0;
+  // Element type of table and output: fp32 on the CPU backend, bf16 on CUDA
+  // (see ModelDTypeFor). The copy is exact either way.
+  DType dtype = DType::kFloat32;
 };
 
 absl::Status LaunchEmbedding(Stream& stream, const EmbeddingParams& p);

@@ -73,16 +73,67 @@ absl::Status CheckSameOrDisjoint(absl::string_view op, absl::string_view a_name,
       "' partially overlap; they must be the same buffer or disjoint"));
 }
 
+absl::string_view ShortDTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "fp32";
+    case DType::kBFloat16:
+      return "bf16";
+    case DType::kFloat16:
+      return "fp16";
+  }
+  return "unknown";
+}
+
+DType ModelDTypeFor(DeviceKind kind) {
+  return kind == DeviceKind::kCuda ? DType::kBFloat16 : DType::kFloat32;
+}
+
+absl::Status CheckModelDType(const Stream& stream, absl::string_view op,
+                             absl::string_view field, DType dtype) {
+  const DType want = ModelDTypeFor(stream.kind());
+  if (dtype == want) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(op, ": ", field, " is ", ShortDTypeName(dtype), " but the ",
+                   DeviceKindName(stream.kind()), " kernels compute in ",
+                   ShortDTypeName(want)));
+}
+
 absl::Status CheckBackendImplemented(const Stream& stream,
                                      absl::string_view op) {
   switch (stream.kind()) {
     case DeviceKind::kCpu:
       return absl::OkStatus();
     case DeviceKind::kCuda:
-      return absl::UnimplementedError(absl::StrCat(
-          op, ": the CUDA kernel is not implemented yet (CPU backend only)"));
+#if PDW_HAVE_CUDA
+      return absl::OkStatus();
+#else
+      return absl::UnimplementedError(
+          absl::StrCat(op, ": this binary was built without the CUDA kernels"));
+#endif
   }
   return absl::InternalError(absl::StrCat(op, ": unknown device kind"));
+}
+
+absl::Status LaunchCudaOp(Stream& stream, absl::string_view name,
+                          const CudaOpBody& body) {
+  if (stream.kind() != DeviceKind::kCuda) {
+    return absl::InternalError(
+        absl::StrCat(name, ": LaunchCudaOp on a non-CUDA stream"));
+  }
+  absl::Status result;
+  bool ran = false;
+  absl::Status launched =
+      stream.Launch(name, [&result, &ran, &body](const OpContext& context) {
+        ran = true;
+        result = body(context);
+      });
+  if (!launched.ok()) return launched;
+  if (!ran) {
+    return absl::InternalError(absl::StrCat(
+        name, ": the CUDA stream did not run the op synchronously"));
+  }
+  return result;
 }
 
 }  // namespace kernels

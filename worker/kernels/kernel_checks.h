@@ -9,10 +9,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "worker/model/dtype.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
 
@@ -61,10 +63,36 @@ absl::Status CheckSameOrDisjoint(absl::string_view op, absl::string_view a_name,
                                  absl::string_view b_name,
                                  const DeviceBuffer& b, size_t b_bytes);
 
-// OK on the CPU backend. On CUDA: UNIMPLEMENTED until the op's .cu kernel
-// lands (a later issue plugs it in at each launcher's backend switch).
+// "fp32", "bf16" or "fp16": the element type in shape messages.
+absl::string_view ShortDTypeName(DType dtype);
+
+// The element type of weights, activations and the KV cache on each backend:
+// fp32 on the CPU backend, bf16 on CUDA (with fp32 accumulation inside the
+// kernels). Logits, RoPE frequencies and sampling stay fp32 on both.
+DType ModelDTypeFor(DeviceKind kind);
+
+// OK when `dtype` is what the stream's backend computes in
+// (ModelDTypeFor(stream.kind())); otherwise INVALID_ARGUMENT naming the op,
+// the field and both types.
+absl::Status CheckModelDType(const Stream& stream, absl::string_view op,
+                             absl::string_view field, DType dtype);
+
+// OK on the CPU backend, and on CUDA when this binary has the CUDA kernels
+// (PDW_HAVE_CUDA); UNIMPLEMENTED otherwise.
 absl::Status CheckBackendImplemented(const Stream& stream,
                                      absl::string_view op);
+
+// The body of one CUDA op: enqueues kernels / cuBLAS calls on the context's
+// stream and reports what the CUDA runtime or cuBLAS said about the launch.
+using CudaOpBody = std::function<absl::Status(const OpContext&)>;
+
+// Launches `body` as op `name` on a CUDA stream and returns the first error
+// of the launch and of the body. CudaStream runs an op synchronously inside
+// Stream::Launch (CUDA, not the closure list, records the kernels during
+// capture), so the body's status can be handed back here; on the CPU backend
+// this would be wrong (ops are recorded and run later), hence INTERNAL there.
+absl::Status LaunchCudaOp(Stream& stream, absl::string_view name,
+                          const CudaOpBody& body);
 
 }  // namespace kernels
 }  // namespace pdworker

@@ -7,6 +7,11 @@
 #include "absl/strings/str_format.h"
 #include "worker/kernels/kernel_checks.h"
 
+#if PDW_HAVE_CUDA
+#include "worker/kernels/linear_cuda.h"
+#include "worker/runtime/cuda_status.h"
+#endif
+
 namespace pdworker {
 namespace kernels {
 namespace {
@@ -90,6 +95,43 @@ void LinearCpu(const LinearParams& p) {
   }
 }
 
+#if PDW_HAVE_CUDA
+absl::Status LinearOnCuda(Stream& stream, const LinearParams& p) {
+  LinearCudaParams c;
+  c.input = p.input.as<const __nv_bfloat16>();
+  c.weight = p.weight.as<const __nv_bfloat16>();
+  c.bias = p.bias.empty() ? nullptr : p.bias.as<const __nv_bfloat16>();
+  c.output = p.output.data();
+  c.output_type = p.output_dtype == DType::kFloat32
+                      ? LinearCudaOutput::kFloat32
+                      : LinearCudaOutput::kBFloat16;
+  c.num_tokens = p.num_tokens;
+  c.in_features = p.in_features;
+  c.out_features = p.out_features;
+  return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
+    const LinearCudaResult result =
+        LaunchLinearCuda(c, static_cast<cudaStream_t>(ctx.cuda_stream),
+                         static_cast<cublasHandle_t>(ctx.cublas_handle));
+    absl::Status status = CudaStatus(result.launch, "linear bias broadcast");
+    if (!status.ok()) return status;
+    return CublasStatus(result.cublas, "linear cublasGemmEx");
+  });
+}
+#endif
+
+// CPU: fp32 only. CUDA: bf16 operands, bf16 or fp32 output.
+absl::Status CheckLinearDTypes(const Stream& stream, const LinearParams& p) {
+  absl::Status status = CheckModelDType(stream, kOp, "dtype", p.dtype);
+  if (!status.ok()) return status;
+  if (p.output_dtype == p.dtype || (stream.kind() == DeviceKind::kCuda &&
+                                    p.output_dtype == DType::kFloat32)) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "%s: output_dtype %s is not supported with %s operands on this backend",
+      kOp, ShortDTypeName(p.output_dtype), ShortDTypeName(p.dtype)));
+}
+
 }  // namespace
 
 absl::Status LaunchLinear(Stream& stream, const LinearParams& p) {
@@ -104,30 +146,39 @@ absl::Status LaunchLinear(Stream& stream, const LinearParams& p) {
       static_cast<int64_t>(p.out_features) * p.in_features;
   const int64_t out_elements =
       static_cast<int64_t>(p.num_tokens) * p.out_features;
-  const size_t out_bytes = sizeof(float) * out_elements;
+  status = CheckLinearDTypes(stream, p);
+  if (!status.ok()) return status;
+  const size_t element = DTypeSize(p.dtype);
+  const size_t out_element = DTypeSize(p.output_dtype);
+  const absl::string_view type = ShortDTypeName(p.dtype);
+  const size_t out_bytes = out_element * out_elements;
   status = FirstError(
-      {CheckBuffer(kOp, "input", p.input, in_elements, sizeof(float),
-                   absl::StrFormat("[num_tokens=%d, in_features=%d] fp32",
-                                   p.num_tokens, p.in_features)),
-       CheckBuffer(kOp, "weight", p.weight, weight_elements, sizeof(float),
-                   absl::StrFormat("[out_features=%d, in_features=%d] fp32",
-                                   p.out_features, p.in_features)),
+      {CheckBuffer(kOp, "input", p.input, in_elements, element,
+                   absl::StrFormat("[num_tokens=%d, in_features=%d] %s",
+                                   p.num_tokens, p.in_features, type)),
+       CheckBuffer(kOp, "weight", p.weight, weight_elements, element,
+                   absl::StrFormat("[out_features=%d, in_features=%d] %s",
+                                   p.out_features, p.in_features, type)),
        p.bias.empty()
            ? absl::OkStatus()
            : CheckBuffer(
-                 kOp, "bias", p.bias, p.out_features, sizeof(float),
-                 absl::StrFormat("[out_features=%d] fp32", p.out_features)),
-       CheckBuffer(kOp, "output", p.output, out_elements, sizeof(float),
-                   absl::StrFormat("[num_tokens=%d, out_features=%d] fp32",
-                                   p.num_tokens, p.out_features)),
+                 kOp, "bias", p.bias, p.out_features, element,
+                 absl::StrFormat("[out_features=%d] %s", p.out_features, type)),
+       CheckBuffer(
+           kOp, "output", p.output, out_elements, out_element,
+           absl::StrFormat("[num_tokens=%d, out_features=%d] %s", p.num_tokens,
+                           p.out_features, ShortDTypeName(p.output_dtype))),
        CheckDisjoint(kOp, "output", p.output, out_bytes, "input", p.input,
-                     sizeof(float) * in_elements),
+                     element * in_elements),
        CheckDisjoint(kOp, "output", p.output, out_bytes, "weight", p.weight,
-                     sizeof(float) * weight_elements),
+                     element * weight_elements),
        CheckDisjoint(kOp, "output", p.output, out_bytes, "bias", p.bias,
-                     p.bias.empty() ? 0 : sizeof(float) * p.out_features),
+                     p.bias.empty() ? 0 : element * p.out_features),
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
+#if PDW_HAVE_CUDA
+  if (stream.kind() == DeviceKind::kCuda) return LinearOnCuda(stream, p);
+#endif
   return stream.Launch(kOp, [p](const OpContext&) { LinearCpu(p); });
 }
 

@@ -1,8 +1,10 @@
-// Dense layer: output = input · weightᵀ (+ bias), fp32, via sgemm.
+// Dense layer: output = input · weightᵀ (+ bias). CPU: fp32, a row-invariant
+// GEMM. CUDA: cuBLAS, bf16 operands with fp32 accumulation.
 #ifndef PDWORKER_WORKER_KERNELS_LINEAR_H_
 #define PDWORKER_WORKER_KERNELS_LINEAR_H_
 
 #include "absl/status/status.h"
+#include "worker/model/dtype.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
 
@@ -10,22 +12,31 @@ namespace pdworker {
 namespace kernels {
 
 struct LinearParams {
-  DeviceBuffer input;  // fp32 [>= num_tokens, in_features]
-  // fp32 [out_features, in_features]: the Hugging Face nn.Linear layout, so
-  // safetensors weights are used as stored. Fused projections (q|k|v, or
-  // gate|up for silu_and_mul) are row blocks concatenated along out_features.
+  DeviceBuffer input;  // [>= num_tokens, in_features] of `dtype`
+  // [out_features, in_features] of `dtype`: the Hugging Face nn.Linear
+  // layout, so safetensors weights are used as stored. Fused projections
+  // (q|k|v, or gate|up for silu_and_mul) are row blocks concatenated along
+  // out_features.
   DeviceBuffer weight;
-  DeviceBuffer bias;    // fp32 [out_features], or empty for no bias
-  DeviceBuffer output;  // fp32 [>= num_tokens, out_features]; must not overlap
-                        // input, weight or bias
+  DeviceBuffer bias;    // [out_features] of `dtype`, or empty for no bias
+  DeviceBuffer output;  // [>= num_tokens, out_features] of `output_dtype`;
+                        // must not overlap input, weight or bias
   int num_tokens = 0;   // padded rows computed (all of them, padding included)
   int in_features = 0;
   int out_features = 0;
+  // input, weight and bias: fp32 on the CPU backend, bf16 on CUDA.
+  DType dtype = DType::kFloat32;
+  // fp32 on the CPU backend; bf16 or fp32 (the LM head's logits) on CUDA.
+  DType output_dtype = DType::kFloat32;
 };
 
 // CPU: a row-invariant GEMM (see linear.cc): row t of the output is
 // bit-identical whatever num_tokens is, so an eager run at the real token
 // count and a graph replayed at the padded count agree bit for bit.
+// CUDA: cublasGemmEx (CUBLAS_COMPUTE_32F) on the stream's handle and fixed
+// workspace. Deterministic for a given shape, but cuBLAS picks its algorithm
+// per shape, so row t may differ in the last bits between token counts
+// (graph at the padded count vs eager at the real one): not row-invariant.
 absl::Status LaunchLinear(Stream& stream, const LinearParams& p);
 
 }  // namespace kernels

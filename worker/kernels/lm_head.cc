@@ -7,6 +7,11 @@
 #include "worker/kernels/kernel_checks.h"
 #include "worker/kernels/linear.h"
 
+#if PDW_HAVE_CUDA
+#include "worker/kernels/lm_head_cuda.h"
+#include "worker/runtime/cuda_status.h"
+#endif
+
 namespace pdworker {
 namespace kernels {
 namespace {
@@ -28,6 +33,23 @@ void GatherRowsCpu(const GatherRowsParams& p) {
   }
 }
 
+#if PDW_HAVE_CUDA
+absl::Status GatherRowsOnCuda(Stream& stream, const GatherRowsParams& p) {
+  GatherRowsCudaParams c;
+  c.input = p.input.as<const __nv_bfloat16>();
+  c.indices = p.indices.as<const int32_t>();
+  c.output = p.output.as<__nv_bfloat16>();
+  c.num_input_rows = p.num_input_rows;
+  c.num_indices = p.num_indices;
+  c.row_size = p.row_size;
+  return LaunchCudaOp(stream, "gather_rows", [c](const OpContext& ctx) {
+    return CudaStatus(
+        LaunchGatherRowsCuda(c, static_cast<cudaStream_t>(ctx.cuda_stream)),
+        "gather_rows");
+  });
+}
+#endif
+
 }  // namespace
 
 absl::Status LaunchGatherRows(Stream& stream, const GatherRowsParams& p) {
@@ -35,24 +57,30 @@ absl::Status LaunchGatherRows(Stream& stream, const GatherRowsParams& p) {
   absl::Status status =
       FirstError({CheckPositive(kOp, "num_input_rows", p.num_input_rows),
                   CheckPositive(kOp, "num_indices", p.num_indices),
-                  CheckPositive(kOp, "row_size", p.row_size)});
+                  CheckPositive(kOp, "row_size", p.row_size),
+                  CheckModelDType(stream, kOp, "dtype", p.dtype)});
   if (!status.ok()) return status;
   const int64_t in_elements =
       static_cast<int64_t>(p.num_input_rows) * p.row_size;
   const int64_t out_elements = static_cast<int64_t>(p.num_indices) * p.row_size;
+  const size_t element = DTypeSize(p.dtype);
+  const absl::string_view type = ShortDTypeName(p.dtype);
   status = FirstError(
-      {CheckBuffer(kOp, "input", p.input, in_elements, sizeof(float),
-                   absl::StrFormat("[num_input_rows=%d, row_size=%d] fp32",
-                                   p.num_input_rows, p.row_size)),
+      {CheckBuffer(kOp, "input", p.input, in_elements, element,
+                   absl::StrFormat("[num_input_rows=%d, row_size=%d] %s",
+                                   p.num_input_rows, p.row_size, type)),
        CheckBuffer(kOp, "indices", p.indices, p.num_indices, sizeof(int32_t),
                    absl::StrFormat("[num_indices=%d] int32", p.num_indices)),
-       CheckBuffer(kOp, "output", p.output, out_elements, sizeof(float),
-                   absl::StrFormat("[num_indices=%d, row_size=%d] fp32",
-                                   p.num_indices, p.row_size)),
-       CheckDisjoint(kOp, "output", p.output, sizeof(float) * out_elements,
-                     "input", p.input, sizeof(float) * in_elements),
+       CheckBuffer(kOp, "output", p.output, out_elements, element,
+                   absl::StrFormat("[num_indices=%d, row_size=%d] %s",
+                                   p.num_indices, p.row_size, type)),
+       CheckDisjoint(kOp, "output", p.output, element * out_elements, "input",
+                     p.input, element * in_elements),
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
+#if PDW_HAVE_CUDA
+  if (stream.kind() == DeviceKind::kCuda) return GatherRowsOnCuda(stream, p);
+#endif
   return stream.Launch(kOp, [p](const OpContext&) { GatherRowsCpu(p); });
 }
 
@@ -64,38 +92,38 @@ absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p) {
       FirstError({CheckPositive(kOp, "num_tokens", p.num_tokens),
                   CheckPositive(kOp, "num_rows", p.num_rows),
                   CheckPositive(kOp, "hidden_size", p.hidden_size),
-                  CheckPositive(kOp, "vocab_size", p.vocab_size)});
+                  CheckPositive(kOp, "vocab_size", p.vocab_size),
+                  CheckModelDType(stream, kOp, "dtype", p.dtype)});
   if (!status.ok()) return status;
   const int64_t gathered_elements =
       static_cast<int64_t>(p.num_rows) * p.hidden_size;
   const int64_t logits_elements =
       static_cast<int64_t>(p.num_rows) * p.vocab_size;
+  const int64_t weight_elements =
+      static_cast<int64_t>(p.vocab_size) * p.hidden_size;
+  const size_t element = DTypeSize(p.dtype);
+  const absl::string_view type = ShortDTypeName(p.dtype);
   status = FirstError(
       {CheckBuffer(kOp, "hidden", p.hidden,
-                   static_cast<int64_t>(p.num_tokens) * p.hidden_size,
-                   sizeof(float),
-                   absl::StrFormat("[num_tokens=%d, hidden_size=%d] fp32",
-                                   p.num_tokens, p.hidden_size)),
+                   static_cast<int64_t>(p.num_tokens) * p.hidden_size, element,
+                   absl::StrFormat("[num_tokens=%d, hidden_size=%d] %s",
+                                   p.num_tokens, p.hidden_size, type)),
        CheckBuffer(kOp, "logits_indices", p.logits_indices, p.num_rows,
                    sizeof(int32_t),
                    absl::StrFormat("[num_rows=%d] int32", p.num_rows)),
-       CheckBuffer(kOp, "gathered", p.gathered, gathered_elements,
-                   sizeof(float),
-                   absl::StrFormat("[num_rows=%d, hidden_size=%d] fp32",
-                                   p.num_rows, p.hidden_size)),
-       CheckBuffer(kOp, "weight", p.weight,
-                   static_cast<int64_t>(p.vocab_size) * p.hidden_size,
-                   sizeof(float),
-                   absl::StrFormat("[vocab_size=%d, hidden_size=%d] fp32",
-                                   p.vocab_size, p.hidden_size)),
+       CheckBuffer(kOp, "gathered", p.gathered, gathered_elements, element,
+                   absl::StrFormat("[num_rows=%d, hidden_size=%d] %s",
+                                   p.num_rows, p.hidden_size, type)),
+       CheckBuffer(kOp, "weight", p.weight, weight_elements, element,
+                   absl::StrFormat("[vocab_size=%d, hidden_size=%d] %s",
+                                   p.vocab_size, p.hidden_size, type)),
        CheckBuffer(kOp, "logits", p.logits, logits_elements, sizeof(float),
                    absl::StrFormat("[num_rows=%d, vocab_size=%d] fp32",
                                    p.num_rows, p.vocab_size)),
        CheckDisjoint(kOp, "logits", p.logits, sizeof(float) * logits_elements,
-                     "gathered", p.gathered, sizeof(float) * gathered_elements),
+                     "gathered", p.gathered, element * gathered_elements),
        CheckDisjoint(kOp, "logits", p.logits, sizeof(float) * logits_elements,
-                     "weight", p.weight,
-                     sizeof(float) * p.vocab_size * p.hidden_size),
+                     "weight", p.weight, element * weight_elements),
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
 
@@ -106,6 +134,7 @@ absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p) {
   gather.num_input_rows = p.num_tokens;
   gather.num_indices = p.num_rows;
   gather.row_size = p.hidden_size;
+  gather.dtype = p.dtype;
   status = LaunchGatherRows(stream, gather);
   if (!status.ok()) return status;
 
@@ -116,6 +145,8 @@ absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p) {
   linear.num_tokens = p.num_rows;
   linear.in_features = p.hidden_size;
   linear.out_features = p.vocab_size;
+  linear.dtype = p.dtype;
+  linear.output_dtype = DType::kFloat32;
   return LaunchLinear(stream, linear);
 }
 

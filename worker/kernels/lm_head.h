@@ -5,6 +5,7 @@
 #define PDWORKER_WORKER_KERNELS_LM_HEAD_H_
 
 #include "absl/status/status.h"
+#include "worker/model/dtype.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
 
@@ -15,35 +16,41 @@ namespace kernels {
 // [0, num_input_rows) (e.g. −1 for a padding request) gives a zero row.
 // `indices` is read at run time.
 struct GatherRowsParams {
-  DeviceBuffer input;    // fp32 [>= num_input_rows, row_size]
+  DeviceBuffer input;    // [>= num_input_rows, row_size] of `dtype`
   DeviceBuffer indices;  // int32 [>= num_indices]
-  DeviceBuffer output;   // fp32 [>= num_indices, row_size]; must not overlap
-                         // input
+  DeviceBuffer output;   // [>= num_indices, row_size] of `dtype`; must not
+                         // overlap input
   int num_input_rows = 0;
   int num_indices = 0;
   int row_size = 0;
+  DType dtype = DType::kFloat32;  // fp32 on the CPU backend, bf16 on CUDA
 };
 
 absl::Status LaunchGatherRows(Stream& stream, const GatherRowsParams& p);
 
 // logits[i] = hidden[logits_indices[i]] · weightᵀ for i < num_rows:
-// gather_rows into `gathered`, then one sgemm (linear) of num_rows rows.
+// gather_rows into `gathered`, then one GEMM (linear) of num_rows rows. The
+// logits are fp32 on both backends (on CUDA: bf16 operands, fp32
+// accumulation and fp32 output, so sampling sees unrounded logits).
 // num_rows is the padded request count of the captured batch; the runner
 // fills logits_indices for padding requests with −1 (zero logits) or any
 // valid row, and samples only the real ones.
 struct LmHeadParams {
-  DeviceBuffer hidden;          // fp32 [>= num_tokens, hidden_size], normed
+  DeviceBuffer hidden;          // [>= num_tokens, hidden_size], normed
   DeviceBuffer logits_indices;  // int32 [>= num_rows]: each request's last
                                 // query row (query_start_loc[r + 1] − 1)
-  DeviceBuffer gathered;        // fp32 [>= num_rows, hidden_size] scratch
-  // fp32 [vocab_size, hidden_size] (lm_head.weight, or embed_tokens.weight
-  // when tie_word_embeddings).
+  DeviceBuffer gathered;        // [>= num_rows, hidden_size] scratch
+  // [vocab_size, hidden_size] (lm_head.weight, or embed_tokens.weight when
+  // tie_word_embeddings).
   DeviceBuffer weight;
   DeviceBuffer logits;  // fp32 [>= num_rows, vocab_size]
   int num_tokens = 0;   // padded token rows of `hidden`
   int num_rows = 0;     // padded request count (<= max_num_seqs)
   int hidden_size = 0;
   int vocab_size = 0;
+  // Element type of hidden, gathered and weight: fp32 on the CPU backend,
+  // bf16 on CUDA.
+  DType dtype = DType::kFloat32;
 };
 
 absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p);

@@ -10,9 +10,19 @@
 #include "absl/strings/str_format.h"
 #include "worker/kernels/kernel_checks.h"
 
+#if PDW_HAVE_CUDA
+#include "worker/kernels/paged_attention_cuda.h"
+#include "worker/runtime/cuda_status.h"
+#endif
+
 namespace pdworker {
 namespace kernels {
 namespace {
+
+#if PDW_HAVE_CUDA
+static_assert(kCudaAttentionMaxUniformQueryLen == kCudaAttentionMaxRowsPerCta,
+              "one CTA holds every query token of a request");
+#endif
 
 // Scores of one cache block live in a stack array; vLLM's block sizes are
 // 8..128, so this bound is generous.
@@ -194,32 +204,44 @@ void UniformDecodeAttentionCpu(const PagedAttentionParams& p) {
 
 enum class Routine { kVarlen, kUniformDecode };
 
-// Validates `p` for `routine` and returns it with defaults resolved (dense
-// query stride, 1/sqrt(head_dim) scale) in *resolved.
-absl::Status CheckAndResolve(const char* op, Routine routine,
-                             const PagedAttentionParams& p,
+// Validates `p` for `routine` on `stream`'s backend and returns it with
+// defaults resolved (dense query stride, 1/sqrt(head_dim) scale) in
+// *resolved.
+absl::Status CheckAndResolve(const Stream& stream, const char* op,
+                             Routine routine, const PagedAttentionParams& p,
                              PagedAttentionParams* resolved) {
-  absl::Status status = FirstError(
-      {CheckPositive(op, "num_tokens", p.num_tokens),
-       CheckPositive(op, "max_num_seqs", p.max_num_seqs),
-       CheckPositive(op, "num_heads", p.num_heads),
-       CheckPositive(op, "num_kv_heads", p.num_kv_heads),
-       CheckPositive(op, "head_dim", p.head_dim),
-       CheckPositive(op, "block_size", p.block_size),
-       CheckPositive(op, "num_blocks", p.num_blocks),
-       CheckPositive(op, "max_blocks_per_seq", p.max_blocks_per_seq)});
+  absl::Status status =
+      FirstError({CheckPositive(op, "num_tokens", p.num_tokens),
+                  CheckPositive(op, "max_num_seqs", p.max_num_seqs),
+                  CheckPositive(op, "num_heads", p.num_heads),
+                  CheckPositive(op, "num_kv_heads", p.num_kv_heads),
+                  CheckPositive(op, "head_dim", p.head_dim),
+                  CheckPositive(op, "block_size", p.block_size),
+                  CheckPositive(op, "num_blocks", p.num_blocks),
+                  CheckPositive(op, "max_blocks_per_seq", p.max_blocks_per_seq),
+                  CheckModelDType(stream, op, "dtype", p.dtype),
+                  CheckBackendImplemented(stream, op)});
   if (!status.ok()) return status;
   if (p.num_heads % p.num_kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s: num_heads (%d) must be a multiple of num_kv_heads (%d)", op,
         p.num_heads, p.num_kv_heads));
   }
-  if (p.head_dim > kMaxHeadDim || p.block_size > kMaxBlockSize) {
+  const bool on_cuda = stream.kind() == DeviceKind::kCuda;
+  if (!on_cuda && (p.head_dim > kMaxHeadDim || p.block_size > kMaxBlockSize)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s: head_dim %d / block_size %d exceed the CPU kernel's limits %d / "
         "%d",
         op, p.head_dim, p.block_size, kMaxHeadDim, kMaxBlockSize));
   }
+#if PDW_HAVE_CUDA
+  if (on_cuda &&
+      (p.head_dim % 2 != 0 || p.head_dim > kCudaAttentionMaxHeadDim)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: the CUDA kernels need an even head_dim <= %d, got %d", op,
+        kCudaAttentionMaxHeadDim, p.head_dim));
+  }
+#endif
   if (!(p.scale >= 0.0f) || std::isinf(p.scale)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s: scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got %g", op,
@@ -246,14 +268,24 @@ absl::Status CheckAndResolve(const char* op, Routine routine,
           "at most max_num_seqs=%d requests",
           op, p.num_tokens, p.uniform_query_len, p.max_num_seqs));
     }
+#if PDW_HAVE_CUDA
+    if (on_cuda && p.uniform_query_len > kCudaAttentionMaxRowsPerCta) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: the CUDA decode kernel takes uniform_query_len <= %d, got %d",
+          op, kCudaAttentionMaxRowsPerCta, p.uniform_query_len));
+    }
+#endif
   }
 
+  const size_t element = DTypeSize(p.dtype);
+  const absl::string_view type = ShortDTypeName(p.dtype);
   const int64_t kv_width = static_cast<int64_t>(p.num_kv_heads) * p.head_dim;
   const int64_t cache_elements =
       static_cast<int64_t>(p.num_blocks) * p.block_size * kv_width;
   const std::string cache_layout = absl::StrFormat(
-      "[num_blocks=%d, block_size=%d, num_kv_heads=%d, head_dim=%d] fp32",
-      p.num_blocks, p.block_size, p.num_kv_heads, p.head_dim);
+      "[num_blocks=%d, block_size=%d, num_kv_heads=%d, head_dim=%d] %s",
+      p.num_blocks, p.block_size, p.num_kv_heads, p.head_dim, type);
+  const bool needs_workspace = on_cuda && routine == Routine::kUniformDecode;
   status = FirstError(
       {routine == Routine::kVarlen ? CheckBuffer(op, "num_reqs", p.num_reqs, 1,
                                                  sizeof(int32_t), "[1] int32")
@@ -275,45 +307,108 @@ absl::Status CheckAndResolve(const char* op, Routine routine,
        CheckBuffer(
            op, "query", p.query,
            StridedElements(p.num_tokens, q_width, resolved->query_row_stride),
-           sizeof(float),
-           absl::StrFormat(
-               "[num_tokens=%d, num_heads=%d, head_dim=%d] fp32, row "
-               "stride %d",
-               p.num_tokens, p.num_heads, p.head_dim,
-               resolved->query_row_stride)),
-       CheckBuffer(op, "key_cache", p.key_cache, cache_elements, sizeof(float),
+           element,
+           absl::StrFormat("[num_tokens=%d, num_heads=%d, head_dim=%d] %s, row "
+                           "stride %d",
+                           p.num_tokens, p.num_heads, p.head_dim, type,
+                           resolved->query_row_stride)),
+       CheckBuffer(op, "key_cache", p.key_cache, cache_elements, element,
                    cache_layout),
-       CheckBuffer(op, "value_cache", p.value_cache, cache_elements,
-                   sizeof(float), cache_layout),
+       CheckBuffer(op, "value_cache", p.value_cache, cache_elements, element,
+                   cache_layout),
        CheckBuffer(
            op, "output", p.output, static_cast<int64_t>(p.num_tokens) * q_width,
-           sizeof(float),
-           absl::StrFormat("[num_tokens=%d, num_heads=%d, head_dim=%d] fp32",
-                           p.num_tokens, p.num_heads, p.head_dim))});
+           element,
+           absl::StrFormat("[num_tokens=%d, num_heads=%d, head_dim=%d] %s",
+                           p.num_tokens, p.num_heads, p.head_dim, type)),
+       needs_workspace
+           ? CheckBuffer(op, "workspace", p.workspace,
+                         static_cast<int64_t>(PagedAttentionWorkspaceBytes(
+                             p.num_tokens, p.num_heads, p.head_dim,
+                             p.max_blocks_per_seq, p.block_size)),
+                         1, "PagedAttentionWorkspaceBytes(...) bytes")
+           : absl::OkStatus()});
   if (!status.ok()) return status;
   // The output is written while q and the caches are still being read.
-  const size_t out_bytes = sizeof(float) * p.num_tokens * q_width;
+  const size_t out_bytes = element * p.num_tokens * q_width;
   return FirstError(
-      {CheckDisjoint(
-           op, "output", p.output, out_bytes, "query", p.query,
-           sizeof(float) * StridedElements(p.num_tokens, q_width,
-                                           resolved->query_row_stride)),
+      {CheckDisjoint(op, "output", p.output, out_bytes, "query", p.query,
+                     element * StridedElements(p.num_tokens, q_width,
+                                               resolved->query_row_stride)),
        CheckDisjoint(op, "output", p.output, out_bytes, "key_cache",
-                     p.key_cache, sizeof(float) * cache_elements),
+                     p.key_cache, element * cache_elements),
        CheckDisjoint(op, "output", p.output, out_bytes, "value_cache",
-                     p.value_cache, sizeof(float) * cache_elements)});
+                     p.value_cache, element * cache_elements)});
 }
 
+#if PDW_HAVE_CUDA
+PagedAttentionCudaParams ToCudaParams(const PagedAttentionParams& p) {
+  PagedAttentionCudaParams c;
+  c.num_reqs = p.num_reqs.as<const int32_t>();
+  c.query_start_loc = p.query_start_loc.as<const int32_t>();
+  c.seq_lens = p.seq_lens.as<const int32_t>();
+  c.block_tables = p.block_tables.as<const int32_t>();
+  c.query = p.query.as<const __nv_bfloat16>();
+  c.key_cache = p.key_cache.as<const __nv_bfloat16>();
+  c.value_cache = p.value_cache.as<const __nv_bfloat16>();
+  c.output = p.output.as<__nv_bfloat16>();
+  c.workspace = p.workspace.as<float>();
+  c.num_tokens = p.num_tokens;
+  c.max_num_seqs = p.max_num_seqs;
+  c.num_heads = p.num_heads;
+  c.num_kv_heads = p.num_kv_heads;
+  c.head_dim = p.head_dim;
+  c.block_size = p.block_size;
+  c.num_blocks = p.num_blocks;
+  c.max_blocks_per_seq = p.max_blocks_per_seq;
+  c.query_row_stride = p.query_row_stride;
+  c.scale = p.scale;
+  c.uniform_query_len = p.uniform_query_len;
+  c.partition_tokens = kCudaAttentionPartitionTokens;
+  return c;
+}
+#endif
+
 }  // namespace
+
+AttentionCGSupport PagedAttentionCGSupport(DeviceKind kind) {
+  return kind == DeviceKind::kCuda ? kCudaPagedAttentionCGSupport
+                                   : kCpuPagedAttentionCGSupport;
+}
+
+size_t PagedAttentionWorkspaceBytes(int max_decode_tokens, int num_heads,
+                                    int head_dim, int max_blocks_per_seq,
+                                    int block_size) {
+  if (max_decode_tokens <= 0 || num_heads <= 0 || head_dim <= 0 ||
+      max_blocks_per_seq <= 0 || block_size <= 0) {
+    return 0;
+  }
+  const int64_t max_context =
+      static_cast<int64_t>(max_blocks_per_seq) * block_size;
+  const int64_t partitions = (max_context + kCudaAttentionPartitionTokens - 1) /
+                             kCudaAttentionPartitionTokens;
+  // Per (token, head, partition): head_dim outputs, a max and a sum.
+  return sizeof(float) * static_cast<size_t>(max_decode_tokens) * num_heads *
+         partitions * (head_dim + 2);
+}
 
 absl::Status LaunchPagedAttention(Stream& stream,
                                   const PagedAttentionParams& p) {
   constexpr char kOp[] = "paged_attention";
   PagedAttentionParams resolved;
   absl::Status status =
-      FirstError({CheckAndResolve(kOp, Routine::kVarlen, p, &resolved),
-                  CheckBackendImplemented(stream, kOp)});
+      CheckAndResolve(stream, kOp, Routine::kVarlen, p, &resolved);
   if (!status.ok()) return status;
+#if PDW_HAVE_CUDA
+  if (stream.kind() == DeviceKind::kCuda) {
+    const PagedAttentionCudaParams c = ToCudaParams(resolved);
+    return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
+      return CudaStatus(LaunchPagedAttentionVarlenCuda(
+                            c, static_cast<cudaStream_t>(ctx.cuda_stream)),
+                        "paged_attention");
+    });
+  }
+#endif
   return stream.Launch(
       kOp, [resolved](const OpContext&) { VarlenAttentionCpu(resolved); });
 }
@@ -323,9 +418,18 @@ absl::Status LaunchPagedAttentionUniformDecode(Stream& stream,
   constexpr char kOp[] = "paged_attention_decode";
   PagedAttentionParams resolved;
   absl::Status status =
-      FirstError({CheckAndResolve(kOp, Routine::kUniformDecode, p, &resolved),
-                  CheckBackendImplemented(stream, kOp)});
+      CheckAndResolve(stream, kOp, Routine::kUniformDecode, p, &resolved);
   if (!status.ok()) return status;
+#if PDW_HAVE_CUDA
+  if (stream.kind() == DeviceKind::kCuda) {
+    const PagedAttentionCudaParams c = ToCudaParams(resolved);
+    return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
+      return CudaStatus(LaunchPagedAttentionDecodeCuda(
+                            c, static_cast<cudaStream_t>(ctx.cuda_stream)),
+                        "paged_attention_decode");
+    });
+  }
+#endif
   return stream.Launch(kOp, [resolved](const OpContext&) {
     UniformDecodeAttentionCpu(resolved);
   });

@@ -8,8 +8,12 @@
 #ifndef PDWORKER_WORKER_KERNELS_PAGED_ATTENTION_H_
 #define PDWORKER_WORKER_KERNELS_PAGED_ATTENTION_H_
 
+#include <cstddef>
+
 #include "absl/status/status.h"
 #include "dispatcher/attention_cg_support.h"
+#include "worker/model/dtype.h"
+#include "worker/runtime/device.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
 
@@ -24,6 +28,39 @@ namespace kernels {
 // any split into requests — so attention may be inside FULL graphs always.
 constexpr AttentionCGSupport kCpuPagedAttentionCGSupport =
     AttentionCGSupport::kAlways;
+
+// The CUDA kernels obey the same contract: every per-step value (num_reqs,
+// query_start_loc, seq_lens, block_tables, slots) is read by the kernels on
+// the device, and every grid is sized from the params' fixed shape only
+// (padded num_tokens, max_num_seqs, heads, max_blocks_per_seq); CTAs with no
+// work return at once. The decode routine's split-K partials live in a
+// workspace allocated at startup for the largest decode batch and the
+// longest context. Both routines are therefore safe inside FULL graphs for
+// any batch (mixed prefill/decode included).
+constexpr AttentionCGSupport kCudaPagedAttentionCGSupport =
+    AttentionCGSupport::kAlways;
+
+// The support constant of the kernels that run on `kind`.
+AttentionCGSupport PagedAttentionCGSupport(DeviceKind kind);
+
+// CUDA uniform decode (flash-decoding): cache positions per split-K
+// partition. 512 keys of a 128-wide head are 256 KiB of K and V per (request,
+// kv head) partition: long enough to amortize the partition's fixed cost,
+// short enough that a single 16k-token sequence still spreads over
+// 32 × num_kv_heads CTAs.
+inline constexpr int kCudaAttentionPartitionTokens = 512;
+
+// The CUDA uniform decode routine handles query lengths up to this (1 +
+// speculative tokens); a CTA holds at most 8 query rows.
+inline constexpr int kCudaAttentionMaxUniformQueryLen = 8;
+
+// Bytes of the CUDA decode routine's workspace (fp32 partial outputs, maxima
+// and sums per partition) for launches of up to `max_decode_tokens` query
+// rows (max_num_seqs × uniform_query_len) against contexts of up to
+// max_blocks_per_seq × block_size tokens. The CPU kernels need none.
+size_t PagedAttentionWorkspaceBytes(int max_decode_tokens, int num_heads,
+                                    int head_dim, int max_blocks_per_seq,
+                                    int block_size);
 
 struct PagedAttentionParams {
   // --- Step metadata (int32), read at run time. ---
@@ -40,7 +77,7 @@ struct PagedAttentionParams {
   // positions 0, block_size, 2·block_size, ... in order (any block ids).
   DeviceBuffer block_tables;
 
-  // --- Tensors (fp32). ---
+  // --- Tensors, of `dtype` (fp32 on the CPU backend, bf16 on CUDA). ---
   // [num_tokens, num_heads, head_dim], rows `query_row_stride` elements
   // apart (0: dense), so q may be a slice of a fused qkv output. Already
   // rotated (rope_kv_cache), whose k/v for this step are already in the cache.
@@ -67,6 +104,12 @@ struct PagedAttentionParams {
   // rows [r·k, (r + 1)·k) and num_tokens / k (<= max_num_seqs) requests are
   // processed, padding requests (seq_len 0) included.
   int uniform_query_len = 0;
+  DType dtype = DType::kFloat32;
+  // CUDA uniform decode only: scratch of at least
+  // PagedAttentionWorkspaceBytes(num_tokens, num_heads, head_dim,
+  // max_blocks_per_seq, block_size) bytes, from the startup arena. Ignored
+  // elsewhere (may be empty).
+  DeviceBuffer workspace;
 };
 
 // Varlen causal attention. For r < num_reqs[0] with q_len = query_start_loc
@@ -79,6 +122,10 @@ absl::Status LaunchPagedAttention(Stream& stream,
 // Uniform decode: the same math for num_tokens / uniform_query_len requests
 // of uniform_query_len tokens each; query_start_loc and num_reqs are not
 // read. A request with seq_len 0 (padding) gets zeros, never NaN.
+// CPU: the varlen inner loop, so both routines give the same bits. CUDA:
+// split-K over partitions of kCudaAttentionPartitionTokens keys plus a
+// reduce kernel (uniform_query_len <= 8); its bits differ from the varlen
+// routine's (another summation order), but are fixed for a given shape.
 absl::Status LaunchPagedAttentionUniformDecode(Stream& stream,
                                                const PagedAttentionParams& p);
 

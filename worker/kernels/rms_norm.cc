@@ -7,6 +7,11 @@
 #include "absl/strings/str_format.h"
 #include "worker/kernels/kernel_checks.h"
 
+#if PDW_HAVE_CUDA
+#include "worker/kernels/rms_norm_cuda.h"
+#include "worker/runtime/cuda_status.h"
+#endif
+
 namespace pdworker {
 namespace kernels {
 namespace {
@@ -52,7 +57,7 @@ void FusedAddRmsNormCpu(const FusedAddRmsNormParams& p) {
 
 absl::Status CheckRowsAndWeight(absl::string_view op, int num_tokens,
                                 int hidden_size, float epsilon,
-                                const DeviceBuffer& weight) {
+                                const DeviceBuffer& weight, DType dtype) {
   absl::Status status =
       FirstError({CheckPositive(op, "num_tokens", num_tokens),
                   CheckPositive(op, "hidden_size", hidden_size)});
@@ -61,31 +66,59 @@ absl::Status CheckRowsAndWeight(absl::string_view op, int num_tokens,
     return absl::InvalidArgumentError(
         absl::StrFormat("%s: epsilon must be >= 0, got %g", op, epsilon));
   }
-  return CheckBuffer(op, "weight", weight, hidden_size, sizeof(float),
-                     absl::StrFormat("[hidden_size=%d] fp32", hidden_size));
+  return CheckBuffer(op, "weight", weight, hidden_size, DTypeSize(dtype),
+                     absl::StrFormat("[hidden_size=%d] %s", hidden_size,
+                                     ShortDTypeName(dtype)));
 }
 
-std::string ActivationLayout(int num_tokens, int hidden_size) {
-  return absl::StrFormat("[num_tokens=%d, hidden_size=%d] fp32", num_tokens,
-                         hidden_size);
+std::string ActivationLayout(int num_tokens, int hidden_size, DType dtype) {
+  return absl::StrFormat("[num_tokens=%d, hidden_size=%d] %s", num_tokens,
+                         hidden_size, ShortDTypeName(dtype));
 }
+
+#if PDW_HAVE_CUDA
+absl::Status RmsNormOnCuda(Stream& stream, absl::string_view op,
+                           const RmsNormCudaParams& c) {
+  const std::string name(op);
+  return LaunchCudaOp(stream, op, [c, name](const OpContext& ctx) {
+    return CudaStatus(
+        LaunchRmsNormCuda(c, static_cast<cudaStream_t>(ctx.cuda_stream)), name);
+  });
+}
+#endif
 
 }  // namespace
 
 absl::Status LaunchRmsNorm(Stream& stream, const RmsNormParams& p) {
   constexpr char kOp[] = "rms_norm";
   absl::Status status =
-      CheckRowsAndWeight(kOp, p.num_tokens, p.hidden_size, p.epsilon, p.weight);
+      FirstError({CheckModelDType(stream, kOp, "dtype", p.dtype),
+                  CheckRowsAndWeight(kOp, p.num_tokens, p.hidden_size,
+                                     p.epsilon, p.weight, p.dtype)});
   if (!status.ok()) return status;
   const int64_t elements = static_cast<int64_t>(p.num_tokens) * p.hidden_size;
-  const std::string layout = ActivationLayout(p.num_tokens, p.hidden_size);
+  const size_t element = DTypeSize(p.dtype);
+  const std::string layout =
+      ActivationLayout(p.num_tokens, p.hidden_size, p.dtype);
   status = FirstError(
-      {CheckBuffer(kOp, "input", p.input, elements, sizeof(float), layout),
-       CheckBuffer(kOp, "output", p.output, elements, sizeof(float), layout),
-       CheckSameOrDisjoint(kOp, "output", p.output, sizeof(float) * elements,
-                           "input", p.input, sizeof(float) * elements),
+      {CheckBuffer(kOp, "input", p.input, elements, element, layout),
+       CheckBuffer(kOp, "output", p.output, elements, element, layout),
+       CheckSameOrDisjoint(kOp, "output", p.output, element * elements, "input",
+                           p.input, element * elements),
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
+#if PDW_HAVE_CUDA
+  if (stream.kind() == DeviceKind::kCuda) {
+    RmsNormCudaParams c;
+    c.input = p.input.as<const __nv_bfloat16>();
+    c.weight = p.weight.as<const __nv_bfloat16>();
+    c.output = p.output.as<__nv_bfloat16>();
+    c.num_tokens = p.num_tokens;
+    c.hidden_size = p.hidden_size;
+    c.epsilon = p.epsilon;
+    return RmsNormOnCuda(stream, kOp, c);
+  }
+#endif
   return stream.Launch(kOp, [p](const OpContext&) { RmsNormCpu(p); });
 }
 
@@ -93,16 +126,19 @@ absl::Status LaunchFusedAddRmsNorm(Stream& stream,
                                    const FusedAddRmsNormParams& p) {
   constexpr char kOp[] = "fused_add_rms_norm";
   absl::Status status =
-      CheckRowsAndWeight(kOp, p.num_tokens, p.hidden_size, p.epsilon, p.weight);
+      FirstError({CheckModelDType(stream, kOp, "dtype", p.dtype),
+                  CheckRowsAndWeight(kOp, p.num_tokens, p.hidden_size,
+                                     p.epsilon, p.weight, p.dtype)});
   if (!status.ok()) return status;
   const int64_t elements = static_cast<int64_t>(p.num_tokens) * p.hidden_size;
-  const size_t bytes = sizeof(float) * elements;
-  const std::string layout = ActivationLayout(p.num_tokens, p.hidden_size);
+  const size_t element = DTypeSize(p.dtype);
+  const size_t bytes = element * elements;
+  const std::string layout =
+      ActivationLayout(p.num_tokens, p.hidden_size, p.dtype);
   status = FirstError(
-      {CheckBuffer(kOp, "input", p.input, elements, sizeof(float), layout),
-       CheckBuffer(kOp, "residual", p.residual, elements, sizeof(float),
-                   layout),
-       CheckBuffer(kOp, "output", p.output, elements, sizeof(float), layout),
+      {CheckBuffer(kOp, "input", p.input, elements, element, layout),
+       CheckBuffer(kOp, "residual", p.residual, elements, element, layout),
+       CheckBuffer(kOp, "output", p.output, elements, element, layout),
        CheckDisjoint(kOp, "residual", p.residual, bytes, "input", p.input,
                      bytes),
        CheckDisjoint(kOp, "residual", p.residual, bytes, "output", p.output,
@@ -111,6 +147,19 @@ absl::Status LaunchFusedAddRmsNorm(Stream& stream,
                            bytes),
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
+#if PDW_HAVE_CUDA
+  if (stream.kind() == DeviceKind::kCuda) {
+    RmsNormCudaParams c;
+    c.input = p.input.as<const __nv_bfloat16>();
+    c.residual = p.residual.as<__nv_bfloat16>();
+    c.weight = p.weight.as<const __nv_bfloat16>();
+    c.output = p.output.as<__nv_bfloat16>();
+    c.num_tokens = p.num_tokens;
+    c.hidden_size = p.hidden_size;
+    c.epsilon = p.epsilon;
+    return RmsNormOnCuda(stream, kOp, c);
+  }
+#endif
   return stream.Launch(kOp, [p](const OpContext&) { FusedAddRmsNormCpu(p); });
 }
 

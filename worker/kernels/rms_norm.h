@@ -4,21 +4,25 @@
 #define PDWORKER_WORKER_KERNELS_RMS_NORM_H_
 
 #include "absl/status/status.h"
+#include "worker/model/dtype.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
 
 namespace pdworker {
 namespace kernels {
 
+// Tensors are of `dtype`: fp32 on the CPU backend (statistics in double),
+// bf16 on CUDA (statistics in fp32, one rounding of the output).
 struct RmsNormParams {
-  DeviceBuffer input;   // fp32 [>= num_tokens, hidden_size]
-  DeviceBuffer weight;  // fp32 [hidden_size]
-  // fp32 [>= num_tokens, hidden_size]. May be `input` itself (in place):
-  // each row is fully read before it is written.
+  DeviceBuffer input;   // [>= num_tokens, hidden_size]
+  DeviceBuffer weight;  // [hidden_size]
+  // [>= num_tokens, hidden_size]. May be `input` itself (in place): each row
+  // is fully read before it is written.
   DeviceBuffer output;
   int num_tokens = 0;  // padded; padding rows are normalized too (harmless)
   int hidden_size = 0;
   float epsilon = 1e-6f;  // config.json "rms_norm_eps"
+  DType dtype = DType::kFloat32;
 };
 
 // output[t] = rmsnorm(input[t]) * weight.
@@ -29,16 +33,18 @@ absl::Status LaunchRmsNorm(Stream& stream, const RmsNormParams& p);
 //   residual[t] += input[t]           (the skip connection, kept for later)
 //   output[t]    = rmsnorm(residual[t]) * weight
 // `output` may be `input` (vLLM writes the result over `input`); `residual`
-// must be neither.
+// must be neither. On CUDA the residual is stored in bf16 and the norm is
+// taken of the stored (rounded) residual, as vLLM does.
 struct FusedAddRmsNormParams {
-  DeviceBuffer input;     // fp32 [>= num_tokens, hidden_size]: the sublayer's
+  DeviceBuffer input;     // [>= num_tokens, hidden_size]: the sublayer's
                           // output (attention o_proj or MLP down_proj)
-  DeviceBuffer residual;  // fp32 [>= num_tokens, hidden_size], read-write
-  DeviceBuffer weight;    // fp32 [hidden_size]
-  DeviceBuffer output;    // fp32 [>= num_tokens, hidden_size]; may be `input`
+  DeviceBuffer residual;  // [>= num_tokens, hidden_size], read-write
+  DeviceBuffer weight;    // [hidden_size]
+  DeviceBuffer output;    // [>= num_tokens, hidden_size]; may be `input`
   int num_tokens = 0;
   int hidden_size = 0;
   float epsilon = 1e-6f;
+  DType dtype = DType::kFloat32;  // of every tensor above
 };
 
 absl::Status LaunchFusedAddRmsNorm(Stream& stream,

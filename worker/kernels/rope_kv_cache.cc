@@ -9,6 +9,11 @@
 #include "glog/logging.h"
 #include "worker/kernels/kernel_checks.h"
 
+#if PDW_HAVE_CUDA
+#include "worker/kernels/rope_kv_cache_cuda.h"
+#include "worker/runtime/cuda_status.h"
+#endif
+
 namespace pdworker {
 namespace kernels {
 namespace {
@@ -65,6 +70,33 @@ void RopeKvCacheCpu(const RopeKvCacheParams& p) {
                 sizeof(float) * kv_row);
   }
 }
+
+#if PDW_HAVE_CUDA
+absl::Status RopeKvCacheOnCuda(Stream& stream, const RopeKvCacheParams& p) {
+  RopeKvCacheCudaParams c;
+  c.positions = p.positions.as<const int32_t>();
+  c.slot_mapping = p.slot_mapping.as<const int32_t>();
+  c.inv_freq = p.inv_freq.as<const float>();
+  c.query = p.query.as<__nv_bfloat16>();
+  c.key = p.key.as<__nv_bfloat16>();
+  c.value = p.value.as<const __nv_bfloat16>();
+  c.key_cache = p.key_cache.as<__nv_bfloat16>();
+  c.value_cache = p.value_cache.as<__nv_bfloat16>();
+  c.num_tokens = p.num_tokens;
+  c.num_heads = p.num_heads;
+  c.num_kv_heads = p.num_kv_heads;
+  c.head_dim = p.head_dim;
+  c.num_slots = static_cast<int64_t>(p.num_blocks) * p.block_size;
+  c.query_row_stride = p.query_row_stride;
+  c.key_row_stride = p.key_row_stride;
+  c.value_row_stride = p.value_row_stride;
+  return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
+    return CudaStatus(
+        LaunchRopeKvCacheCuda(c, static_cast<cudaStream_t>(ctx.cuda_stream)),
+        kOp);
+  });
+}
+#endif
 
 }  // namespace
 
@@ -163,11 +195,14 @@ absl::Status LaunchRopeKvCache(Stream& stream, const RopeKvCacheParams& p) {
   }
   const int64_t cache_elements =
       static_cast<int64_t>(p.num_blocks) * p.block_size * kv_width;
+  const size_t element = DTypeSize(p.dtype);
+  const absl::string_view type = ShortDTypeName(p.dtype);
   const std::string cache_layout = absl::StrFormat(
-      "[num_blocks=%d, block_size=%d, num_kv_heads=%d, head_dim=%d] fp32",
-      p.num_blocks, p.block_size, p.num_kv_heads, p.head_dim);
+      "[num_blocks=%d, block_size=%d, num_kv_heads=%d, head_dim=%d] %s",
+      p.num_blocks, p.block_size, p.num_kv_heads, p.head_dim, type);
   status = FirstError(
-      {CheckBuffer(kOp, "positions", p.positions, p.num_tokens, sizeof(int32_t),
+      {CheckModelDType(stream, kOp, "dtype", p.dtype),
+       CheckBuffer(kOp, "positions", p.positions, p.num_tokens, sizeof(int32_t),
                    absl::StrFormat("[num_tokens=%d] int32", p.num_tokens)),
        CheckBuffer(kOp, "slot_mapping", p.slot_mapping, p.num_tokens,
                    sizeof(int32_t),
@@ -177,33 +212,38 @@ absl::Status LaunchRopeKvCache(Stream& stream, const RopeKvCacheParams& p) {
        CheckBuffer(
            kOp, "query", p.query,
            StridedElements(p.num_tokens, q_width, resolved.query_row_stride),
-           sizeof(float),
+           element,
            absl::StrFormat("[num_tokens=%d, num_heads=%d, "
-                           "head_dim=%d] fp32, row stride %d",
-                           p.num_tokens, p.num_heads, p.head_dim,
+                           "head_dim=%d] %s, row stride %d",
+                           p.num_tokens, p.num_heads, p.head_dim, type,
                            resolved.query_row_stride)),
        CheckBuffer(
            kOp, "key", p.key,
            StridedElements(p.num_tokens, kv_width, resolved.key_row_stride),
-           sizeof(float),
+           element,
            absl::StrFormat("[num_tokens=%d, num_kv_heads=%d, "
-                           "head_dim=%d] fp32, row stride %d",
-                           p.num_tokens, p.num_kv_heads, p.head_dim,
+                           "head_dim=%d] %s, row stride %d",
+                           p.num_tokens, p.num_kv_heads, p.head_dim, type,
                            resolved.key_row_stride)),
        CheckBuffer(
            kOp, "value", p.value,
            StridedElements(p.num_tokens, kv_width, resolved.value_row_stride),
-           sizeof(float),
+           element,
            absl::StrFormat("[num_tokens=%d, num_kv_heads=%d, "
-                           "head_dim=%d] fp32, row stride %d",
-                           p.num_tokens, p.num_kv_heads, p.head_dim,
+                           "head_dim=%d] %s, row stride %d",
+                           p.num_tokens, p.num_kv_heads, p.head_dim, type,
                            resolved.value_row_stride)),
-       CheckBuffer(kOp, "key_cache", p.key_cache, cache_elements, sizeof(float),
+       CheckBuffer(kOp, "key_cache", p.key_cache, cache_elements, element,
                    cache_layout),
-       CheckBuffer(kOp, "value_cache", p.value_cache, cache_elements,
-                   sizeof(float), cache_layout),
+       CheckBuffer(kOp, "value_cache", p.value_cache, cache_elements, element,
+                   cache_layout),
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
+#if PDW_HAVE_CUDA
+  if (stream.kind() == DeviceKind::kCuda) {
+    return RopeKvCacheOnCuda(stream, resolved);
+  }
+#endif
   return stream.Launch(
       kOp, [resolved](const OpContext&) { RopeKvCacheCpu(resolved); });
 }

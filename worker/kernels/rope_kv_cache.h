@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "worker/model/dtype.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
 
@@ -65,10 +66,10 @@ struct RopeKvCacheParams {
   // `*_row_stride` elements apart (0 means dense: num_heads * head_dim for q,
   // num_kv_heads * head_dim for k and v), so q, k and v may be column slices
   // of one fused qkv projection output [num_tokens, (H + 2·KV) · head_dim].
-  DeviceBuffer query;  // fp32 [num_tokens, num_heads, head_dim]
-  DeviceBuffer key;    // fp32 [num_tokens, num_kv_heads, head_dim]
-  DeviceBuffer value;  // fp32 [num_tokens, num_kv_heads, head_dim]
-  // One layer's cache, fp32 [num_blocks, block_size, num_kv_heads, head_dim].
+  DeviceBuffer query;  // [num_tokens, num_heads, head_dim]
+  DeviceBuffer key;    // [num_tokens, num_kv_heads, head_dim]
+  DeviceBuffer value;  // [num_tokens, num_kv_heads, head_dim]
+  // One layer's cache, [num_blocks, block_size, num_kv_heads, head_dim].
   DeviceBuffer key_cache;
   DeviceBuffer value_cache;
   int num_tokens = 0;  // padded token count
@@ -80,6 +81,10 @@ struct RopeKvCacheParams {
   int query_row_stride = 0;
   int key_row_stride = 0;
   int value_row_stride = 0;
+  // Element type of query, key, value and the caches: fp32 on the CPU
+  // backend; bf16 on CUDA, where the rotation runs in fp32 and the rotated
+  // q/k are rounded once (the cache gets exactly the rounded k).
+  DType dtype = DType::kFloat32;
 };
 
 absl::Status LaunchRopeKvCache(Stream& stream, const RopeKvCacheParams& p);

@@ -6,8 +6,14 @@
 #include <limits>
 #include <numeric>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "worker/kernels/kernel_checks.h"
+
+#if PDW_HAVE_CUDA
+#include "worker/kernels/sampling_cuda.h"
+#include "worker/runtime/cuda_status.h"
+#endif
 
 namespace pdworker {
 namespace kernels {
@@ -180,7 +186,52 @@ void SamplingCpu(const SamplingParams& p) {
   }
 }
 
+#if PDW_HAVE_CUDA
+absl::Status SamplingOnCuda(Stream& stream, const SamplingParams& p) {
+  SamplingCudaParams c;
+  c.logits = p.logits.as<const float>();
+  c.temperature = p.temperature.as<const float>();
+  c.top_k = p.top_k.as<const int32_t>();
+  c.top_p = p.top_p.as<const float>();
+  c.seeds = p.seeds.as<const uint64_t>();
+  c.positions = p.positions.as<const int32_t>();
+  c.workspace = p.workspace.data();
+  c.sampled_token_ids = p.sampled_token_ids.as<int32_t>();
+  c.sampled_logprobs = p.sampled_logprobs.as<float>();
+  c.num_reqs = p.num_reqs;
+  c.vocab_size = p.vocab_size;
+  c.raw_logprobs = p.logprob_mode == LogprobMode::kRaw;
+  c.greedy_temperature = kGreedyTemperature;
+  return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
+    return CudaStatus(
+        LaunchSamplingCuda(c, static_cast<cudaStream_t>(ctx.cuda_stream)), kOp);
+  });
+}
+#endif
+
 }  // namespace
+
+absl::StatusOr<size_t> SamplingWorkspaceBytesFor(DeviceKind kind,
+                                                 int vocab_size,
+                                                 int max_num_reqs) {
+  if (vocab_size <= 0 || max_num_reqs <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sampling: vocab_size and max_num_reqs must be positive, got ",
+        vocab_size, " and ", max_num_reqs));
+  }
+  if (kind == DeviceKind::kCpu) return SamplingWorkspaceBytes(vocab_size);
+#if PDW_HAVE_CUDA
+  size_t bytes = 0;
+  absl::Status status =
+      CudaStatus(SamplingCudaWorkspaceBytes(vocab_size, max_num_reqs, &bytes),
+                 "sampling workspace size (cub)");
+  if (!status.ok()) return status;
+  return bytes;
+#else
+  return absl::UnimplementedError(
+      "sampling: this binary was built without the CUDA kernels");
+#endif
+}
 
 size_t SamplingWorkspaceBytes(int vocab_size) {
   const size_t vocab = vocab_size > 0 ? static_cast<size_t>(vocab_size) : 0;
@@ -226,20 +277,33 @@ absl::Status LaunchSampling(Stream& stream, const SamplingParams& p) {
                    absl::StrFormat("[num_reqs=%d] uint64", n)),
        CheckBuffer(kOp, "positions", p.positions, n, sizeof(int32_t),
                    absl::StrFormat("[num_reqs=%d] int32", n)),
-       CheckBuffer(kOp, "workspace", p.workspace,
-                   static_cast<int64_t>(SamplingWorkspaceBytes(p.vocab_size)),
-                   1, "SamplingWorkspaceBytes(vocab_size) bytes"),
        CheckBuffer(kOp, "sampled_token_ids", p.sampled_token_ids, n,
                    sizeof(int32_t), absl::StrFormat("[num_reqs=%d] int32", n)),
        CheckBuffer(kOp, "sampled_logprobs", p.sampled_logprobs, n,
                    sizeof(float), absl::StrFormat("[num_reqs=%d] fp32", n)),
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
+  absl::StatusOr<size_t> workspace_bytes =
+      SamplingWorkspaceBytesFor(stream.kind(), p.vocab_size, p.num_reqs);
+  if (!workspace_bytes.ok()) return workspace_bytes.status();
+  status = CheckBuffer(
+      kOp, "workspace", p.workspace, static_cast<int64_t>(*workspace_bytes), 1,
+      "SamplingWorkspaceBytesFor(backend, vocab_size, num_reqs) bytes");
+  if (!status.ok()) return status;
   if (reinterpret_cast<uintptr_t>(p.workspace.data()) % alignof(double) != 0 ||
       reinterpret_cast<uintptr_t>(p.seeds.data()) % alignof(uint64_t) != 0) {
     return absl::InvalidArgumentError(
         "sampling: buffers 'workspace' and 'seeds' must be 8-byte aligned");
   }
+#if PDW_HAVE_CUDA
+  if (stream.kind() == DeviceKind::kCuda) {
+    if (reinterpret_cast<uintptr_t>(p.workspace.data()) % 256 != 0) {
+      return absl::InvalidArgumentError(
+          "sampling: the CUDA workspace must be 256-byte aligned");
+    }
+    return SamplingOnCuda(stream, p);
+  }
+#endif
   return stream.Launch(kOp, [p](const OpContext&) { SamplingCpu(p); });
 }
 

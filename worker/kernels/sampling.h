@@ -14,6 +14,8 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/runtime/device.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
 
@@ -59,8 +61,10 @@ struct SamplingParams {
   // samples; use the absolute position of the token being sampled (the
   // request's seq_len after this step).
   DeviceBuffer positions;
-  // >= SamplingWorkspaceBytes(vocab_size) bytes of scratch (sort order and
-  // weights of one row), allocated once at startup.
+  // >= SamplingWorkspaceBytesFor(backend, vocab_size, num_reqs) bytes of
+  // scratch, allocated once at startup (CPU: sort order and weights of one
+  // row; CUDA: sort buffers for a group of rows, the list of rows that
+  // truncate, and cub's scratch).
   DeviceBuffer workspace;
   DeviceBuffer sampled_token_ids;  // int32 [>= num_reqs], written
   DeviceBuffer sampled_logprobs;   // fp32 [>= num_reqs], written
@@ -69,7 +73,17 @@ struct SamplingParams {
   LogprobMode logprob_mode = LogprobMode::kProcessed;
 };
 
+// The CPU kernel's workspace.
 size_t SamplingWorkspaceBytes(int vocab_size);
+
+// The workspace of the kernel that runs on `kind`, for launches of up to
+// `max_num_reqs` rows (the CPU kernel's does not depend on it). On CUDA this
+// asks cub for its sort scratch, which needs a usable GPU
+// (UNAVAILABLE/INTERNAL otherwise); UNIMPLEMENTED in a binary built without
+// CUDA.
+absl::StatusOr<size_t> SamplingWorkspaceBytesFor(DeviceKind kind,
+                                                 int vocab_size,
+                                                 int max_num_reqs);
 
 // The uniform draw in [0, 1) for (seed, position): splitmix64 of the seed
 // selects a stream and the position indexes it (53 random bits). Exposed for
@@ -78,6 +92,10 @@ double SamplingUniform(uint64_t seed, int32_t position);
 
 // FAILED_PRECONDITION while the stream is capturing (sampling is never part
 // of a graph: num_reqs would be frozen), and the capture is invalidated.
+// The CUDA kernel makes the same decisions with the same RNG: given equal
+// logits both backends sample the same token, except when u·total lies
+// within ~1e-15 (relative) of a CDF boundary, where the different summation
+// order of the double sums can tip it (see sampling.cu).
 absl::Status LaunchSampling(Stream& stream, const SamplingParams& p);
 
 }  // namespace kernels

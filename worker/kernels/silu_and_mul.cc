@@ -6,6 +6,11 @@
 #include "absl/strings/str_format.h"
 #include "worker/kernels/kernel_checks.h"
 
+#if PDW_HAVE_CUDA
+#include "worker/kernels/silu_and_mul_cuda.h"
+#include "worker/runtime/cuda_status.h"
+#endif
+
 namespace pdworker {
 namespace kernels {
 namespace {
@@ -26,6 +31,21 @@ void SiluAndMulCpu(const SiluAndMulParams& p) {
   }
 }
 
+#if PDW_HAVE_CUDA
+absl::Status SiluAndMulOnCuda(Stream& stream, const SiluAndMulParams& p) {
+  SiluAndMulCudaParams c;
+  c.input = p.input.as<const __nv_bfloat16>();
+  c.output = p.output.as<__nv_bfloat16>();
+  c.num_tokens = p.num_tokens;
+  c.intermediate_size = p.intermediate_size;
+  return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
+    return CudaStatus(
+        LaunchSiluAndMulCuda(c, static_cast<cudaStream_t>(ctx.cuda_stream)),
+        kOp);
+  });
+}
+#endif
+
 }  // namespace
 
 absl::Status LaunchSiluAndMul(Stream& stream, const SiluAndMulParams& p) {
@@ -37,18 +57,24 @@ absl::Status LaunchSiluAndMul(Stream& stream, const SiluAndMulParams& p) {
       static_cast<int64_t>(p.num_tokens) * 2 * p.intermediate_size;
   const int64_t out_elements =
       static_cast<int64_t>(p.num_tokens) * p.intermediate_size;
+  const size_t element = DTypeSize(p.dtype);
+  const absl::string_view type = ShortDTypeName(p.dtype);
   status = FirstError(
-      {CheckBuffer(
-           kOp, "input", p.input, in_elements, sizeof(float),
-           absl::StrFormat("[num_tokens=%d, 2 * intermediate_size=%d] fp32",
-                           p.num_tokens, 2 * p.intermediate_size)),
-       CheckBuffer(kOp, "output", p.output, out_elements, sizeof(float),
-                   absl::StrFormat("[num_tokens=%d, intermediate_size=%d] fp32",
-                                   p.num_tokens, p.intermediate_size)),
-       CheckDisjoint(kOp, "output", p.output, sizeof(float) * out_elements,
-                     "input", p.input, sizeof(float) * in_elements),
+      {CheckModelDType(stream, kOp, "dtype", p.dtype),
+       CheckBuffer(
+           kOp, "input", p.input, in_elements, element,
+           absl::StrFormat("[num_tokens=%d, 2 * intermediate_size=%d] %s",
+                           p.num_tokens, 2 * p.intermediate_size, type)),
+       CheckBuffer(kOp, "output", p.output, out_elements, element,
+                   absl::StrFormat("[num_tokens=%d, intermediate_size=%d] %s",
+                                   p.num_tokens, p.intermediate_size, type)),
+       CheckDisjoint(kOp, "output", p.output, element * out_elements, "input",
+                     p.input, element * in_elements),
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
+#if PDW_HAVE_CUDA
+  if (stream.kind() == DeviceKind::kCuda) return SiluAndMulOnCuda(stream, p);
+#endif
   return stream.Launch(kOp, [p](const OpContext&) { SiluAndMulCpu(p); });
 }
 

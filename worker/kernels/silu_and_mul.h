@@ -3,6 +3,7 @@
 #define PDWORKER_WORKER_KERNELS_SILU_AND_MUL_H_
 
 #include "absl/status/status.h"
+#include "worker/model/dtype.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
 
@@ -10,14 +11,16 @@ namespace pdworker {
 namespace kernels {
 
 struct SiluAndMulParams {
-  // fp32 [>= num_tokens, 2 * intermediate_size]: each row is [gate | up],
-  // the output of one linear over gate_proj and up_proj concatenated along
+  // [>= num_tokens, 2 * intermediate_size]: each row is [gate | up], the
+  // output of one linear over gate_proj and up_proj concatenated along
   // out_features (gate rows first).
   DeviceBuffer input;
-  DeviceBuffer output;  // fp32 [>= num_tokens, intermediate_size]; must not
+  DeviceBuffer output;  // [>= num_tokens, intermediate_size]; must not
                         // overlap input
   int num_tokens = 0;   // padded
   int intermediate_size = 0;
+  // fp32 on the CPU backend, bf16 on CUDA (fp32 math, one output rounding).
+  DType dtype = DType::kFloat32;
 };
 
 // output[t, i] = silu(gate[t, i]) * up[t, i], silu(x) = x / (1 + exp(-x)).

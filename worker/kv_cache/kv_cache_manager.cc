@@ -107,6 +107,26 @@ absl::Status KvCacheManager::Free(absl::string_view sequence_id) {
   return absl::OkStatus();
 }
 
+absl::Status KvCacheManager::Truncate(absl::string_view sequence_id,
+                                      int32_t num_tokens) {
+  auto it = sequences_.find(sequence_id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("unknown sequence '", sequence_id, "'"));
+  }
+  SequenceKv& seq = it->second;
+  if (num_tokens < 0 || num_tokens > seq.num_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot truncate sequence '", sequence_id, "' of ",
+                     seq.num_tokens, " tokens to ", num_tokens));
+  }
+  const int32_t keep = BlocksFor(num_tokens);
+  pool_.Free(absl::MakeConstSpan(seq.blocks).subspan(keep));
+  seq.blocks.resize(keep);
+  seq.num_tokens = num_tokens;
+  return absl::OkStatus();
+}
+
 const SequenceKv* KvCacheManager::Find(absl::string_view sequence_id) const {
   auto it = sequences_.find(sequence_id);
   return it == sequences_.end() ? nullptr : &it->second;

@@ -76,6 +76,13 @@ class KvCacheManager {
   // Frees a sequence's blocks. NOT_FOUND when unknown.
   absl::Status Free(absl::string_view sequence_id);
 
+  // Shortens a sequence to its first `num_tokens` tokens and frees the blocks
+  // past them (their K/V bytes are simply dead). Undoes earlier steps, which
+  // Undo cannot: the executor rolls back a chunked call whose later chunk
+  // failed. NOT_FOUND when unknown; INVALID_ARGUMENT unless
+  // 0 <= num_tokens <= the current length. Changes nothing on error.
+  absl::Status Truncate(absl::string_view sequence_id, int32_t num_tokens);
+
   // nullptr when unknown.
   const SequenceKv* Find(absl::string_view sequence_id) const;
   // Cache slot of token `position` of `seq` (position < seq.num_tokens).

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/kernels/embedding.h"
+#include "worker/kernels/kernel_checks.h"
 #include "worker/kernels/linear.h"
 #include "worker/kernels/lm_head.h"
 #include "worker/kernels/paged_attention.h"
@@ -20,9 +21,23 @@ namespace {
 
 constexpr size_t kAlignment = 256;
 
-size_t AlignedFloats(int64_t elements) {
-  const size_t bytes = static_cast<size_t>(elements) * sizeof(float);
+size_t Aligned(size_t bytes) {
   return (bytes + kAlignment - 1) / kAlignment * kAlignment;
+}
+
+// Query rows of the largest uniform decode launch: the decode attention
+// workspace is sized for it.
+int MaxDecodeTokens(const LlamaForwardOptions& o) {
+  return std::min(o.max_num_tokens,
+                  o.max_num_seqs * o.uniform_decode_query_len);
+}
+
+size_t AttentionWorkspaceBytes(const ModelConfig& c,
+                               const LlamaForwardOptions& o, DeviceKind kind) {
+  if (kind != DeviceKind::kCuda) return 0;
+  return kernels::PagedAttentionWorkspaceBytes(
+      MaxDecodeTokens(o), static_cast<int>(c.num_attention_heads),
+      static_cast<int>(c.head_dim), o.max_blocks_per_seq, o.block_size);
 }
 
 kernels::RopeConfig RopeConfigFor(const ModelConfig& c) {
@@ -43,22 +58,27 @@ kernels::RopeConfig RopeConfigFor(const ModelConfig& c) {
 }  // namespace
 
 size_t LlamaForward::ActivationBytes(const ModelConfig& c,
-                                     const LlamaForwardOptions& o) {
-  const int64_t t = o.max_num_tokens, s = o.max_num_seqs;
-  return AlignedFloats(t * c.hidden_size) * 2 +
-         AlignedFloats(t * (c.q_size() + 2 * c.kv_size())) +
-         AlignedFloats(t * c.q_size()) +
-         AlignedFloats(t * 2 * c.intermediate_size) +
-         AlignedFloats(t * c.intermediate_size) +
-         AlignedFloats(s * c.hidden_size) + AlignedFloats(s * c.vocab_size) +
-         AlignedFloats(c.head_dim / 2);
+                                     const LlamaForwardOptions& o,
+                                     DeviceKind kind) {
+  const size_t e = DTypeSize(kernels::ModelDTypeFor(kind));
+  const size_t f = sizeof(float);
+  const size_t t = o.max_num_tokens, s = o.max_num_seqs;
+  return Aligned(t * c.hidden_size * e) * 2 +
+         Aligned(t * (c.q_size() + 2 * c.kv_size()) * e) +
+         Aligned(t * c.q_size() * e) +
+         Aligned(t * 2 * c.intermediate_size * e) +
+         Aligned(t * c.intermediate_size * e) + Aligned(s * c.hidden_size * e) +
+         Aligned(s * c.vocab_size * f) + Aligned(c.head_dim / 2 * f) +
+         Aligned(AttentionWorkspaceBytes(c, o, kind));
 }
 
 size_t LlamaForward::KvCacheBytes(const ModelConfig& c,
-                                  const LlamaForwardOptions& o) {
-  const int64_t per_layer =
-      static_cast<int64_t>(o.num_blocks) * o.block_size * c.kv_size();
-  return 2 * c.num_hidden_layers * AlignedFloats(per_layer);
+                                  const LlamaForwardOptions& o,
+                                  DeviceKind kind) {
+  const size_t per_layer = static_cast<size_t>(o.num_blocks) * o.block_size *
+                           c.kv_size() *
+                           DTypeSize(kernels::ModelDTypeFor(kind));
+  return 2 * c.num_hidden_layers * Aligned(per_layer);
 }
 
 LlamaForward::LlamaForward(const ModelConfig& config,
@@ -82,37 +102,62 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
   }
   kernels::RopeConfig rope = RopeConfigFor(config);
   PDW_RETURN_IF_ERROR(kernels::ValidateRopeConfig(rope));
+  const DeviceKind kind = device.kind();
+  if (weights.dtype != kernels::ModelDTypeFor(kind)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "LlamaForward: ", DTypeName(weights.dtype), " weights on a ",
+        DeviceKindName(kind), " device, whose kernels compute in ",
+        DTypeName(kernels::ModelDTypeFor(kind))));
+  }
+
+  if (kind == DeviceKind::kCuda &&
+      options.uniform_decode_query_len >
+          kernels::kCudaAttentionMaxUniformQueryLen) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "LlamaForward: the CUDA decode attention handles query lengths up to ",
+        kernels::kCudaAttentionMaxUniformQueryLen,
+        " (1 + speculative tokens), got uniform_decode_query_len=",
+        options.uniform_decode_query_len));
+  }
 
   std::unique_ptr<LlamaForward> f(
       new LlamaForward(config, weights, step, options, stream));
-  PDW_ASSIGN_OR_RETURN(f->activation_arena_,
-                       Arena::Create(device, {ActivationBytes(config, options),
-                                              kAlignment, "activations"}));
-  PDW_ASSIGN_OR_RETURN(f->kv_arena_,
-                       Arena::Create(device, {KvCacheBytes(config, options),
-                                              kAlignment, "kv_cache"}));
+  PDW_ASSIGN_OR_RETURN(
+      f->activation_arena_,
+      Arena::Create(device, {ActivationBytes(config, options, kind), kAlignment,
+                             "activations"}));
+  PDW_ASSIGN_OR_RETURN(
+      f->kv_arena_, Arena::Create(device, {KvCacheBytes(config, options, kind),
+                                           kAlignment, "kv_cache"}));
   const int64_t t = options.max_num_tokens, s = options.max_num_seqs;
   Arena& a = *f->activation_arena_;
+  const size_t element = DTypeSize(weights.dtype);
+  // Bytes of n activation (or KV) elements, and of n fp32 values.
+  auto elements = [element](int64_t n) {
+    return static_cast<size_t>(n) * element;
+  };
   auto floats = [](int64_t n) {
     return static_cast<size_t>(n) * sizeof(float);
   };
   LlamaActivations& act = f->act_;
-  PDW_ASSIGN_OR_RETURN(act.residual,
-                       a.Allocate(floats(t * config.hidden_size), "residual"));
+  PDW_ASSIGN_OR_RETURN(
+      act.residual, a.Allocate(elements(t * config.hidden_size), "residual"));
   PDW_ASSIGN_OR_RETURN(act.hidden,
-                       a.Allocate(floats(t * config.hidden_size), "hidden"));
+                       a.Allocate(elements(t * config.hidden_size), "hidden"));
   PDW_ASSIGN_OR_RETURN(
       act.qkv,
-      a.Allocate(floats(t * (config.q_size() + 2 * config.kv_size())), "qkv"));
+      a.Allocate(elements(t * (config.q_size() + 2 * config.kv_size())),
+                 "qkv"));
   PDW_ASSIGN_OR_RETURN(act.attn_out,
-                       a.Allocate(floats(t * config.q_size()), "attn_out"));
+                       a.Allocate(elements(t * config.q_size()), "attn_out"));
   PDW_ASSIGN_OR_RETURN(
       act.gate_up,
-      a.Allocate(floats(t * 2 * config.intermediate_size), "gate_up"));
+      a.Allocate(elements(t * 2 * config.intermediate_size), "gate_up"));
   PDW_ASSIGN_OR_RETURN(
-      act.mlp_act, a.Allocate(floats(t * config.intermediate_size), "mlp_act"));
-  PDW_ASSIGN_OR_RETURN(act.gathered,
-                       a.Allocate(floats(s * config.hidden_size), "gathered"));
+      act.mlp_act,
+      a.Allocate(elements(t * config.intermediate_size), "mlp_act"));
+  PDW_ASSIGN_OR_RETURN(
+      act.gathered, a.Allocate(elements(s * config.hidden_size), "gathered"));
   PDW_ASSIGN_OR_RETURN(act.logits,
                        a.Allocate(floats(s * config.vocab_size), "logits"));
   PDW_ASSIGN_OR_RETURN(act.inv_freq,
@@ -120,15 +165,21 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
   const std::vector<float> inv_freq = kernels::ComputeRopeInvFreq(rope);
   PDW_RETURN_IF_ERROR(stream.CopyToDevice(act.inv_freq, inv_freq.data(),
                                           inv_freq.size() * sizeof(float)));
+  const size_t workspace_bytes = AttentionWorkspaceBytes(config, options, kind);
+  if (workspace_bytes > 0) {
+    PDW_ASSIGN_OR_RETURN(act.attention_workspace,
+                         a.Allocate(workspace_bytes, "attention_workspace"));
+  }
 
   const int64_t cache_elems = static_cast<int64_t>(options.num_blocks) *
                               options.block_size * config.kv_size();
   for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
-    PDW_ASSIGN_OR_RETURN(DeviceBuffer k, f->kv_arena_->Allocate(
-                                             floats(cache_elems), "key_cache"));
+    PDW_ASSIGN_OR_RETURN(
+        DeviceBuffer k,
+        f->kv_arena_->Allocate(elements(cache_elems), "key_cache"));
     PDW_ASSIGN_OR_RETURN(
         DeviceBuffer v,
-        f->kv_arena_->Allocate(floats(cache_elems), "value_cache"));
+        f->kv_arena_->Allocate(elements(cache_elems), "value_cache"));
     f->key_cache_.push_back(k);
     f->value_cache_.push_back(v);
   }
@@ -186,7 +237,9 @@ absl::Status LlamaForward::RunBody(const ForwardContext& context) {
 
 absl::Status LlamaForward::RunQkv(int layer, int num_tokens) {
   const LlamaLayerWeights& w = weights_.layers[layer];
-  // {input, weight, bias, output, num_tokens, in_features, out_features}
+  const DType dtype = weights_.dtype;
+  // {input, weight, bias, output, num_tokens, in_features, out_features,
+  //  dtype, output_dtype}
   const kernels::LinearParams qkv{
       act_.hidden,
       w.qkv,
@@ -194,7 +247,9 @@ absl::Status LlamaForward::RunQkv(int layer, int num_tokens) {
       act_.qkv,
       num_tokens,
       static_cast<int>(config_.hidden_size),
-      static_cast<int>(config_.q_size() + 2 * config_.kv_size())};
+      static_cast<int>(config_.q_size() + 2 * config_.kv_size()),
+      dtype,
+      dtype};
   return kernels::LaunchLinear(stream_, qkv);
 }
 
@@ -204,27 +259,33 @@ absl::Status LlamaForward::RunOutputAndMlp(int layer, int num_tokens) {
   const int inter = static_cast<int>(config_.intermediate_size);
   const int q_size = static_cast<int>(config_.q_size());
   const float eps = static_cast<float>(config_.rms_norm_eps);
+  const DType dtype = weights_.dtype;
 
-  // Linear params: {input, weight, bias, output, num_tokens, in, out}.
-  const kernels::LinearParams o{act_.attn_out, w.o_proj, w.o_bias, act_.hidden,
-                                num_tokens,    q_size,   hidden};
+  // Linear params: {input, weight, bias, output, num_tokens, in, out,
+  // dtype, output_dtype}.
+  const kernels::LinearParams o{act_.attn_out, w.o_proj,   w.o_bias,
+                                act_.hidden,   num_tokens, q_size,
+                                hidden,        dtype,      dtype};
   PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, o));
 
   // residual += attention output; hidden = post_norm(residual).
   kernels::FusedAddRmsNormParams post{act_.hidden, act_.residual, w.post_norm,
                                       act_.hidden, num_tokens,    hidden,
-                                      eps};
+                                      eps,         dtype};
   PDW_RETURN_IF_ERROR(kernels::LaunchFusedAddRmsNorm(stream_, post));
 
-  const kernels::LinearParams gate_up{
-      act_.hidden, w.gate_up, {}, act_.gate_up, num_tokens, hidden, 2 * inter};
+  const kernels::LinearParams gate_up{act_.hidden,  w.gate_up,  {},
+                                      act_.gate_up, num_tokens, hidden,
+                                      2 * inter,    dtype,      dtype};
   PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, gate_up));
 
-  kernels::SiluAndMulParams silu{act_.gate_up, act_.mlp_act, num_tokens, inter};
+  kernels::SiluAndMulParams silu{act_.gate_up, act_.mlp_act, num_tokens, inter,
+                                 dtype};
   PDW_RETURN_IF_ERROR(kernels::LaunchSiluAndMul(stream_, silu));
 
-  const kernels::LinearParams down{act_.mlp_act, w.down, {},    act_.hidden,
-                                   num_tokens,   inter,  hidden};
+  const kernels::LinearParams down{act_.mlp_act, w.down,     {},
+                                   act_.hidden,  num_tokens, inter,
+                                   hidden,       dtype,      dtype};
   return kernels::LaunchLinear(stream_, down);
 }
 
@@ -233,6 +294,7 @@ absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
   const int num_layers = static_cast<int>(config_.num_hidden_layers);
   const int hidden = static_cast<int>(config_.hidden_size);
   const float eps = static_cast<float>(config_.rms_norm_eps);
+  const DType dtype = weights_.dtype;
 
   if (i == 0) {
     // residual = embed(tokens); hidden = input_norm[0](residual).
@@ -241,11 +303,13 @@ absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
                                    act_.residual,
                                    num_tokens,
                                    static_cast<int>(config_.vocab_size),
-                                   hidden};
+                                   hidden,
+                                   dtype};
     PDW_RETURN_IF_ERROR(kernels::LaunchEmbedding(stream_, embed));
     kernels::RmsNormParams norm{act_.residual, weights_.layers[0].input_norm,
                                 act_.hidden,   num_tokens,
-                                hidden,        eps};
+                                hidden,        eps,
+                                dtype};
     PDW_RETURN_IF_ERROR(kernels::LaunchRmsNorm(stream_, norm));
     return RunQkv(0, num_tokens);
   }
@@ -256,7 +320,7 @@ absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
     kernels::FusedAddRmsNormParams next{
         act_.hidden, act_.residual, weights_.layers[i].input_norm,
         act_.hidden, num_tokens,    hidden,
-        eps};
+        eps,         dtype};
     PDW_RETURN_IF_ERROR(kernels::LaunchFusedAddRmsNorm(stream_, next));
     return RunQkv(i, num_tokens);
   }
@@ -264,7 +328,7 @@ absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
   kernels::FusedAddRmsNormParams final_norm{
       act_.hidden, act_.residual, weights_.final_norm,
       act_.hidden, num_tokens,    hidden,
-      eps};
+      eps,         dtype};
   PDW_RETURN_IF_ERROR(kernels::LaunchFusedAddRmsNorm(stream_, final_norm));
   kernels::LmHeadParams head;
   head.hidden = act_.hidden;
@@ -276,6 +340,7 @@ absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
   head.num_rows = LogitsRows(context);
   head.hidden_size = hidden;
   head.vocab_size = static_cast<int>(config_.vocab_size);
+  head.dtype = dtype;
   return kernels::LaunchLmHead(stream_, head);
 }
 
@@ -287,15 +352,16 @@ absl::Status LlamaForward::RunAttention(int layer,
   const int head_dim = static_cast<int>(config_.head_dim);
   const int q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   const int qkv_stride = q_size + 2 * kv_size;
+  const DType dtype = weights_.dtype;
+  const size_t element = DTypeSize(dtype);
   const size_t row_bytes =
-      static_cast<size_t>(num_tokens) * qkv_stride * sizeof(float);
+      static_cast<size_t>(num_tokens) * qkv_stride * element;
   // q, k and v are column slices of the fused qkv rows.
   DeviceBuffer qkv = act_.qkv.Slice(0, row_bytes);
   DeviceBuffer q = qkv;
-  DeviceBuffer k =
-      qkv.Slice(q_size * sizeof(float), row_bytes - q_size * sizeof(float));
-  DeviceBuffer v = qkv.Slice((q_size + kv_size) * sizeof(float),
-                             row_bytes - (q_size + kv_size) * sizeof(float));
+  DeviceBuffer k = qkv.Slice(q_size * element, row_bytes - q_size * element);
+  DeviceBuffer v = qkv.Slice((q_size + kv_size) * element,
+                             row_bytes - (q_size + kv_size) * element);
 
   kernels::RopeKvCacheParams rope;
   rope.positions = step_.positions;
@@ -315,6 +381,7 @@ absl::Status LlamaForward::RunAttention(int layer,
   rope.query_row_stride = qkv_stride;
   rope.key_row_stride = qkv_stride;
   rope.value_row_stride = qkv_stride;
+  rope.dtype = dtype;
   PDW_RETURN_IF_ERROR(kernels::LaunchRopeKvCache(stream_, rope));
 
   kernels::PagedAttentionParams attn;
@@ -335,10 +402,15 @@ absl::Status LlamaForward::RunAttention(int layer,
   attn.num_blocks = options_.num_blocks;
   attn.max_blocks_per_seq = options_.max_blocks_per_seq;
   attn.query_row_stride = qkv_stride;
-  // A uniform key was captured for uniform decode batches: use the decode
-  // routine (same inner loop as varlen, so results are bit-identical).
-  if (context.runtime_mode != RuntimeMode::kNone &&
-      context.batch_descriptor.uniform) {
+  attn.dtype = dtype;
+  attn.workspace = act_.attention_workspace;
+  // A uniform descriptor (a uniform decode key, in its graph or in its
+  // warm-up runs; never a NONE step, whose descriptor is relaxed) means the
+  // inputs were laid out uniformly: use the decode routine. On the CPU it is
+  // bit-identical to varlen; on CUDA it is split-K with other bits, so the
+  // choice must depend on the descriptor alone for an eager run and a graph
+  // of the same key to agree bit for bit.
+  if (context.batch_descriptor.uniform) {
     attn.uniform_query_len = options_.uniform_decode_query_len;
     return kernels::LaunchPagedAttentionUniformDecode(stream_, attn);
   }

@@ -41,7 +41,9 @@ struct LlamaForwardOptions {
   InputAddressCheck input_address_check = InputAddressCheck::kOff;
 };
 
-// Static activations, fp32, reused by every step and every graph.
+// Static activations, reused by every step and every graph. Element type:
+// the weights' (fp32 on the CPU backend, bf16 on CUDA), except the fp32
+// logits and RoPE frequencies.
 struct LlamaActivations {
   DeviceBuffer residual;  // [max_tokens, hidden]
   DeviceBuffer hidden;    // [max_tokens, hidden]
@@ -50,17 +52,24 @@ struct LlamaActivations {
   DeviceBuffer gate_up;   // [max_tokens, 2 * intermediate]
   DeviceBuffer mlp_act;   // [max_tokens, intermediate]
   DeviceBuffer gathered;  // [max_seqs, hidden]
-  DeviceBuffer logits;    // [max_seqs, vocab]
-  DeviceBuffer inv_freq;  // [head_dim / 2]
+  DeviceBuffer logits;    // [max_seqs, vocab], fp32
+  DeviceBuffer inv_freq;  // [head_dim / 2], fp32
+  // CUDA only: the decode attention's split-K partials, sized for the
+  // largest uniform decode batch (PagedAttentionWorkspaceBytes). Empty on
+  // the CPU backend.
+  DeviceBuffer attention_workspace;
 };
 
 class LlamaForward {
  public:
-  // Bytes of the activation arena and of the KV cache (all layers).
+  // Bytes of the activation arena and of the KV cache (all layers) on a
+  // device of `kind` (fp32 on the CPU backend, bf16 on CUDA).
   static size_t ActivationBytes(const ModelConfig& config,
-                                const LlamaForwardOptions& options);
+                                const LlamaForwardOptions& options,
+                                DeviceKind kind = DeviceKind::kCpu);
   static size_t KvCacheBytes(const ModelConfig& config,
-                             const LlamaForwardOptions& options);
+                             const LlamaForwardOptions& options,
+                             DeviceKind kind = DeviceKind::kCpu);
 
   // Allocates activations and the KV cache (two arenas) and builds the
   // wrappers. `weights`, `step`, `stream` and `capture_phase` must outlive
@@ -90,9 +99,12 @@ class LlamaForward {
   }
   size_t activation_bytes() const { return activation_arena_->used_bytes(); }
   size_t kv_cache_bytes() const { return kv_arena_->used_bytes(); }
-  // Per-layer K and V caches, [num_blocks, block_size, kv_heads, head_dim].
+  // Per-layer K and V caches, [num_blocks, block_size, kv_heads, head_dim]
+  // of dtype().
   const std::vector<DeviceBuffer>& key_caches() const { return key_cache_; }
   const std::vector<DeviceBuffer>& value_caches() const { return value_cache_; }
+  // Element type of the weights, activations and KV cache.
+  DType dtype() const { return weights_.dtype; }
 
  private:
   LlamaForward(const ModelConfig& config, const LlamaWeights& weights,

@@ -1,11 +1,13 @@
 #include "worker/model/llama_weights.h"
 
+#include <cstdint>
 #include <string>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/kernels/kernel_checks.h"
 
 namespace pdworker {
 namespace {
@@ -16,26 +18,41 @@ size_t Aligned(size_t bytes) {
   return (bytes + kAlignment - 1) / kAlignment * kAlignment;
 }
 
-size_t FloatBytes(int64_t elements) {
-  return Aligned(static_cast<size_t>(elements) * sizeof(float));
+// Host element type of each device dtype: fp32 values, or bf16 bits.
+template <typename T>
+absl::StatusOr<std::vector<T>> GetTensor(const Checkpoint& checkpoint,
+                                         const std::string& name,
+                                         const std::vector<int64_t>& shape);
+template <>
+absl::StatusOr<std::vector<float>> GetTensor<float>(
+    const Checkpoint& checkpoint, const std::string& name,
+    const std::vector<int64_t>& shape) {
+  return checkpoint.GetFloat32(name, shape);
+}
+template <>
+absl::StatusOr<std::vector<uint16_t>> GetTensor<uint16_t>(
+    const Checkpoint& checkpoint, const std::string& name,
+    const std::vector<int64_t>& shape) {
+  return checkpoint.GetBFloat16(name, shape);
 }
 
 // Uploads host tensors (concatenated in order) into one new arena buffer.
+template <typename T>
 class Uploader {
  public:
   Uploader(Arena& arena, Stream& stream) : arena_(arena), stream_(stream) {}
 
   absl::StatusOr<DeviceBuffer> Upload(
-      const std::vector<const std::vector<float>*>& parts,
+      const std::vector<const std::vector<T>*>& parts,
       absl::string_view label) {
     size_t elements = 0;
     for (const auto* p : parts) elements += p->size();
     absl::StatusOr<DeviceBuffer> buf =
-        arena_.Allocate(elements * sizeof(float), label);
+        arena_.Allocate(elements * sizeof(T), label);
     if (!buf.ok()) return buf.status();
     size_t offset = 0;
     for (const auto* p : parts) {
-      const size_t bytes = p->size() * sizeof(float);
+      const size_t bytes = p->size() * sizeof(T);
       if (bytes == 0) continue;
       absl::Status s =
           stream_.CopyToDevice(buf->Slice(offset, bytes), p->data(), bytes);
@@ -50,50 +67,32 @@ class Uploader {
   Stream& stream_;
 };
 
-}  // namespace
-
-size_t LlamaWeightBytes(const ModelConfig& c) {
-  const int64_t h = c.hidden_size, qkv = c.q_size() + 2 * c.kv_size();
-  size_t per_layer = FloatBytes(h) * 2 + FloatBytes(qkv * h) +
-                     FloatBytes(h * c.q_size()) +
-                     FloatBytes(2 * c.intermediate_size * h) +
-                     FloatBytes(h * c.intermediate_size);
-  if (c.qkv_bias) per_layer += FloatBytes(qkv);
-  if (c.o_proj_bias) per_layer += FloatBytes(h);
-  size_t total = per_layer * c.num_hidden_layers +
-                 FloatBytes(c.vocab_size * h) + FloatBytes(h);
-  if (!c.tie_word_embeddings) total += FloatBytes(c.vocab_size * h);
-  return total;
-}
-
-absl::StatusOr<LlamaWeights> LoadLlamaWeights(const ModelConfig& c,
-                                              const Checkpoint& checkpoint,
-                                              Device& device, Stream& stream) {
-  LlamaWeights w;
-  absl::StatusOr<std::unique_ptr<Arena>> arena =
-      Arena::Create(device, {LlamaWeightBytes(c), kAlignment, "weights"});
-  if (!arena.ok()) return arena.status();
-  w.arena = std::move(*arena);
-  Uploader up(*w.arena, stream);
+// Loads, fuses and uploads every tensor with host element type T (float for
+// fp32, uint16_t bf16 bits for bf16) into `w`, whose arena is allocated.
+template <typename T>
+absl::Status LoadInto(const ModelConfig& c, const Checkpoint& checkpoint,
+                      Stream& stream, LlamaWeights& w) {
+  Uploader<T> up(*w.arena, stream);
   const int64_t h = c.hidden_size, inter = c.intermediate_size;
-
   // Loads one tensor (shape-checked) into host memory.
   auto get = [&](const std::string& name, const std::vector<int64_t>& shape,
-                 std::vector<float>* out) -> absl::Status {
-    absl::StatusOr<std::vector<float>> t = checkpoint.GetFloat32(name, shape);
+                 std::vector<T>* out) -> absl::Status {
+    absl::StatusOr<std::vector<T>> t = GetTensor<T>(checkpoint, name, shape);
     if (!t.ok()) return t.status();
     *out = std::move(*t);
     return absl::OkStatus();
   };
-  std::vector<float> embed;
+  std::vector<T> embed;
   PDW_RETURN_IF_ERROR(
       get("model.embed_tokens.weight", {c.vocab_size, h}, &embed));
   PDW_ASSIGN_OR_RETURN(w.embed_tokens, up.Upload({&embed}, "embed_tokens"));
+  // The table can be a few hundred MB; do not keep a host copy around.
+  std::vector<T>().swap(embed);
 
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
     LlamaLayerWeights L;
-    std::vector<float> a, b, d;
+    std::vector<T> a, b, d;
     PDW_RETURN_IF_ERROR(get(p + "input_layernorm.weight", {h}, &a));
     PDW_ASSIGN_OR_RETURN(L.input_norm, up.Upload({&a}, "input_norm"));
     PDW_RETURN_IF_ERROR(
@@ -125,15 +124,71 @@ absl::StatusOr<LlamaWeights> LoadLlamaWeights(const ModelConfig& c,
     PDW_ASSIGN_OR_RETURN(L.down, up.Upload({&a}, "down"));
     w.layers.push_back(L);
   }
-  std::vector<float> norm;
+  std::vector<T> norm;
   PDW_RETURN_IF_ERROR(get("model.norm.weight", {h}, &norm));
   PDW_ASSIGN_OR_RETURN(w.final_norm, up.Upload({&norm}, "final_norm"));
   if (c.tie_word_embeddings) {
     w.lm_head = w.embed_tokens;
   } else {
-    std::vector<float> head;
+    std::vector<T> head;
     PDW_RETURN_IF_ERROR(get("lm_head.weight", {c.vocab_size, h}, &head));
     PDW_ASSIGN_OR_RETURN(w.lm_head, up.Upload({&head}, "lm_head"));
+  }
+  // CopyToDevice from pageable memory returns once the source is staged,
+  // so the host vectors may go; the caller synchronizes before first use.
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+size_t LlamaWeightBytes(const ModelConfig& c, DType dtype) {
+  const size_t element = DTypeSize(dtype);
+  auto bytes = [element](int64_t elements) {
+    return Aligned(static_cast<size_t>(elements) * element);
+  };
+  const int64_t h = c.hidden_size, qkv = c.q_size() + 2 * c.kv_size();
+  size_t per_layer = bytes(h) * 2 + bytes(qkv * h) + bytes(h * c.q_size()) +
+                     bytes(2 * c.intermediate_size * h) +
+                     bytes(h * c.intermediate_size);
+  if (c.qkv_bias) per_layer += bytes(qkv);
+  if (c.o_proj_bias) per_layer += bytes(h);
+  size_t total =
+      per_layer * c.num_hidden_layers + bytes(c.vocab_size * h) + bytes(h);
+  if (!c.tie_word_embeddings) total += bytes(c.vocab_size * h);
+  return total;
+}
+
+size_t LlamaDecodeWeightBytes(const ModelConfig& c, DType dtype) {
+  const size_t element = DTypeSize(dtype);
+  const int64_t h = c.hidden_size, qkv = c.q_size() + 2 * c.kv_size();
+  int64_t per_layer =
+      2 * h + qkv * h + h * c.q_size() + 3 * c.intermediate_size * h;
+  if (c.qkv_bias) per_layer += qkv;
+  if (c.o_proj_bias) per_layer += h;
+  // Layers, the final norm, the LM head matrix and one embedding row.
+  const int64_t elements =
+      per_layer * c.num_hidden_layers + h + c.vocab_size * h + h;
+  return static_cast<size_t>(elements) * element;
+}
+
+absl::StatusOr<LlamaWeights> LoadLlamaWeights(const ModelConfig& c,
+                                              const Checkpoint& checkpoint,
+                                              Device& device, Stream& stream) {
+  LlamaWeights w;
+  w.dtype = kernels::ModelDTypeFor(device.kind());
+  absl::StatusOr<std::unique_ptr<Arena>> arena = Arena::Create(
+      device, {LlamaWeightBytes(c, w.dtype), kAlignment, "weights"});
+  if (!arena.ok()) return arena.status();
+  w.arena = std::move(*arena);
+  switch (w.dtype) {
+    case DType::kFloat32:
+      PDW_RETURN_IF_ERROR(LoadInto<float>(c, checkpoint, stream, w));
+      break;
+    case DType::kBFloat16:
+      PDW_RETURN_IF_ERROR(LoadInto<uint16_t>(c, checkpoint, stream, w));
+      break;
+    case DType::kFloat16:
+      return absl::InternalError("LoadLlamaWeights: no fp16 kernels");
   }
   return w;
 }

@@ -1,5 +1,6 @@
 // LlamaWeights: a Llama-family checkpoint laid out in device memory the way
-// the forward wants it (fp32 on the CPU backend).
+// the forward wants it: fp32 on the CPU backend, bf16 on CUDA (whatever the
+// checkpoint's dtype; f32/f16 tensors are rounded to nearest even).
 #ifndef PDWORKER_WORKER_MODEL_LLAMA_WEIGHTS_H_
 #define PDWORKER_WORKER_MODEL_LLAMA_WEIGHTS_H_
 
@@ -9,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "worker/model/checkpoint.h"
+#include "worker/model/dtype.h"
 #include "worker/model/model_config.h"
 #include "worker/runtime/arena.h"
 #include "worker/runtime/device.h"
@@ -36,15 +38,26 @@ struct LlamaWeights {
   std::vector<LlamaLayerWeights> layers;
   DeviceBuffer final_norm;  // [hidden]
   DeviceBuffer lm_head;     // [vocab, hidden]; == embed_tokens when tied
+  // Element type of every buffer above (kernels::ModelDTypeFor the device).
+  DType dtype = DType::kFloat32;
   // Owns all of the above.
   std::unique_ptr<Arena> arena;
 };
 
-// Bytes LoadLlamaWeights allocates for `config` (fp32), alignment included.
-size_t LlamaWeightBytes(const ModelConfig& config);
+// Bytes LoadLlamaWeights allocates for `config` in `dtype`, alignment
+// included.
+size_t LlamaWeightBytes(const ModelConfig& config,
+                        DType dtype = DType::kFloat32);
 
-// Reads every tensor (checking names and shapes), fuses and uploads them.
-// Errors name the tensor.
+// Bytes one decode step reads from the weights: every layer's norms and
+// projections, the final norm and the LM head matrix, but only one row of
+// the embedding table per token (a tied table counts once, as the LM head).
+// The numerator of the "fraction of HBM bandwidth" figure.
+size_t LlamaDecodeWeightBytes(const ModelConfig& config, DType dtype);
+
+// Reads every tensor (checking names and shapes), fuses and uploads them in
+// the element type the device's kernels use (fp32 on the CPU backend, bf16 on
+// CUDA). Errors name the tensor.
 absl::StatusOr<LlamaWeights> LoadLlamaWeights(const ModelConfig& config,
                                               const Checkpoint& checkpoint,
                                               Device& device, Stream& stream);

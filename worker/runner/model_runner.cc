@@ -9,6 +9,7 @@
 #include "common/status_macros.h"
 #include "dispatcher/attention_cg_support.h"
 #include "glog/logging.h"
+#include "worker/kernels/kernel_checks.h"
 #include "worker/kernels/paged_attention.h"
 #include "worker/kernels/sampling.h"
 #include "worker/kv_cache/kv_cache_spec.h"
@@ -17,13 +18,13 @@ namespace pdworker {
 namespace {
 
 size_t StepArenaBytes(int max_num_seqs, int max_tokens, int max_blocks,
-                      int vocab) {
+                      size_t sampling_workspace_bytes) {
   // Metadata (8 int32 buffers), sampling buffers and workspace, with
   // alignment slack for each of the ~20 buffers.
   const size_t ints = static_cast<size_t>(max_tokens) * 3 +
                       static_cast<size_t>(max_num_seqs) * (6 + max_blocks) + 2;
   return ints * sizeof(int32_t) + max_num_seqs * sizeof(uint64_t) +
-         kernels::SamplingWorkspaceBytes(vocab) + 32 * 256;
+         sampling_workspace_bytes + 32 * 256;
 }
 
 }  // namespace
@@ -71,8 +72,10 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
                          options.uniform_decode_query_len};
   PDW_ASSIGN_OR_RETURN(r->plan_,
                        PlanGraphs(options.role, options.compilation, limits));
+  // The attention kernels of this device (CPU or CUDA) declare how much of
+  // attention may live inside graphs.
   ResolvedMode resolved = ResolveMode(
-      r->plan_.mode, kernels::kCpuPagedAttentionCGSupport,
+      r->plan_.mode, kernels::PagedAttentionCGSupport(device.kind()),
       PiecewiseCompilation::kAvailable, options.uniform_decode_query_len);
   r->downgrade_reason_ = resolved.reason;
   if (!resolved.reason.empty()) {
@@ -94,7 +97,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   spec.num_kv_heads = static_cast<int>(c.num_key_value_heads);
   spec.head_dim = static_cast<int>(c.head_dim);
   spec.block_size = options.block_size;
-  spec.dtype_bytes = sizeof(float);
+  // fp32 K/V on the CPU backend, bf16 on CUDA.
+  spec.dtype_bytes =
+      static_cast<int>(DTypeSize(kernels::ModelDTypeFor(device.kind())));
   spec.max_model_len = r->max_model_len_;
   PDW_ASSIGN_OR_RETURN(int64_t num_blocks,
                        NumBlocksForBudget(spec, options.kv_cache_bytes));
@@ -108,11 +113,15 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
                        LoadLlamaWeights(c, *checkpoint, device, *r->stream_));
 
   PDW_ASSIGN_OR_RETURN(
+      const size_t sampling_workspace_bytes,
+      kernels::SamplingWorkspaceBytesFor(
+          device.kind(), static_cast<int>(c.vocab_size), options.max_num_seqs));
+  PDW_ASSIGN_OR_RETURN(
       r->step_arena_,
       Arena::Create(
           device,
           {StepArenaBytes(options.max_num_seqs, options.max_num_batched_tokens,
-                          max_blocks, static_cast<int>(c.vocab_size)),
+                          max_blocks, sampling_workspace_bytes),
            256, "step_inputs"}));
   StepLimits step_limits{options.max_num_seqs, options.max_num_batched_tokens,
                          max_blocks};
@@ -121,7 +130,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
       StepInputs::Create(*r->step_arena_, step_limits, options.block_size));
   PDW_ASSIGN_OR_RETURN(r->sampler_,
                        Sampler::Create(*r->step_arena_, options.max_num_seqs,
-                                       static_cast<int>(c.vocab_size)));
+                                       static_cast<int>(c.vocab_size),
+                                       sampling_workspace_bytes));
 
   LlamaForwardOptions fo;
   fo.max_num_tokens = options.max_num_batched_tokens;
@@ -304,6 +314,11 @@ absl::StatusOr<StepResult> ModelRunner::Execute(
 
 absl::Status ModelRunner::Release(absl::string_view sequence_id) {
   return kv_->Free(sequence_id);
+}
+
+absl::Status ModelRunner::Truncate(absl::string_view sequence_id,
+                                   int32_t num_tokens) {
+  return kv_->Truncate(sequence_id, num_tokens);
 }
 
 absl::Status ModelRunner::ReadLogits(int rows, std::vector<float>* out) {

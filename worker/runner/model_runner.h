@@ -100,6 +100,10 @@ class ModelRunner {
   // Frees a sequence's KV blocks. NOT_FOUND when unknown.
   absl::Status Release(absl::string_view sequence_id);
 
+  // Rolls a sequence back to its first `num_tokens` tokens (see
+  // KvCacheManager::Truncate): the undo for steps that already succeeded.
+  absl::Status Truncate(absl::string_view sequence_id, int32_t num_tokens);
+
   // Debug/test read-backs (synchronize the stream; not during capture):
   // the last step's logits rows [0, rows) as [rows, vocab], and one layer's
   // whole K or V cache as raw bytes.

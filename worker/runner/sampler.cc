@@ -37,9 +37,8 @@ Sampler::Sampler(int max_num_seqs, int vocab_size)
       h_token_ids_(max_num_seqs),
       h_seeds_(max_num_seqs) {}
 
-absl::StatusOr<std::unique_ptr<Sampler>> Sampler::Create(Arena& arena,
-                                                         int max_num_seqs,
-                                                         int vocab_size) {
+absl::StatusOr<std::unique_ptr<Sampler>> Sampler::Create(
+    Arena& arena, int max_num_seqs, int vocab_size, size_t workspace_bytes) {
   std::unique_ptr<Sampler> s(new Sampler(max_num_seqs, vocab_size));
   const size_t n = static_cast<size_t>(max_num_seqs);
   PDW_ASSIGN_OR_RETURN(s->temperature_,
@@ -50,9 +49,8 @@ absl::StatusOr<std::unique_ptr<Sampler>> Sampler::Create(Arena& arena,
                        arena.Allocate(n * sizeof(uint64_t), "seeds"));
   PDW_ASSIGN_OR_RETURN(s->positions_,
                        arena.Allocate(n * sizeof(int32_t), "sample_positions"));
-  PDW_ASSIGN_OR_RETURN(
-      s->workspace_, arena.Allocate(kernels::SamplingWorkspaceBytes(vocab_size),
-                                    "sampling_workspace"));
+  PDW_ASSIGN_OR_RETURN(s->workspace_,
+                       arena.Allocate(workspace_bytes, "sampling_workspace"));
   PDW_ASSIGN_OR_RETURN(s->token_ids_,
                        arena.Allocate(n * sizeof(int32_t), "sampled_tokens"));
   PDW_ASSIGN_OR_RETURN(s->logprobs_,

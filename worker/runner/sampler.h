@@ -3,6 +3,7 @@
 #ifndef PDWORKER_WORKER_RUNNER_SAMPLER_H_
 #define PDWORKER_WORKER_RUNNER_SAMPLER_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -34,9 +35,10 @@ struct SampledToken {
 
 class Sampler {
  public:
-  static absl::StatusOr<std::unique_ptr<Sampler>> Create(Arena& arena,
-                                                         int max_num_seqs,
-                                                         int vocab_size);
+  // `workspace_bytes`: kernels::SamplingWorkspaceBytesFor(the arena's
+  // device kind, vocab_size, max_num_seqs).
+  static absl::StatusOr<std::unique_ptr<Sampler>> Create(
+      Arena& arena, int max_num_seqs, int vocab_size, size_t workspace_bytes);
 
   // Samples rows [0, options.size()) of `logits` ([rows, vocab] fp32).
   // `positions[r]` is the absolute position of request r's sampled token (its

@@ -1,0 +1,387 @@
+// GPU decode benchmark (issue 9) on a Llama-3.2-1B-shaped model with random
+// bf16 weights (tools/make_tiny_model --shape=llama_1b: hidden 2048,
+// 16 layers, 32 heads, 8 KV heads, intermediate 8192, vocab 128256, tied
+// embeddings). Prints Markdown tables for bench/RESULTS.md:
+//
+//  1. decode step time per graph mode (NONE, PIECEWISE, FULL) for batches
+//     of 1, 8, 32 and 128 sequences at a fixed context, and FULL vs NONE;
+//  2. the fraction of HBM bandwidth a batch-1 FULL step reaches: bytes the
+//     step must read (weights + KV) / step time / the GPU's peak (H100 SXM
+//     3.35 TB/s, H200 4.8 TB/s, from the device name, or --peak_tbps);
+//  3. paged-attention kernel bandwidth (KV bytes read / kernel time) at
+//     contexts of 1k, 4k and 16k tokens, for the split-K decode routine and
+//     the varlen routine, measured on a replayed graph of back-to-back
+//     launches (no launch overhead).
+//
+//   bazel build --config=opt //bench:gpu_decode_bench
+//   bazel-bin/bench/gpu_decode_bench [--model_dir=DIR] [--reps=N]
+//
+// A step's time is ModelRunner::Execute's wall time: input upload, the
+// forward (graph replay or eager launches), sampling and the copy of the
+// sampled tokens back to the host, i.e. what a decode worker pays per step.
+// Without a usable GPU the binary prints why and exits 0.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "glog/logging.h"
+#include "tools/make_tiny_model/tiny_model.h"
+#include "worker/kernels/paged_attention.h"
+#include "worker/model/float16.h"
+#include "worker/model/llama_weights.h"
+#include "worker/model/model_config.h"
+#include "worker/runner/model_runner.h"
+#include "worker/runtime/device_factory.h"
+#include "worker/runtime/event.h"
+
+ABSL_FLAG(std::string, model_dir, "/tmp/pdworker_llama_1b",
+          "Checkpoint directory; the llama_1b shape is written there (bf16, "
+          "~2.5 GB) unless it already holds a config.json.");
+ABSL_FLAG(int, reps, 20, "Timed decode steps per measurement (median).");
+ABSL_FLAG(int, context, 512,
+          "Prompt tokens of every sequence before the timed decode steps.");
+ABSL_FLAG(double, peak_tbps, 0.0,
+          "HBM peak in TB/s; 0: from the device name (H100 SXM 3.35, "
+          "H100 PCIe 2.0, H100 NVL 3.9, H200 4.8).");
+ABSL_FLAG(bool, attention_only, false, "Run only the attention kernel part.");
+
+namespace pdworker {
+namespace {
+
+constexpr const char* kModes[] = {"NONE", "PIECEWISE", "FULL"};
+constexpr int kBatches[] = {1, 8, 32, 128};
+constexpr int kMaxBatch = 128;
+constexpr int kBlockSize = 16;
+constexpr int kMaxBatchedTokens = 8192;
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Peak HBM bandwidth in bytes/s from the device name (0 when unknown).
+double PeakBytesPerSecond(const std::string& name) {
+  const double flag = absl::GetFlag(FLAGS_peak_tbps);
+  if (flag > 0) return flag * 1e12;
+  if (absl::StrContains(name, "H200")) return 4.8e12;
+  if (absl::StrContains(name, "H100")) {
+    if (absl::StrContains(name, "PCIe")) return 2.0e12;
+    if (absl::StrContains(name, "NVL")) return 3.9e12;
+    return 3.35e12;  // SXM (HBM3)
+  }
+  return 0.0;
+}
+
+SequenceStep Seq(const std::string& id, std::vector<int32_t> tokens,
+                 SequenceCreation creation) {
+  SequenceStep s;
+  s.sequence_id = id;
+  s.token_ids = std::move(tokens);
+  s.creation = creation;
+  return s;
+}
+
+std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
+                                        const char* mode, int max_model_len) {
+  ModelRunnerOptions o;
+  o.role = Role::kBoth;
+  o.max_num_seqs = kMaxBatch;
+  o.max_num_batched_tokens = kMaxBatchedTokens;
+  o.max_model_len = max_model_len;
+  o.block_size = kBlockSize;
+  // KV for kMaxBatch sequences of max_model_len tokens: 32 KiB per token
+  // (16 layers × 8 KV heads × 64 dims × 2 (K, V) × 2 bytes).
+  o.kv_cache_bytes = int64_t{kMaxBatch} * max_model_len * 32768 + (64 << 20);
+  auto config = ParseCompilationConfig(
+      absl::StrCat(R"({"cudagraph_mode":")", mode,
+                   R"(","cudagraph_capture_sizes":[1,2,4,8,16,32,64,128]})"));
+  CHECK(config.ok()) << config.status();
+  o.compilation = *config;
+  auto runner = ModelRunner::Create(device, dir, o);
+  CHECK(runner.ok()) << runner.status();
+  return std::move(*runner);
+}
+
+struct DecodeResult {
+  std::map<int, double> step_ms;      // batch -> median Execute ms
+  std::map<int, std::string> ran_as;  // batch -> runtime mode that ran
+  double capture_seconds = 0;
+  int graphs = 0;
+};
+
+DecodeResult MeasureDecode(Device& device, const std::string& dir,
+                           const char* mode, int context, int reps) {
+  auto r = MakeRunner(device, dir, mode, context + reps + 64);
+  DecodeResult out;
+  auto capture = r->CaptureGraphs();
+  CHECK(capture.ok()) << capture.status();
+  out.capture_seconds = capture->total_seconds;
+  out.graphs = r->NumCapturedGraphs();
+  const int vocab = static_cast<int>(r->model_config().vocab_size);
+  std::mt19937 rng(1);
+  int next_id = 0;
+  for (const int batch : kBatches) {
+    // Prefill `batch` prompts of `context` tokens (untimed, in chunks that
+    // fit max_num_batched_tokens).
+    std::vector<std::string> ids;
+    const int per_step = std::max(1, kMaxBatchedTokens / context);
+    for (int s0 = 0; s0 < batch; s0 += per_step) {
+      std::vector<SequenceStep> prefill;
+      for (int s = s0; s < std::min(batch, s0 + per_step); ++s) {
+        ids.push_back(absl::StrCat("s", next_id++));
+        std::vector<int32_t> prompt(context);
+        for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % vocab);
+        prefill.push_back(
+            Seq(ids.back(), std::move(prompt), SequenceCreation::kMustBeNew));
+      }
+      CHECK(r->Execute(prefill).ok());
+    }
+    std::vector<double> times;
+    for (int rep = 0; rep < reps + 2; ++rep) {  // 2 warm-up steps
+      std::vector<SequenceStep> step;
+      for (const auto& id : ids) {
+        step.push_back(Seq(id, {static_cast<int32_t>(rng() % vocab)},
+                           SequenceCreation::kMustExist));
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      auto result = r->Execute(step);
+      const auto t1 = std::chrono::steady_clock::now();
+      CHECK(result.ok()) << result.status();
+      out.ran_as[batch] = std::string(RuntimeModeName(result->mode));
+      if (rep >= 2) {
+        times.push_back(
+            std::chrono::duration<double, std::milli>(t1 - t0).count());
+      }
+    }
+    out.step_ms[batch] = Median(times);
+    for (const auto& id : ids) CHECK(r->Release(id).ok());
+  }
+  return out;
+}
+
+// --- Attention kernel bandwidth ---------------------------------------------
+
+struct AttentionResult {
+  double decode_us = 0;
+  double varlen_us = 0;
+  double kv_bytes = 0;
+};
+
+// One layer of Llama-3.2-1B attention for `batch` sequences of `context`
+// tokens each, sequential blocks; kernel time from a replayed graph of
+// kLaunches back-to-back launches, timed with events.
+AttentionResult MeasureAttention(Device& device, Stream& stream, int batch,
+                                 int context, int max_context) {
+  constexpr int kHeads = 32, kKvHeads = 8, kHeadDim = 64, kLaunches = 20;
+  const int max_blocks = max_context / kBlockSize;
+  const int blocks_per_seq = context / kBlockSize;
+  const int num_blocks = batch * blocks_per_seq;
+  const size_t kv_elems =
+      static_cast<size_t>(num_blocks) * kBlockSize * kKvHeads * kHeadDim;
+  const size_t workspace = kernels::PagedAttentionWorkspaceBytes(
+      batch, kHeads, kHeadDim, max_blocks, kBlockSize);
+  const size_t q_bytes = static_cast<size_t>(batch) * kHeads * kHeadDim * 2;
+  ArenaOptions options;
+  options.capacity_bytes = 2 * kv_elems * 2 + 2 * q_bytes + workspace +
+                           sizeof(int32_t) * batch * (max_blocks + 4) +
+                           (1 << 20);
+  options.name = "attention_bench";
+  auto arena = Arena::Create(device, options);
+  CHECK(arena.ok()) << arena.status();
+  auto alloc = [&](size_t bytes) {
+    auto b = (*arena)->Allocate(bytes);
+    CHECK(b.ok()) << b.status();
+    return *b;
+  };
+  kernels::PagedAttentionParams p;
+  p.num_reqs = alloc(sizeof(int32_t));
+  p.query_start_loc = alloc(sizeof(int32_t) * (batch + 1));
+  p.seq_lens = alloc(sizeof(int32_t) * batch);
+  p.block_tables = alloc(sizeof(int32_t) * batch * max_blocks);
+  p.query = alloc(q_bytes);
+  p.key_cache = alloc(2 * kv_elems);
+  p.value_cache = alloc(2 * kv_elems);
+  p.output = alloc(q_bytes);
+  p.workspace = alloc(workspace);
+  p.num_tokens = batch;
+  p.max_num_seqs = batch;
+  p.num_heads = kHeads;
+  p.num_kv_heads = kKvHeads;
+  p.head_dim = kHeadDim;
+  p.block_size = kBlockSize;
+  p.num_blocks = num_blocks;
+  p.max_blocks_per_seq = max_blocks;
+  p.uniform_query_len = 1;
+  p.dtype = DType::kBFloat16;
+
+  std::vector<int32_t> qsl(batch + 1), lens(batch, context),
+      tables(static_cast<size_t>(batch) * max_blocks, 0);
+  for (int r = 0; r <= batch; ++r) qsl[r] = r;
+  for (int r = 0; r < batch; ++r) {
+    for (int b = 0; b < blocks_per_seq; ++b) {
+      tables[static_cast<size_t>(r) * max_blocks + b] = r * blocks_per_seq + b;
+    }
+  }
+  const int32_t num_reqs = batch;
+  CHECK(stream.CopyToDevice(p.num_reqs, &num_reqs, sizeof(num_reqs)).ok());
+  CHECK(
+      stream.CopyToDevice(p.query_start_loc, qsl.data(), 4 * qsl.size()).ok());
+  CHECK(stream.CopyToDevice(p.seq_lens, lens.data(), 4 * lens.size()).ok());
+  CHECK(stream.CopyToDevice(p.block_tables, tables.data(), 4 * tables.size())
+            .ok());
+  // Random bf16 K/V and q in [-1, 1] (values do not change the timing, but
+  // keep the softmax honest).
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<uint16_t> host(kv_elems);
+  for (auto& v : host) v = FloatToBFloat16Bits(dist(rng));
+  CHECK(stream.CopyToDevice(p.key_cache, host.data(), 2 * kv_elems).ok());
+  CHECK(stream.CopyToDevice(p.value_cache, host.data(), 2 * kv_elems).ok());
+  host.resize(q_bytes / 2);
+  CHECK(stream.CopyToDevice(p.query, host.data(), q_bytes).ok());
+
+  auto time_us = [&](bool decode) {
+    auto launch = [&] {
+      return decode ? kernels::LaunchPagedAttentionUniformDecode(stream, p)
+                    : kernels::LaunchPagedAttention(stream, p);
+    };
+    CHECK(launch().ok());  // warm-up
+    CHECK(stream.BeginCapture().ok());
+    for (int i = 0; i < kLaunches; ++i) CHECK(launch().ok());
+    auto graph = stream.EndCapture();
+    CHECK(graph.ok()) << graph.status();
+    CHECK((*graph)->Replay().ok());  // warm-up
+    auto start = device.CreateEvent();
+    auto stop = device.CreateEvent();
+    CHECK(start.ok() && stop.ok());
+    std::vector<double> runs;
+    for (int rep = 0; rep < 5; ++rep) {
+      CHECK(stream.RecordEvent(**start).ok());
+      CHECK((*graph)->Replay().ok());
+      CHECK(stream.RecordEvent(**stop).ok());
+      auto ms = (*stop)->ElapsedMillisecondsSince(**start);
+      CHECK(ms.ok()) << ms.status();
+      runs.push_back(*ms * 1000.0 / kLaunches);
+    }
+    return Median(runs);
+  };
+  AttentionResult out;
+  out.decode_us = time_us(true);
+  out.varlen_us = time_us(false);
+  out.kv_bytes = 2.0 * 2.0 * batch * static_cast<double>(context) * kKvHeads *
+                 kHeadDim;  // K and V, bf16
+  return out;
+}
+
+int Main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  google::InitGoogleLogging(argv[0]);
+  FLAGS_minloglevel = 1;
+  auto device = CreateDevice(DeviceKind::kCuda);
+  if (!device.ok()) {
+    std::printf("gpu_decode_bench: skipped, no usable CUDA device (%s)\n",
+                std::string(device.status().message()).c_str());
+    return 0;
+  }
+  const std::string name = (*device)->name();
+  const double peak = PeakBytesPerSecond(name);
+  std::printf("device: %s; HBM peak used: %s\n\n", name.c_str(),
+              peak > 0 ? absl::StrFormat("%.2f TB/s", peak / 1e12).c_str()
+                       : "unknown (pass --peak_tbps)");
+
+  if (!absl::GetFlag(FLAGS_attention_only)) {
+    const std::string dir = absl::GetFlag(FLAGS_model_dir);
+    if (!LoadModelConfig(dir).ok()) {
+      TinyModelOptions model;
+      model.shape = TinyShape::kLlama1B;
+      model.dtype = DType::kBFloat16;
+      std::printf("writing the llama_1b checkpoint to %s ...\n", dir.c_str());
+      CHECK(WriteTinyModel(model, dir).ok());
+    }
+    auto config = LoadModelConfig(dir);
+    CHECK(config.ok()) << config.status();
+    const int context = absl::GetFlag(FLAGS_context);
+    const int reps = absl::GetFlag(FLAGS_reps);
+
+    std::map<std::string, DecodeResult> results;
+    for (const char* mode : kModes) {
+      results[mode] = MeasureDecode(**device, dir, mode, context, reps);
+    }
+    std::printf(
+        "Decode step (ModelRunner::Execute), context %d tokens, median of "
+        "%d steps:\n\n| batch | NONE ms | PIECEWISE ms | FULL ms | FULL vs "
+        "NONE | ran as (N/P/F) |\n| ---: | ---: | ---: | ---: | ---: | --- "
+        "|\n",
+        context, reps);
+    for (const int b : kBatches) {
+      const double none = results["NONE"].step_ms[b];
+      const double full = results["FULL"].step_ms[b];
+      std::printf("| %d | %.3f | %.3f | %.3f | %.2fx | %s/%s/%s |\n", b, none,
+                  results["PIECEWISE"].step_ms[b], full, none / full,
+                  results["NONE"].ran_as[b].c_str(),
+                  results["PIECEWISE"].ran_as[b].c_str(),
+                  results["FULL"].ran_as[b].c_str());
+    }
+    std::printf("\n| mode | graphs | capture s |\n| --- | ---: | ---: |\n");
+    for (const char* mode : kModes) {
+      std::printf("| %s | %d | %.2f |\n", mode, results[mode].graphs,
+                  results[mode].capture_seconds);
+    }
+    // Batch 1: the weights (one embedding row, the LM head matrix) plus the
+    // KV of ~context tokens must cross HBM once per step.
+    const double weight_bytes =
+        static_cast<double>(LlamaDecodeWeightBytes(*config, DType::kBFloat16));
+    const double kv_bytes = 2.0 * 2.0 * config->num_hidden_layers *
+                            config->kv_size() * (context + reps / 2);
+    const double full_s = results["FULL"].step_ms[1] / 1e3;
+    std::printf(
+        "\nBatch 1, FULL: %.3f ms per step; weights %.3f GB + KV %.1f MB; "
+        "%.0f GB/s",
+        full_s * 1e3, weight_bytes / 1e9, kv_bytes / 1e6,
+        (weight_bytes + kv_bytes) / full_s / 1e9);
+    if (peak > 0) {
+      std::printf(" = %.1f%% of peak (weights alone: %.1f%%)",
+                  100.0 * (weight_bytes + kv_bytes) / full_s / peak,
+                  100.0 * weight_bytes / full_s / peak);
+    }
+    std::printf("\n\n");
+  }
+
+  auto stream = (*device)->CreateStream();
+  CHECK(stream.ok()) << stream.status();
+  std::printf(
+      "Paged attention, one layer (32 heads, 8 KV heads, head_dim 64, block "
+      "16), per launch:\n\n| batch | context | KV MB | split-K decode us | "
+      "GB/s | %% peak | varlen us | GB/s |\n| ---: | ---: | ---: | ---: | "
+      "---: | ---: | ---: | ---: |\n");
+  for (const int batch : {1, 32}) {
+    for (const int context : {1024, 4096, 16384}) {
+      const AttentionResult a =
+          MeasureAttention(**device, **stream, batch, context, 16384);
+      const double decode_bw = a.kv_bytes / (a.decode_us * 1e-6);
+      const double varlen_bw = a.kv_bytes / (a.varlen_us * 1e-6);
+      std::printf(
+          "| %d | %d | %.1f | %.1f | %.0f | %s | %.1f | %.0f |\n", batch,
+          context, a.kv_bytes / 1e6, a.decode_us, decode_bw / 1e9,
+          peak > 0 ? absl::StrFormat("%.1f", 100.0 * decode_bw / peak).c_str()
+                   : "-",
+          a.varlen_us, varlen_bw / 1e9);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace pdworker
+
+int main(int argc, char** argv) { return pdworker::Main(argc, argv); }

@@ -1,0 +1,194 @@
+// Sampling on CUDA vs the CPU kernel with identical fp32 logits and
+// parameters: the same counter-based RNG and the same decisions, so the
+// tokens must be equal. (They could differ only when u·total falls within
+// ~1e-15 relative of a CDF boundary, where the different summation order of
+// the double sums can tip it; with these seeds that does not happen.)
+// Logprobs are float roundings of double values computed in another order:
+// within 1e-6 relative + 1e-6 absolute.
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "tests/kernels/cuda_kernel_test_util.h"
+#include "worker/kernels/sampling.h"
+
+namespace pdworker {
+namespace kernels {
+namespace {
+
+using testing::Backend;
+using testing::CudaKernelTest;
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+struct Row {
+  std::vector<float> logits;
+  float temperature = 1.0f;
+  int32_t top_k = 0;
+  float top_p = 1.0f;
+  uint64_t seed = 0;
+  int32_t position = 0;
+};
+
+struct Sampled {
+  std::vector<int32_t> tokens;
+  std::vector<float> logprobs;
+};
+
+class SamplingCudaTest : public CudaKernelTest {
+ protected:
+  Sampled Run(Backend& b, const std::vector<Row>& rows, LogprobMode mode) {
+    const int n = static_cast<int>(rows.size());
+    const int vocab = static_cast<int>(rows[0].logits.size());
+    std::vector<float> flat, temperature, top_p;
+    std::vector<int32_t> top_k, positions;
+    std::vector<uint64_t> seeds;
+    for (const Row& r : rows) {
+      flat.insert(flat.end(), r.logits.begin(), r.logits.end());
+      temperature.push_back(r.temperature);
+      top_k.push_back(r.top_k);
+      top_p.push_back(r.top_p);
+      seeds.push_back(r.seed);
+      positions.push_back(r.position);
+    }
+    absl::StatusOr<size_t> workspace =
+        SamplingWorkspaceBytesFor(b.device->kind(), vocab, n);
+    EXPECT_TRUE(workspace.ok()) << workspace.status();
+    SamplingParams p;
+    p.logits = b.Upload(flat);
+    p.temperature = b.Upload(temperature);
+    p.top_k = b.Upload(top_k);
+    p.top_p = b.Upload(top_p);
+    p.seeds = b.Upload(seeds);
+    p.positions = b.Upload(positions);
+    p.workspace = b.Alloc(workspace.ok() ? *workspace : 0);
+    p.sampled_token_ids = b.Alloc(sizeof(int32_t) * n);
+    p.sampled_logprobs = b.Alloc(sizeof(float) * n);
+    p.num_reqs = n;
+    p.vocab_size = vocab;
+    p.logprob_mode = mode;
+    const absl::Status status = LaunchSampling(*b.stream, p);
+    EXPECT_TRUE(status.ok()) << status;
+    return {b.Read<int32_t>(p.sampled_token_ids, n),
+            b.Read<float>(p.sampled_logprobs, n)};
+  }
+
+  void ExpectSameSamples(const std::vector<Row>& rows,
+                         const std::string& what) {
+    for (const LogprobMode mode :
+         {LogprobMode::kProcessed, LogprobMode::kRaw}) {
+      const Sampled want = Run(cpu(), rows, mode);
+      const Sampled got = Run(gpu(), rows, mode);
+      ASSERT_EQ(got.tokens.size(), rows.size());
+      for (size_t r = 0; r < rows.size(); ++r) {
+        EXPECT_EQ(got.tokens[r], want.tokens[r]) << what << " row " << r;
+        if (std::isinf(want.logprobs[r])) {
+          EXPECT_EQ(got.logprobs[r], want.logprobs[r]) << what << " row " << r;
+        } else {
+          EXPECT_NEAR(got.logprobs[r], want.logprobs[r],
+                      1e-6 * std::fabs(want.logprobs[r]) + 1e-6)
+              << what << " row " << r;
+        }
+      }
+    }
+  }
+};
+
+std::vector<float> RandomLogits(int vocab, uint32_t seed, float scale) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> logits(vocab);
+  for (float& l : logits) l = dist(rng);
+  return logits;
+}
+
+// Every combination of greedy / temperatures, top-k and top-p, with
+// different seeds and positions; 48 rows, so six groups of sorted rows.
+TEST_F(SamplingCudaTest, EveryParameterCombinationSamplesLikeTheCpu) {
+  const int vocab = 1000;
+  std::vector<Row> rows;
+  uint32_t seed = 1;
+  for (const float temperature : {0.0f, 0.5f, 1.0f, 2.0f}) {
+    for (const int32_t top_k : {0, 1, 50}) {
+      for (const float top_p : {1.0f, 0.9f, 0.3f, 0.001f}) {
+        Row r;
+        r.logits = RandomLogits(vocab, seed, 2.0f);
+        r.temperature = temperature;
+        r.top_k = top_k;
+        r.top_p = top_p;
+        r.seed = 1000 + seed;
+        r.position = static_cast<int32_t>(seed * 37);
+        rows.push_back(r);
+        ++seed;
+      }
+    }
+  }
+  ExpectSameSamples(rows, "combinations");
+}
+
+TEST_F(SamplingCudaTest, SpecialLogitsSampleLikeTheCpu) {
+  const int vocab = 300;
+  std::vector<Row> rows;
+  Row nan = {RandomLogits(vocab, 50, 1.0f), 1.0f, 0, 1.0f, 7, 3};
+  nan.logits[0] = kNaN;
+  nan.logits[17] = kNaN;
+  rows.push_back(nan);
+  Row dead = {std::vector<float>(vocab, -kInf), 1.0f, 0, 1.0f, 8, 4};
+  rows.push_back(dead);  // nothing has mass
+  Row ties = {std::vector<float>(vocab, 0.5f), 0.0f, 0, 1.0f, 9, 5};
+  rows.push_back(ties);  // greedy: id 0
+  Row ties_k = ties;
+  ties_k.temperature = 1.0f;
+  ties_k.top_k = 10;  // ids 0..9 kept
+  rows.push_back(ties_k);
+  Row zeros = {std::vector<float>(vocab, 0.0f), 1.0f, 3, 0.5f, 10, 6};
+  for (int v = 0; v < vocab; v += 2) zeros.logits[v] = -0.0f;  // -0 == +0
+  rows.push_back(zeros);
+  Row inf = {RandomLogits(vocab, 51, 1.0f), 1.0f, 5, 1.0f, 11, 7};
+  inf.logits[123] = kInf;  // a certain token
+  rows.push_back(inf);
+  Row tiny_t = {RandomLogits(vocab, 52, 1.0f), 1e-6f, 0, 1.0f, 12, 8};
+  rows.push_back(tiny_t);  // below eps: greedy
+  Row nan_t = {RandomLogits(vocab, 53, 1.0f), kNaN, 0, 0.5f, 13, 9};
+  rows.push_back(nan_t);  // NaN temp: greedy
+  Row big_k = {RandomLogits(vocab, 54, 1.0f), 1.0f, vocab + 5, kNaN, 14, 10};
+  rows.push_back(big_k);  // both filters off
+  ExpectSameSamples(rows, "special logits");
+}
+
+// A Llama-3 sized vocabulary: the sort path over 128256 ids per row, with
+// flat-ish (top-p keeps thousands of tokens) and peaked rows.
+TEST_F(SamplingCudaTest, LargeVocabularyTopPAndTopKSampleLikeTheCpu) {
+  const int vocab = 128256;
+  std::vector<Row> rows;
+  for (int i = 0; i < 10; ++i) {
+    Row r;
+    r.logits = RandomLogits(vocab, 60 + i, i % 2 == 0 ? 0.5f : 4.0f);
+    r.temperature = 0.7f + 0.1f * i;
+    r.top_p = i < 5 ? 0.95f : 1.0f;
+    r.top_k = i % 3 == 0 ? 0 : 40 * i;
+    r.seed = 77 + i;
+    r.position = 1000 + i;
+    rows.push_back(r);
+  }
+  ExpectSameSamples(rows, "vocab 128256");
+}
+
+TEST_F(SamplingCudaTest, RefusedWhileCapturing) {
+  Stream& stream = *gpu().stream;
+  ASSERT_TRUE(stream.BeginCapture().ok());
+  SamplingParams p;
+  p.num_reqs = 1;
+  p.vocab_size = 10;
+  const absl::Status status = LaunchSampling(stream, p);
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  EXPECT_FALSE(stream.EndCapture().ok());
+}
+
+}  // namespace
+}  // namespace kernels
+}  // namespace pdworker

@@ -1,0 +1,42 @@
+// silu_and_mul on CUDA vs the CPU kernel. Both compute
+// gate / (1 + exp(-gate)) * up in fp32 (expf vs glibc expf, ~1 ulp apart);
+// the GPU rounds the result to bf16: within 2^-8 · |cpu| + 1e-6.
+#include <limits>
+#include <vector>
+
+#include "tests/kernels/cuda_kernel_test_util.h"
+#include "worker/kernels/silu_and_mul.h"
+
+namespace pdworker {
+namespace kernels {
+namespace {
+
+using testing::CudaKernelTest;
+using testing::ExpectClose;
+using testing::RandomBf16Floats;
+
+class SiluAndMulCudaTest : public CudaKernelTest {};
+
+TEST_F(SiluAndMulCudaTest, MatchesTheCpuKernel) {
+  for (const int inter : {128, 8192, 300}) {
+    const int tokens = 3;
+    std::vector<float> x = RandomBf16Floats(tokens * 2 * inter, inter, -8, 8);
+    // Extreme gates: exp overflows; the limits are finite (0 and up).
+    x[0] = -1e30f;
+    x[1] = 1e30f;
+    x = testing::RoundToBf16(x);
+    SiluAndMulParams cpu_p{CpuFloats(x), cpu().Alloc(4 * tokens * inter),
+                           tokens, inter, DType::kFloat32};
+    ASSERT_TRUE(LaunchSiluAndMul(*cpu().stream, cpu_p).ok());
+    SiluAndMulParams gpu_p{GpuBf16(x), gpu().Alloc(2 * tokens * inter), tokens,
+                           inter, DType::kBFloat16};
+    ASSERT_TRUE(LaunchSiluAndMul(*gpu().stream, gpu_p).ok());
+    ExpectClose(ReadGpuBf16(gpu_p.output, tokens * inter),
+                cpu().Read<float>(cpu_p.output, tokens * inter), 1.0 / 256,
+                1e-6, "silu_and_mul, intermediate " + std::to_string(inter));
+  }
+}
+
+}  // namespace
+}  // namespace kernels
+}  // namespace pdworker

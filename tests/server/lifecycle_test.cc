@@ -1,0 +1,254 @@
+// The worker's lifecycle and flow control over real gRPC: NOT_SERVING until
+// graphs are captured; deadlines and cancellations honoured before a call
+// runs (and then it changes nothing); a bounded queue; drain (in-flight
+// calls complete, new ones are refused, health NOT_SERVING); reflection.
+//
+// "Busy" is made deterministic with Executor::Pause(), never with timing.
+#include <grpcpp/generic/generic_stub.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "google/protobuf/unknown_field_set.h"
+#include "gtest/gtest.h"
+#include "tests/server/server_test_util.h"
+
+namespace pdworker {
+namespace {
+
+using grpc::health::v1::HealthCheckResponse;
+using server_testing::Forward;
+using server_testing::Input;
+using server_testing::Request;
+using server_testing::SmallRunnerOptions;
+using server_testing::StartForward;
+using server_testing::StartWorker;
+using server_testing::WaitFor;
+using ::testing::HasSubstr;
+
+constexpr char kWorkerService[] = "pdworker.v1.Worker";
+
+TEST(LifecycleTest, NotServingUntilGraphsAreCaptured) {
+  auto w = StartWorker(SmallRunnerOptions(), {}, /*capture_and_serve=*/false);
+  ASSERT_NE(w, nullptr);
+  EXPECT_EQ(w->Health(""), HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(w->Health(kWorkerService), HealthCheckResponse::NOT_SERVING);
+  v1::WorkerStatus status = w->Status();
+  EXPECT_FALSE(status.serving());
+  EXPECT_EQ(status.graphs_captured(), 0);
+  v1::ForwardResponse response;
+  const grpc::Status refused =
+      Forward(*w->stub, Request({Input("a", {1}, true)}), &response);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(refused.error_message(), HasSubstr("starting"));
+
+  ASSERT_TRUE(w->server->CaptureGraphsAndServe().ok());
+  EXPECT_EQ(w->Health(""), HealthCheckResponse::SERVING);
+  EXPECT_EQ(w->Health(kWorkerService), HealthCheckResponse::SERVING);
+  status = w->Status();
+  EXPECT_TRUE(status.serving());
+  EXPECT_EQ(status.graphs_captured(), w->runner.runner->NumCapturedGraphs());
+  EXPECT_GT(status.graphs_captured(), 0);
+  EXPECT_TRUE(
+      Forward(*w->stub, Request({Input("a", {1}, true)}), &response).ok());
+}
+
+TEST(LifecycleTest, ExpiredCallIsDroppedBeforeItRuns) {
+  auto w = StartWorker(SmallRunnerOptions());
+  ASSERT_NE(w, nullptr);
+  const v1::WorkerStatus before = w->Status();
+  Executor& executor = w->server->executor();
+  executor.Pause();  // the executor is "busy"
+  // The deadline only has to be long enough for the call to reach the
+  // queue; the paused executor then holds it there until it passes.
+  auto late =
+      StartForward(*w->stub, Request({Input("late", {1, 2, 3}, true)}),
+                   [](grpc::ClientContext* context) {
+                     context->set_deadline(std::chrono::system_clock::now() +
+                                           std::chrono::seconds(1));
+                   });
+  ASSERT_TRUE(WaitFor([&] { return executor.snapshot().queued_calls == 1; }));
+  EXPECT_EQ(late->result.get().error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  // The executor drops the call on its own, even while paused: at its
+  // deadline, or when gRPC cancels the expired call (whichever it sees
+  // first).
+  ASSERT_TRUE(WaitFor([&] {
+    const ExecutorSnapshot s = executor.snapshot();
+    return s.dropped_deadline + s.dropped_cancelled == 1 && s.queued_calls == 0;
+  }));
+  executor.Resume();
+
+  const v1::WorkerStatus after = w->Status();
+  EXPECT_EQ(after.kv_blocks_free(), before.kv_blocks_free());
+  EXPECT_EQ(after.num_sequences(), before.num_sequences());
+  // It never ran: the id is still free.
+  v1::ForwardResponse response;
+  EXPECT_TRUE(
+      Forward(*w->stub, Request({Input("late", {1, 2, 3}, true)}), &response)
+          .ok());
+}
+
+TEST(LifecycleTest, CancelledCallIsDroppedBeforeItRuns) {
+  auto w = StartWorker(SmallRunnerOptions());
+  ASSERT_NE(w, nullptr);
+  const v1::WorkerStatus before = w->Status();
+  Executor& executor = w->server->executor();
+  executor.Pause();
+  auto call = StartForward(*w->stub, Request({Input("gone", {4, 5}, true)}));
+  ASSERT_TRUE(WaitFor([&] { return executor.snapshot().queued_calls == 1; }));
+  call->context.TryCancel();
+  EXPECT_EQ(call->result.get().error_code(), grpc::StatusCode::CANCELLED);
+  ASSERT_TRUE(WaitFor([&] {
+    return executor.snapshot().dropped_cancelled == 1 &&
+           executor.snapshot().queued_calls == 0;
+  }));
+  executor.Resume();
+
+  const v1::WorkerStatus after = w->Status();
+  EXPECT_EQ(after.kv_blocks_free(), before.kv_blocks_free());
+  EXPECT_EQ(after.num_sequences(), before.num_sequences());
+  v1::ForwardResponse response;
+  EXPECT_TRUE(
+      Forward(*w->stub, Request({Input("gone", {4, 5}, true)}), &response)
+          .ok());
+}
+
+TEST(LifecycleTest, FullQueueGetsResourceExhausted) {
+  WorkerServerOptions server_options;
+  server_options.executor.max_queue = 2;
+  auto w = StartWorker(SmallRunnerOptions(), server_options);
+  ASSERT_NE(w, nullptr);
+  Executor& executor = w->server->executor();
+  executor.Pause();
+  auto first = StartForward(*w->stub, Request({Input("q1", {1}, true)}));
+  auto second = StartForward(*w->stub, Request({Input("q2", {2}, true)}));
+  ASSERT_TRUE(WaitFor([&] { return executor.snapshot().queued_calls == 2; }));
+  v1::ForwardResponse response;
+  const grpc::Status full =
+      Forward(*w->stub, Request({Input("q3", {3}, true)}), &response);
+  EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(full.error_message(), HasSubstr("max_queue=2"));
+  executor.Resume();
+  EXPECT_TRUE(first->result.get().ok());
+  EXPECT_TRUE(second->result.get().ok());
+  EXPECT_EQ(w->Status().num_sequences(), 2);
+}
+
+TEST(LifecycleTest, DrainCompletesInFlightCallsAndRefusesNewOnes) {
+  auto w = StartWorker(SmallRunnerOptions());
+  ASSERT_NE(w, nullptr);
+  Executor& executor = w->server->executor();
+  executor.Pause();
+  auto in_flight =
+      StartForward(*w->stub, Request({Input("inflight", {1, 2}, true)}));
+  ASSERT_TRUE(WaitFor([&] { return executor.snapshot().queued_calls == 1; }));
+
+  w->server->BeginDrain();
+  EXPECT_EQ(w->Health(""), HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(w->Health(kWorkerService), HealthCheckResponse::NOT_SERVING);
+  EXPECT_FALSE(w->Status().serving());
+  v1::ForwardResponse response;
+  const grpc::Status refused =
+      Forward(*w->stub, Request({Input("new", {1}, true)}), &response);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(refused.error_message(), HasSubstr("draining"));
+
+  std::thread drainer([&] { w->server->Drain(); });
+  executor.Resume();
+  const grpc::Status done = in_flight->result.get();
+  EXPECT_TRUE(done.ok()) << done.error_message();
+  EXPECT_EQ(in_flight->response.sequences(0).num_tokens(), 2);
+  drainer.join();
+  // Gone: nothing listens any more.
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(10));
+  v1::WorkerStatus status;
+  EXPECT_EQ(w->stub->GetStatus(&context, v1::GetStatusRequest(), &status)
+                .error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST(LifecycleTest, DestroyingTheServerFailsQueuedCalls) {
+  auto w = StartWorker(SmallRunnerOptions());
+  ASSERT_NE(w, nullptr);
+  w->server->executor().Pause();
+  auto queued = StartForward(*w->stub, Request({Input("q", {1}, true)}));
+  ASSERT_TRUE(WaitFor(
+      [&] { return w->server->executor().snapshot().queued_calls == 1; }));
+  w->server.reset();
+  EXPECT_EQ(queued->result.get().error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+// Reads the service names in a ServerReflectionResponse's
+// list_services_response (field 6 -> repeated ServiceResponse (1) -> name
+// (1)) from raw wire bytes; the test needs no copy of reflection.proto.
+std::vector<std::string> ServiceNames(const std::string& wire) {
+  std::vector<std::string> names;
+  google::protobuf::UnknownFieldSet response;
+  if (!response.ParseFromString(wire)) return names;
+  for (int i = 0; i < response.field_count(); ++i) {
+    if (response.field(i).number() != 6) continue;
+    google::protobuf::UnknownFieldSet list;
+    list.ParseFromString(response.field(i).length_delimited());
+    for (int j = 0; j < list.field_count(); ++j) {
+      google::protobuf::UnknownFieldSet service;
+      service.ParseFromString(list.field(j).length_delimited());
+      for (int k = 0; k < service.field_count(); ++k) {
+        if (service.field(k).number() == 1) {
+          names.push_back(service.field(k).length_delimited());
+        }
+      }
+    }
+  }
+  return names;
+}
+
+TEST(LifecycleTest, ReflectionListsTheWorkerService) {
+  auto w = StartWorker(SmallRunnerOptions());
+  ASSERT_NE(w, nullptr);
+  grpc::GenericStub stub(w->channel);
+  grpc::ClientContext context;
+  server_testing::SetGenerousDeadline(&context);
+  grpc::CompletionQueue cq;
+  void* tag = nullptr;
+  bool ok = false;
+  auto call = stub.PrepareCall(
+      &context,
+      "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  call->StartCall(reinterpret_cast<void*>(1));
+  ASSERT_TRUE(cq.Next(&tag, &ok) && ok);
+  // ServerReflectionRequest{list_services: ""}: field 7, wire type 2, len 0.
+  const std::string request("\x3a\x00", 2);
+  grpc::Slice slice(request);
+  grpc::ByteBuffer out(&slice, 1);
+  call->Write(out, reinterpret_cast<void*>(2));
+  ASSERT_TRUE(cq.Next(&tag, &ok) && ok);
+  grpc::ByteBuffer in;
+  call->Read(&in, reinterpret_cast<void*>(3));
+  ASSERT_TRUE(cq.Next(&tag, &ok) && ok);
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(in.Dump(&slices).ok());
+  std::string wire;
+  for (const grpc::Slice& s : slices) wire.append(s.begin(), s.end());
+  EXPECT_THAT(ServiceNames(wire),
+              ::testing::IsSupersetOf({std::string(kWorkerService),
+                                       std::string("grpc.health.v1.Health")}));
+  call->WritesDone(reinterpret_cast<void*>(4));
+  ASSERT_TRUE(cq.Next(&tag, &ok));
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(5));
+  ASSERT_TRUE(cq.Next(&tag, &ok));
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+}
+
+}  // namespace
+}  // namespace pdworker

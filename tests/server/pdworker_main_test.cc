@@ -1,0 +1,172 @@
+// The pdworker binary as an operator runs it: it starts on a tiny model,
+// prints "listening on PORT", serves, and drains on SIGTERM with exit code 0;
+// bad configuration fails at startup with a message naming the flag.
+#include <signal.h>
+
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/server/server_test_util.h"
+#include "tests/server/subprocess.h"
+#include "tests/server/test_certificates.h"
+
+namespace pdworker {
+namespace {
+
+using server_testing::Input;
+using server_testing::Request;
+using server_testing::RunfilePath;
+using server_testing::Subprocess;
+using server_testing::TinyModelDir;
+using ::testing::HasSubstr;
+
+std::string TmpPath(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  return absl::StrCat(tmp ? tmp : "/tmp", "/", name);
+}
+
+// Flags for a small, quick worker on a kernel-chosen loopback port.
+std::vector<std::string> WorkerArgs(std::vector<std::string> extra) {
+  std::vector<std::string> args = {
+      RunfilePath("worker/pdworker"),
+      "--model=" + TinyModelDir(),
+      "--role=both",
+      "--host=127.0.0.1",
+      "--port=0",
+      "--metrics_port=0",
+      "--max_num_seqs=4",
+      "--max_num_batched_tokens=32",
+      "--max_model_len=64",
+      "--kv_cache_bytes=65536",
+      "--block_size=4",
+      "--stats_log_interval=1s",
+  };
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+// Waits for the ready line; returns the port.
+int WaitUntilListening(Subprocess& worker) {
+  auto output = worker.WaitForOutput("listening on ", absl::Seconds(120));
+  EXPECT_TRUE(output.ok()) << output.status();
+  if (!output.ok()) return 0;
+  const size_t at = output->find("listening on ") + 13;
+  int port = 0;
+  EXPECT_TRUE(
+      absl::SimpleAtoi(output->substr(at, output->find('\n', at) - at), &port));
+  return port;
+}
+
+TEST(PdworkerMainTest, ServesThenDrainsOnSigterm) {
+  // The dashed spelling of --compilation_config is accepted.
+  auto worker = Subprocess::Start(
+      WorkerArgs(
+          {"--compilation-config={\"cudagraph_capture_sizes\":[1,2,4]}"}),
+      TmpPath("smoke.log"));
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  const int port = WaitUntilListening(**worker);
+  ASSERT_GT(port, 0);
+
+  auto stub = v1::Worker::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  {
+    grpc::ClientContext context;
+    server_testing::SetGenerousDeadline(&context);
+    v1::WorkerStatus status;
+    ASSERT_TRUE(
+        stub->GetStatus(&context, v1::GetStatusRequest(), &status).ok());
+    EXPECT_TRUE(status.serving());
+    EXPECT_EQ(status.role(), "both");
+    EXPECT_EQ(status.max_num_seqs(), 4);
+    EXPECT_THAT(status.capture_sizes(), ::testing::ElementsAre(1, 2, 4));
+    EXPECT_EQ(status.kv_blocks_total(), 64);  // 65536 / 1024
+    EXPECT_EQ(status.device(), "cpu");
+  }
+  v1::ForwardResponse response;
+  ASSERT_TRUE(server_testing::Forward(
+                  *stub, Request({Input("s", {1, 2, 3}, true)}), &response)
+                  .ok());
+  EXPECT_EQ(response.sequences(0).num_tokens(), 3);
+
+  (*worker)->Signal(SIGTERM);
+  auto code = (*worker)->Wait(absl::Seconds(60));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0) << (*worker)->Output();
+  const std::string log = (*worker)->Output();
+  EXPECT_THAT(log, HasSubstr("drained"));
+  EXPECT_THAT(log, HasSubstr("metrics on port"));
+  EXPECT_THAT(log, HasSubstr("--device=auto: using the CPU backend"));
+}
+
+TEST(PdworkerMainTest, ServesMutualTls) {
+  auto certs = server_testing::MakeTestCertificates(TmpPath("main_tls"));
+  ASSERT_TRUE(certs.ok()) << certs.status();
+  auto worker = Subprocess::Start(
+      WorkerArgs({"--tls_cert=" + certs->dir + "/server.crt",
+                  "--tls_key=" + certs->dir + "/server.key",
+                  "--tls_client_ca=" + certs->dir + "/ca.crt"}),
+      TmpPath("tls.log"));
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  const int port = WaitUntilListening(**worker);
+  ASSERT_GT(port, 0);
+  grpc::SslCredentialsOptions tls;
+  tls.pem_root_certs = certs->ca_pem;
+  tls.pem_cert_chain = certs->client_cert_pem;
+  tls.pem_private_key = certs->client_key_pem;
+  auto stub = v1::Worker::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", port), grpc::SslCredentials(tls)));
+  grpc::ClientContext context;
+  server_testing::SetGenerousDeadline(&context);
+  v1::WorkerStatus status;
+  const grpc::Status s =
+      stub->GetStatus(&context, v1::GetStatusRequest(), &status);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  (*worker)->Signal(SIGINT);
+  auto code = (*worker)->Wait(absl::Seconds(60));
+  ASSERT_TRUE(code.ok());
+  EXPECT_EQ(*code, 0) << (*worker)->Output();
+}
+
+TEST(PdworkerMainTest, BadConfigurationFailsAtStartupNamingTheFlag) {
+  struct Case {
+    std::vector<std::string> flags;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{"--role=sideways"}, "--role"},
+      {{"--compilation_config={\"cudagraph_mode\": FULL"},
+       "--compilation_config"},
+      {{"--compilation_config={\"cudagraph_mod\":\"FULL\"}"}, "cudagraph_mod"},
+      {{"--kv_cache_bytes=1000"}, "kv_cache_bytes=1000"},
+      {{"--model=/nonexistent/model"}, "--model"},
+      {{"--device=cuda"}, "--device"},
+      {{"--max_num_seqs=0"}, "--max_num_seqs"},
+      {{"--max_model_len=100000"}, "max_model_len=100000"},
+      {{"--tls_cert=/nonexistent.pem", "--tls_key=/nonexistent.key"},
+       "--tls_cert"},
+      {{"--tls_client_ca=/dev/null"}, "--tls_client_ca"},
+      {{"--stats_log_interval=soon"}, "--stats_log_interval"},
+      {{"--max-num-seqs=-3"}, "--max_num_seqs"},  // dashed spelling too
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(cases[i].message);
+    auto worker = Subprocess::Start(WorkerArgs(cases[i].flags),
+                                    TmpPath(absl::StrCat("bad", i, ".log")));
+    ASSERT_TRUE(worker.ok());
+    auto code = (*worker)->Wait(absl::Seconds(60));
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_NE(*code, 0);
+    const std::string output = (*worker)->Output();
+    EXPECT_THAT(output, HasSubstr(cases[i].message));
+    EXPECT_THAT(output, ::testing::Not(HasSubstr("listening on")));
+  }
+}
+
+}  // namespace
+}  // namespace pdworker

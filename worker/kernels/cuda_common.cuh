@@ -1,0 +1,100 @@
+// Device-side helpers shared by the CUDA kernels in worker/kernels/*.cu
+// (nvcc only; a textual header of each cuda_library).
+//
+// Conventions of every kernel here:
+//  - bf16 storage, fp32 arithmetic: values are widened with ToFloat, the
+//    math runs in fp32 and the result is rounded once with FromFloat
+//    (__float2bfloat16: round to nearest even, as the host's
+//    FloatToBFloat16Bits).
+//  - Determinism: no floating-point atomics; every reduction has a fixed
+//    shape (shuffle-down tree, then warp 0 over the per-warp partials), so a
+//    kernel launched twice on the same inputs, eagerly or inside a replayed
+//    graph, writes the same bits.
+//  - Grids depend only on the launch's fixed shape (padded token count,
+//    heads, ...), never on device data: step metadata (lengths, slots, block
+//    tables) is read by the kernels, so a captured graph serves every step.
+#ifndef PDWORKER_WORKER_KERNELS_CUDA_COMMON_CUH_
+#define PDWORKER_WORKER_KERNELS_CUDA_COMMON_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace pdworker {
+namespace kernels {
+namespace cuda {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned int kFullMask = 0xffffffffu;
+
+// Blocks of `per_block` covering `n` items (at least 1 so a launch is valid).
+inline unsigned int NumBlocks(int64_t n, int64_t per_block) {
+  const int64_t blocks = (n + per_block - 1) / per_block;
+  return static_cast<unsigned int>(blocks > 0 ? blocks : 1);
+}
+
+__device__ __forceinline__ float ToFloat(float x) { return x; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+template <typename T>
+__device__ __forceinline__ T FromFloat(float x);
+template <>
+__device__ __forceinline__ float FromFloat<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);  // round to nearest even
+}
+
+// Sum over the warp, valid in lane 0 only (shuffle-down tree: a fixed order).
+__device__ __forceinline__ float WarpSumToLane0(float v) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    v += __shfl_down_sync(kFullMask, v, offset);
+  }
+  return v;
+}
+
+// Sum over the warp, the same value in every lane (lane 0's, broadcast:
+// a butterfly would give lanes differently rounded sums).
+__device__ __forceinline__ float WarpSum(float v) {
+  return __shfl_sync(kFullMask, WarpSumToLane0(v), 0);
+}
+
+// Max over the warp, in every lane (max is exact, any order will do).
+__device__ __forceinline__ float WarpMax(float v) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
+  }
+  return v;
+}
+
+// Sum over the whole block, returned to every thread. blockDim.x must be a
+// multiple of 32 (<= 1024); every thread of the block must call it.
+// `scratch` is __shared__ float[32]; it may be reused after the call.
+__device__ __forceinline__ float BlockSum(float v, float* scratch) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  v = WarpSumToLane0(v);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float partial = lane < num_warps ? scratch[lane] : 0.0f;
+    partial = WarpSumToLane0(partial);
+    if (lane == 0) scratch[0] = partial;
+  }
+  __syncthreads();
+  const float total = scratch[0];
+  __syncthreads();  // everyone has read scratch[0] before it is reused
+  return total;
+}
+
+}  // namespace cuda
+}  // namespace kernels
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_KERNELS_CUDA_COMMON_CUH_

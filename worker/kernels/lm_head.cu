@@ -1,0 +1,40 @@
+// gather_rows on CUDA: output[i] = input[indices[i]] (bf16 copy), zero rows
+// for indices outside [0, num_input_rows).
+#include "worker/kernels/cuda_common.cuh"
+#include "worker/kernels/lm_head_cuda.h"
+
+namespace pdworker {
+namespace kernels {
+namespace {
+
+constexpr int kThreads = 128;
+
+// grid: [num_indices]; block: kThreads threads stride over the row.
+__global__ void GatherRowsKernel(const __nv_bfloat16* __restrict__ input,
+                                 const int32_t* __restrict__ indices,
+                                 __nv_bfloat16* __restrict__ output,
+                                 int num_input_rows, int row_size) {
+  const int64_t i = blockIdx.x;
+  const int32_t index = indices[i];
+  __nv_bfloat16* dst = output + i * row_size;
+  if (index < 0 || index >= num_input_rows) {
+    for (int c = threadIdx.x; c < row_size; c += blockDim.x) {
+      dst[c] = __float2bfloat16(0.0f);
+    }
+    return;
+  }
+  const __nv_bfloat16* src = input + static_cast<int64_t>(index) * row_size;
+  for (int c = threadIdx.x; c < row_size; c += blockDim.x) dst[c] = src[c];
+}
+
+}  // namespace
+
+cudaError_t LaunchGatherRowsCuda(const GatherRowsCudaParams& p,
+                                 cudaStream_t stream) {
+  GatherRowsKernel<<<p.num_indices, kThreads, 0, stream>>>(
+      p.input, p.indices, p.output, p.num_input_rows, p.row_size);
+  return cudaGetLastError();
+}
+
+}  // namespace kernels
+}  // namespace pdworker

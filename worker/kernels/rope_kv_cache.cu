@@ -1,0 +1,88 @@
+// RoPE (rotate_half convention) on q and k, then K/V written into the paged
+// cache, on CUDA: bf16 storage, fp32 rotation.
+#include "worker/kernels/cuda_common.cuh"
+#include "worker/kernels/rope_kv_cache_cuda.h"
+
+namespace pdworker {
+namespace kernels {
+namespace {
+
+using cuda::FromFloat;
+using cuda::ToFloat;
+
+constexpr int kThreads = 128;
+constexpr int kMaxHalf = 256;  // head_dim <= 512, as the CPU kernel
+
+// Rotates the pair (x[i], x[i + half]) of one head in place and returns the
+// rotated, rounded values (the ones written to the cache for k).
+__device__ __forceinline__ void RotatePair(__nv_bfloat16* lo, int half, float c,
+                                           float s, __nv_bfloat16* out_lo,
+                                           __nv_bfloat16* out_hi) {
+  const float a = ToFloat(lo[0]);
+  const float b = ToFloat(lo[half]);
+  *out_lo = FromFloat<__nv_bfloat16>(a * c - b * s);
+  *out_hi = FromFloat<__nv_bfloat16>(b * c + a * s);
+  lo[0] = *out_lo;
+  lo[half] = *out_hi;
+}
+
+// grid: [num_tokens]; block: kThreads. Every element is read and written by
+// one thread, so the in-place rotation needs no synchronization beyond the
+// cos/sin table.
+__global__ void RopeKvCacheKernel(RopeKvCacheCudaParams p) {
+  __shared__ float cos_half[kMaxHalf];
+  __shared__ float sin_half[kMaxHalf];
+  const int t = blockIdx.x;
+  const int half = p.head_dim / 2;
+  // The angle is the fp32 product float(position) * inv_freq, as Hugging
+  // Face and vLLM compute it; sincosf is the accurate (non fast-math) one.
+  const float position = static_cast<float>(p.positions[t]);
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    sincosf(position * p.inv_freq[i], &sin_half[i], &cos_half[i]);
+  }
+  __syncthreads();
+
+  __nv_bfloat16* q = p.query + static_cast<int64_t>(t) * p.query_row_stride;
+  __nv_bfloat16* k = p.key + static_cast<int64_t>(t) * p.key_row_stride;
+  const __nv_bfloat16* v =
+      p.value + static_cast<int64_t>(t) * p.value_row_stride;
+  // Slot -1 (padding) or beyond the cache: rotate, but write no KV.
+  const int64_t slot = p.slot_mapping[t];
+  const bool write = slot >= 0 && slot < p.num_slots;
+  const int64_t kv_row = static_cast<int64_t>(p.num_kv_heads) * p.head_dim;
+
+  for (int idx = threadIdx.x; idx < p.num_heads * half; idx += blockDim.x) {
+    const int h = idx / half;
+    const int i = idx % half;
+    __nv_bfloat16 lo, hi;
+    RotatePair(q + h * p.head_dim + i, half, cos_half[i], sin_half[i], &lo,
+               &hi);
+  }
+  for (int idx = threadIdx.x; idx < p.num_kv_heads * half; idx += blockDim.x) {
+    const int h = idx / half;
+    const int i = idx % half;
+    __nv_bfloat16 lo, hi;
+    RotatePair(k + h * p.head_dim + i, half, cos_half[i], sin_half[i], &lo,
+               &hi);
+    if (write) {
+      __nv_bfloat16* dst = p.key_cache + slot * kv_row + h * p.head_dim + i;
+      dst[0] = lo;
+      dst[half] = hi;
+    }
+  }
+  if (write) {
+    __nv_bfloat16* dst = p.value_cache + slot * kv_row;
+    for (int i = threadIdx.x; i < kv_row; i += blockDim.x) dst[i] = v[i];
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchRopeKvCacheCuda(const RopeKvCacheCudaParams& p,
+                                  cudaStream_t stream) {
+  RopeKvCacheKernel<<<p.num_tokens, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace kernels
+}  // namespace pdworker

@@ -1,0 +1,469 @@
+// Token sampling on CUDA: the CPU kernel's decisions (worker/kernels/
+// sampling.cc) computed by one 1024-thread block per request.
+//
+// Same math, in the same precision: weights exp((logit - max) / T) in
+// double, the counter-based uniform u = SamplingUniform(seed, position)
+// bit for bit, candidates ordered most likely first with ties to the lower
+// id (a stable descending radix sort of ids in ascending order), top-k, then
+// the shortest top-p prefix, then the inverse CDF. The one difference is the
+// summation order of the double sums (contiguous per-thread chunks combined
+// by a block scan instead of one sequential loop) and CUDA's double exp vs
+// glibc's (both within 1 ulp): the two backends pick different tokens only
+// when u·total falls within ~1e-15 (relative) of a CDF boundary.
+#include <climits>
+#include <cmath>
+#include <cub/cub.cuh>
+
+#include "worker/kernels/cuda_common.cuh"
+#include "worker/kernels/sampling_cuda.h"
+
+namespace pdworker {
+namespace kernels {
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int kPrepareThreads = 256;
+constexpr size_t kAlign = 256;
+constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ULL;
+constexpr float kNegInf = -INFINITY;
+
+size_t Aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+// The workspace, carved in this order (each part 256-byte aligned).
+struct Workspace {
+  float* keys_in;      // [kCudaSamplingSortRows, vocab]
+  float* keys_out;     // [kCudaSamplingSortRows, vocab], sorted descending
+  int32_t* ids_in;     // [kCudaSamplingSortRows, vocab]
+  int32_t* ids_out;    // [kCudaSamplingSortRows, vocab], ids of keys_out
+  int32_t* seg_begin;  // [kCudaSamplingSortRows]
+  int32_t* seg_end;    // [kCudaSamplingSortRows]
+  // [1 + num_reqs]: how many rows use top-k / top-p, then those rows in
+  // ascending order.
+  int32_t* truncated;
+  void* sort_temp;  // cub scratch
+  size_t sort_temp_bytes;
+};
+
+size_t SortBytes(int vocab_size) {
+  const size_t items = static_cast<size_t>(kCudaSamplingSortRows) * vocab_size;
+  return 2 * Aligned(items * sizeof(float)) +
+         2 * Aligned(items * sizeof(int32_t)) +
+         2 * Aligned(kCudaSamplingSortRows * sizeof(int32_t));
+}
+
+size_t ListBytes(int max_num_reqs) {
+  return Aligned((1 + static_cast<size_t>(max_num_reqs)) * sizeof(int32_t));
+}
+
+Workspace Carve(void* base, int vocab_size, int num_reqs,
+                size_t sort_temp_bytes) {
+  const size_t items = static_cast<size_t>(kCudaSamplingSortRows) * vocab_size;
+  char* at = static_cast<char*>(base);
+  Workspace w;
+  w.keys_in = reinterpret_cast<float*>(at);
+  at += Aligned(items * sizeof(float));
+  w.keys_out = reinterpret_cast<float*>(at);
+  at += Aligned(items * sizeof(float));
+  w.ids_in = reinterpret_cast<int32_t*>(at);
+  at += Aligned(items * sizeof(int32_t));
+  w.ids_out = reinterpret_cast<int32_t*>(at);
+  at += Aligned(items * sizeof(int32_t));
+  w.seg_begin = reinterpret_cast<int32_t*>(at);
+  at += Aligned(kCudaSamplingSortRows * sizeof(int32_t));
+  w.seg_end = reinterpret_cast<int32_t*>(at);
+  at += Aligned(kCudaSamplingSortRows * sizeof(int32_t));
+  w.truncated = reinterpret_cast<int32_t*>(at);
+  at += ListBytes(num_reqs);
+  w.sort_temp = at;
+  w.sort_temp_bytes = sort_temp_bytes;
+  return w;
+}
+
+// One segmented sort call over all kCudaSamplingSortRows segments (unused
+// ones empty), so its scratch size is the one queried up front.
+cudaError_t SortRows(const Workspace& w, int vocab_size, size_t* temp_bytes,
+                     cudaStream_t stream) {
+  return cub::DeviceSegmentedRadixSort::SortPairsDescending(
+      w.sort_temp, *temp_bytes, w.keys_in, w.keys_out, w.ids_in, w.ids_out,
+      kCudaSamplingSortRows * vocab_size, kCudaSamplingSortRows, w.seg_begin,
+      w.seg_end, 0, static_cast<int>(sizeof(float) * 8), stream);
+}
+
+cudaError_t SortTempBytes(int vocab_size, size_t* bytes) {
+  const Workspace w{};  // null scratch: cub only reports the size it needs
+  *bytes = 0;
+  return SortRows(w, vocab_size, bytes, nullptr);
+}
+
+// --- Shared with the CPU kernel, bit for bit. ------------------------------
+
+__device__ __forceinline__ uint64_t Mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// SamplingUniform(seed, position) of sampling.cc.
+__device__ __forceinline__ double Uniform(uint64_t seed, int32_t position) {
+  const uint64_t stream = Mix64(seed + kGolden);
+  const uint64_t counter =
+      static_cast<uint64_t>(static_cast<uint32_t>(position));
+  const uint64_t bits = Mix64(stream + (counter + 1) * kGolden);
+  return static_cast<double>(bits >> 11) * 0x1.0p-53;
+}
+
+// NaN logits count as -inf (never win, no mass).
+__device__ __forceinline__ float Logit(float v) {
+  return isnan(v) ? kNegInf : v;
+}
+
+__device__ __forceinline__ bool UsesTopK(int32_t top_k, int vocab) {
+  return top_k > 0 && top_k < vocab;
+}
+__device__ __forceinline__ bool UsesTopP(float top_p) {
+  return !isnan(top_p) && top_p < 1.0f;
+}
+
+__device__ __forceinline__ bool Truncates(const SamplingCudaParams& p, int r) {
+  return UsesTopK(p.top_k[r], p.vocab_size) || UsesTopP(p.top_p[r]);
+}
+
+// --- Which rows truncate (top-k / top-p). ------------------------------------
+
+using BlockScanInt = cub::BlockScan<int, 1024>;
+
+// grid: [1], block: 1024. Writes the number of rows that use top-k or top-p
+// into truncated[0] and those rows, ascending, into truncated[1..].
+__global__ void ListTruncatedRowsKernel(SamplingCudaParams p,
+                                        int32_t* truncated) {
+  __shared__ typename BlockScanInt::TempStorage temp;
+  __shared__ int found;
+  if (threadIdx.x == 0) found = 0;
+  __syncthreads();
+  for (int r0 = 0; r0 < p.num_reqs; r0 += blockDim.x) {
+    const int r = r0 + threadIdx.x;
+    const int flag = r < p.num_reqs && Truncates(p, r) ? 1 : 0;
+    int offset = 0, total = 0;
+    BlockScanInt(temp).ExclusiveSum(flag, offset, total);
+    if (flag) truncated[1 + found + offset] = r;
+    __syncthreads();  // everyone has read `found` and is done with `temp`
+    if (threadIdx.x == 0) found += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) truncated[0] = found;
+}
+
+// --- Prepare: sort keys for one group of truncating rows. --------------------
+
+// grid: [kCudaSamplingSortRows]. Slot b of the group (request
+// rows[slot_base + b], for b < count) gets the segment [b·vocab,
+// (b+1)·vocab); unused slots get empty segments. Keys are the logits with
+// NaN -> -inf and -0 -> +0, so the radix order equals the CPU comparator's
+// (which treats -0 == +0); ids ascend, and the sort is stable, so ties keep
+// the lower id first.
+__global__ void PrepareSortKernel(SamplingCudaParams p, Workspace w,
+                                  const int32_t* rows, int slot_base,
+                                  int count) {
+  const int b = blockIdx.x;
+  const int vocab = p.vocab_size;
+  const int64_t begin = static_cast<int64_t>(b) * vocab;
+  const bool used = b < count;
+  if (threadIdx.x == 0) {
+    w.seg_begin[b] = static_cast<int32_t>(begin);
+    w.seg_end[b] = static_cast<int32_t>(used ? begin + vocab : begin);
+  }
+  if (!used) return;
+  const int r = rows[slot_base + b];
+  const float* row = p.logits + static_cast<int64_t>(r) * vocab;
+  for (int v = threadIdx.x; v < vocab; v += blockDim.x) {
+    const float l = Logit(row[v]);
+    w.keys_in[begin + v] = l == 0.0f ? 0.0f : l;
+    w.ids_in[begin + v] = v;
+  }
+}
+
+// --- Block-level building blocks (kThreads threads). ------------------------
+
+struct ArgMax {
+  float value;
+  int index;
+};
+
+struct ArgMaxOp {
+  __device__ __forceinline__ ArgMax operator()(const ArgMax& a,
+                                               const ArgMax& b) const {
+    if (a.value > b.value) return a;
+    if (b.value > a.value) return b;
+    return a.index <= b.index ? a : b;  // ties: the lower id
+  }
+};
+
+struct MinOp {
+  __device__ __forceinline__ int operator()(int a, int b) const {
+    return a < b ? a : b;
+  }
+};
+struct MaxOp {
+  __device__ __forceinline__ int operator()(int a, int b) const {
+    return a > b ? a : b;
+  }
+};
+
+using BlockArgMax = cub::BlockReduce<ArgMax, kThreads>;
+using BlockScanDouble = cub::BlockScan<double, kThreads>;
+using BlockReduceInt = cub::BlockReduce<int, kThreads>;
+
+struct SharedState {
+  union {
+    typename BlockArgMax::TempStorage argmax;
+    typename BlockScanDouble::TempStorage scan;
+    typename BlockReduceInt::TempStorage reduce_int;
+  } temp;
+  ArgMax argmax_result;
+  int int_result;
+  double double_result;
+};
+
+// This thread's contiguous chunk of [0, count) and the sums around it.
+struct Chunk {
+  int begin;
+  int end;
+  double prefix;  // sum of all earlier chunks
+  double total;   // sum of everything (every thread)
+};
+
+// Contiguous chunks (thread t: [t·c, (t+1)·c)), summed sequentially in
+// double, combined by an exclusive block scan: a fixed order, so the
+// result is deterministic.
+template <typename WeightAt>
+__device__ Chunk ScanChunks(SharedState& s, int count, WeightAt weight_at) {
+  const int per_thread = (count + kThreads - 1) / kThreads;
+  Chunk c;
+  c.begin = min(count, static_cast<int>(threadIdx.x) * per_thread);
+  c.end = min(count, c.begin + per_thread);
+  double sum = 0.0;
+  for (int m = c.begin; m < c.end; ++m) sum += weight_at(m);
+  __syncthreads();  // temp storage may still be in use by a previous call
+  BlockScanDouble(s.temp.scan).ExclusiveSum(sum, c.prefix, c.total);
+  __syncthreads();
+  return c;
+}
+
+// The first m (in chunk order, i.e. in [0, count) order) whose inclusive
+// running sum satisfies `crosses`, a predicate monotone in the sum; -1 when
+// none does. *sum_at gets the running sum at m.
+template <typename WeightAt, typename Crosses>
+__device__ int FindFirstCrossing(SharedState& s, const Chunk& c,
+                                 WeightAt weight_at, Crosses crosses,
+                                 double* sum_at) {
+  int found = INT_MAX;
+  double running = c.prefix;
+  for (int m = c.begin; m < c.end; ++m) {
+    running += weight_at(m);
+    if (crosses(running)) {
+      found = m;
+      break;
+    }
+  }
+  const int first = BlockReduceInt(s.temp.reduce_int).Reduce(found, MinOp());
+  if (threadIdx.x == 0) s.int_result = first;
+  __syncthreads();
+  const int result = s.int_result;
+  if (result != INT_MAX && found == result) s.double_result = running;
+  __syncthreads();
+  *sum_at = s.double_result;
+  __syncthreads();
+  return result == INT_MAX ? -1 : result;
+}
+
+// The last m with a positive weight, or 0 (the CPU InverseCdf's fallback
+// when rounding leaves the target above the summed mass).
+template <typename WeightAt>
+__device__ int LastPositive(SharedState& s, const Chunk& c,
+                            WeightAt weight_at) {
+  int last = -1;
+  for (int m = c.begin; m < c.end; ++m) {
+    if (weight_at(m) > 0.0) last = m;
+  }
+  const int result = BlockReduceInt(s.temp.reduce_int).Reduce(last, MaxOp());
+  if (threadIdx.x == 0) s.int_result = result;
+  __syncthreads();
+  const int out = s.int_result;
+  __syncthreads();
+  return out < 0 ? 0 : out;
+}
+
+// Inverse CDF over [0, count): the first m whose running weight exceeds
+// `target` (zero weights never cross), else the last positive one.
+template <typename WeightAt>
+__device__ int InverseCdf(SharedState& s, const Chunk& c, WeightAt weight_at,
+                          double target) {
+  double unused;
+  const int m = FindFirstCrossing(
+      s, c, weight_at, [target](double sum) { return sum > target; }, &unused);
+  return m >= 0 ? m : LastPositive(s, c, weight_at);
+}
+
+// --- Sampling: one block per request of the group. --------------------------
+
+// Two passes: with rows == nullptr, block b samples request b unless it
+// truncates (those return at once); otherwise block b samples request
+// rows[slot_base + b] from the sorted slot b of the workspace.
+__global__ void __launch_bounds__(kThreads)
+    SampleKernel(SamplingCudaParams p, Workspace w, const int32_t* rows,
+                 int slot_base) {
+  __shared__ SharedState s;
+  const int b = blockIdx.x;
+  const bool sorted_pass = rows != nullptr;
+  const int r = sorted_pass ? rows[slot_base + b] : b;
+  if (!sorted_pass && Truncates(p, r)) return;
+  const int vocab = p.vocab_size;
+  const float* row = p.logits + static_cast<int64_t>(r) * vocab;
+
+  const float temperature = p.temperature[r];
+  const bool greedy = !(temperature >= p.greedy_temperature);  // NaN: greedy
+  const double inv_temperature = greedy ? 1.0 : 1.0 / temperature;
+  const int32_t top_k = p.top_k[r];
+  const bool use_top_k = UsesTopK(top_k, vocab);
+  const bool use_top_p = UsesTopP(p.top_p[r]);
+  const double u = Uniform(p.seeds[r], p.positions[r]);
+
+  // Max and argmax (ties to the lowest id).
+  ArgMax local{kNegInf, INT_MAX};
+  for (int v = threadIdx.x; v < vocab; v += kThreads) {
+    const float l = Logit(row[v]);
+    if (l > local.value) local = {l, v};  // strided ascending: lowest id
+  }
+  const ArgMax best = BlockArgMax(s.temp.argmax).Reduce(local, ArgMaxOp());
+  if (threadIdx.x == 0) s.argmax_result = best;
+  __syncthreads();
+  const float max_logit = s.argmax_result.value;
+  const int argmax = s.argmax_result.index;
+
+  int32_t token = 0;
+  float logprob = kNegInf;
+  if (max_logit != kNegInf) {  // else: nothing has mass, token 0, logprob -inf
+    auto weight_by_id = [row, max_logit, inv_temperature](int v) {
+      return exp((static_cast<double>(Logit(row[v])) - max_logit) *
+                 inv_temperature);
+    };
+    if (!use_top_k && !use_top_p) {
+      // Whole vocabulary in id order.
+      const Chunk c = ScanChunks(s, vocab, weight_by_id);
+      const int chosen =
+          greedy ? argmax : InverseCdf(s, c, weight_by_id, u * c.total);
+      token = chosen;
+      logprob = static_cast<float>(log(weight_by_id(chosen) / c.total));
+    } else {
+      // Candidates most likely first (sorted by PrepareSortKernel + cub).
+      const float* keys = w.keys_out + static_cast<int64_t>(b) * vocab;
+      const int32_t* ids = w.ids_out + static_cast<int64_t>(b) * vocab;
+      auto weight_sorted = [keys, max_logit, inv_temperature](int m) {
+        return exp((static_cast<double>(keys[m]) - max_logit) *
+                   inv_temperature);
+      };
+      const int count = use_top_k ? top_k : vocab;
+      // Top-p's base: the mass of all candidates (top-k's, or the whole
+      // vocabulary summed in id order as the CPU kernel does).
+      const Chunk candidates = ScanChunks(s, count, weight_sorted);
+      const double candidate_total =
+          use_top_k ? candidates.total
+                    : ScanChunks(s, vocab, weight_by_id).total;
+      int kept = count;
+      double kept_total = use_top_k ? candidate_total : candidates.total;
+      if (use_top_p) {
+        // The shortest prefix whose mass reaches top_p of the candidates'
+        // (at least one token).
+        const double threshold =
+            static_cast<double>(p.top_p[r]) * candidate_total;
+        double mass = 0.0;
+        const int last = FindFirstCrossing(
+            s, candidates, weight_sorted,
+            [threshold](double sum) { return sum >= threshold; }, &mass);
+        if (last >= 0) {
+          kept = last + 1;
+          kept_total = mass;
+        } else {
+          kept_total = candidates.total;
+        }
+      }
+      int chosen = 0;
+      if (!greedy) {
+        const Chunk kept_chunk = ScanChunks(s, kept, weight_sorted);
+        chosen = InverseCdf(s, kept_chunk, weight_sorted, u * kept_total);
+      }
+      token = ids[chosen];
+      logprob = static_cast<float>(log(weight_sorted(chosen) / kept_total));
+    }
+    if (p.raw_logprobs) {
+      // log_softmax(logits)[token] over the whole vocabulary.
+      auto raw_weight = [row, max_logit](int v) {
+        return exp(static_cast<double>(Logit(row[v])) - max_logit);
+      };
+      const Chunk c = ScanChunks(s, vocab, raw_weight);
+      logprob = static_cast<float>(static_cast<double>(Logit(row[token])) -
+                                   max_logit - log(c.total));
+    }
+  }
+  if (threadIdx.x == 0) {
+    p.sampled_token_ids[r] = token;
+    p.sampled_logprobs[r] = logprob;
+  }
+}
+
+}  // namespace
+
+cudaError_t SamplingCudaWorkspaceBytes(int vocab_size, int max_num_reqs,
+                                       size_t* bytes) {
+  size_t temp_bytes = 0;
+  const cudaError_t error = SortTempBytes(vocab_size, &temp_bytes);
+  if (error != cudaSuccess) return error;
+  *bytes =
+      SortBytes(vocab_size) + ListBytes(max_num_reqs) + Aligned(temp_bytes);
+  return cudaSuccess;
+}
+
+cudaError_t LaunchSamplingCuda(const SamplingCudaParams& p,
+                               cudaStream_t stream) {
+  size_t temp_bytes = 0;
+  cudaError_t error = SortTempBytes(p.vocab_size, &temp_bytes);
+  if (error != cudaSuccess) return error;
+  const Workspace w = Carve(p.workspace, p.vocab_size, p.num_reqs, temp_bytes);
+
+  // Which rows need the sorted path. The host needs the count to size the
+  // sort passes, so read it back (sampling runs eagerly after the forward,
+  // never inside a graph, and the caller waits for the tokens anyway); a
+  // greedy / temperature-only batch then costs two small launches.
+  ListTruncatedRowsKernel<<<1, 1024, 0, stream>>>(p, w.truncated);
+  error = cudaGetLastError();
+  if (error != cudaSuccess) return error;
+  int32_t num_truncated = 0;
+  error = cudaMemcpyAsync(&num_truncated, w.truncated, sizeof(int32_t),
+                          cudaMemcpyDeviceToHost, stream);
+  if (error != cudaSuccess) return error;
+  error = cudaStreamSynchronize(stream);
+  if (error != cudaSuccess) return error;
+
+  // Rows without top-k / top-p, all at once.
+  SampleKernel<<<p.num_reqs, kThreads, 0, stream>>>(p, w, nullptr, 0);
+  error = cudaGetLastError();
+  if (error != cudaSuccess) return error;
+  // Rows with top-k / top-p, kCudaSamplingSortRows per sort.
+  const int32_t* rows = w.truncated + 1;
+  for (int slot0 = 0; slot0 < num_truncated; slot0 += kCudaSamplingSortRows) {
+    const int count = min(kCudaSamplingSortRows, num_truncated - slot0);
+    PrepareSortKernel<<<kCudaSamplingSortRows, kPrepareThreads, 0, stream>>>(
+        p, w, rows, slot0, count);
+    error = cudaGetLastError();
+    if (error != cudaSuccess) return error;
+    error = SortRows(w, p.vocab_size, &temp_bytes, stream);
+    if (error != cudaSuccess) return error;
+    SampleKernel<<<count, kThreads, 0, stream>>>(p, w, rows, slot0);
+    error = cudaGetLastError();
+    if (error != cudaSuccess) return error;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace kernels
+}  // namespace pdworker

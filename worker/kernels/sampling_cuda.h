@@ -1,0 +1,55 @@
+// CUDA launcher of token sampling (worker/kernels/sampling.h): the same
+// decisions as the CPU kernel, the same counter-based RNG.
+// Plain C++ with CUDA runtime types; included only where PDW_HAVE_CUDA.
+#ifndef PDWORKER_WORKER_KERNELS_SAMPLING_CUDA_H_
+#define PDWORKER_WORKER_KERNELS_SAMPLING_CUDA_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace pdworker {
+namespace kernels {
+
+// Rows sorted per pass by the top-k / top-p path: the workspace holds the
+// sort buffers of this many rows, whatever max_num_seqs is.
+inline constexpr int kCudaSamplingSortRows = 8;
+
+struct SamplingCudaParams {
+  const float* logits = nullptr;  // [num_reqs, vocab_size]
+  const float* temperature = nullptr;
+  const int32_t* top_k = nullptr;
+  const float* top_p = nullptr;
+  const uint64_t* seeds = nullptr;
+  const int32_t* positions = nullptr;
+  // SamplingCudaWorkspaceBytes(vocab_size) bytes, 256-byte aligned.
+  void* workspace = nullptr;
+  int32_t* sampled_token_ids = nullptr;
+  float* sampled_logprobs = nullptr;
+  int num_reqs = 0;  // a host value: sampling is never captured
+  int vocab_size = 0;
+  bool raw_logprobs = false;        // LogprobMode::kRaw
+  float greedy_temperature = 0.0f;  // kGreedyTemperature
+};
+
+// Workspace bytes for `vocab_size` and up to `max_num_reqs` rows per
+// launch: kCudaSamplingSortRows rows of sort keys and ids (twice: in and
+// out), segment offsets, the list of rows that truncate, and cub's
+// radix-sort scratch (queried from cub, which needs a current CUDA device).
+cudaError_t SamplingCudaWorkspaceBytes(int vocab_size, int max_num_reqs,
+                                       size_t* bytes);
+
+// A small kernel lists the rows that use top-k / top-p and the host reads
+// their count back (sampling runs eagerly, never in a graph); then one
+// 1024-thread block per row samples every other row from the logits, and
+// the listed rows go through groups of kCudaSamplingSortRows: a prepare
+// kernel (sort keys), one cub segmented radix sort (descending, stable: ties
+// keep the lower id first) and the sampling kernel. Returns the first error.
+cudaError_t LaunchSamplingCuda(const SamplingCudaParams& p,
+                               cudaStream_t stream);
+
+}  // namespace kernels
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_KERNELS_SAMPLING_CUDA_H_

@@ -1,0 +1,352 @@
+// pdworker: the gRPC worker process.
+//
+//   pdworker --role=both --model=/models/llama --port=50051
+//
+// Startup: parse and check flags (errors name the flag), load the model and
+// allocate everything, listen (health NOT_SERVING), capture CUDA graphs
+// (progress logged), then serve (health SERVING) and print
+// "listening on PORT" on stdout — the line scripts wait for. SIGTERM or
+// SIGINT drains (new calls UNAVAILABLE, in-flight calls complete) and exits
+// 0. Exit codes: 0 drained, 1 startup failed, 2 bad flags.
+//
+// Flag spelling: absl flags only accept underscores. vLLM users write
+// dashes (--compilation-config, --max-num-seqs), so before parsing, any
+// "--some-name[=value]" whose underscore spelling is one of our flags is
+// rewritten to it.
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "absl/time/time.h"
+#include "dispatcher/compilation_config.h"
+#include "dispatcher/role_defaults.h"
+#include "glog/logging.h"
+#include "metrics/metrics_server.h"
+#include "metrics/table_logger.h"
+#include "metrics/worker_metrics.h"
+#include "worker/runner/model_runner.h"
+#include "worker/runtime/device_factory.h"
+#include "worker/server/worker_server.h"
+
+ABSL_FLAG(std::string, role, "both", "Worker role: prefill, decode or both.");
+ABSL_FLAG(std::string, model, "",
+          "Hugging Face model directory (config.json + *.safetensors).");
+ABSL_FLAG(std::string, compilation_config, "",
+          "vLLM-style JSON overriding the role's CUDA graph defaults, e.g. "
+          "'{\"cudagraph_mode\":\"FULL_DECODE_ONLY\","
+          "\"cudagraph_capture_sizes\":[1,2,4,8]}'. Also accepted as "
+          "--compilation-config.");
+ABSL_FLAG(int, max_num_seqs, 64, "Most sequences in one step (and one call).");
+ABSL_FLAG(int, max_num_batched_tokens, 2048,
+          "Most tokens in one step; longer prompts are chunked.");
+ABSL_FLAG(int, max_model_len, 0,
+          "Most tokens per sequence; 0 = the model's max_position_embeddings.");
+ABSL_FLAG(int64_t, kv_cache_bytes, int64_t{256} << 20,
+          "KV cache budget in bytes; must hold one max_model_len sequence.");
+ABSL_FLAG(int, block_size, 16, "KV cache tokens per block.");
+ABSL_FLAG(std::string, host, "0.0.0.0",
+          "Address the gRPC and metrics servers bind.");
+ABSL_FLAG(int, port, 50051, "gRPC port; 0 = let the kernel pick one.");
+ABSL_FLAG(int, metrics_port, 9090,
+          "Prometheus /metrics port; 0 = pick one, -1 = no metrics server.");
+ABSL_FLAG(std::string, device, "auto", "auto | cpu | cuda.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain; with --tls_key, serve TLS.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle; when set, clients must present a certificate it "
+          "signed (mutual TLS).");
+ABSL_FLAG(int, max_queue, 1024,
+          "Calls queued or running; beyond it Forward gets "
+          "RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int, max_message_bytes, 4 << 20,
+          "Largest request accepted; larger ones get RESOURCE_EXHAUSTED.");
+// A string, not an absl::Duration flag: reading Duration flags compiles to an
+// atomic_thread_fence that GCC refuses under -fsanitize=thread.
+ABSL_FLAG(std::string, stats_log_interval, "60s",
+          "Log the CUDA graph statistics table this often while it changes "
+          "(e.g. 30s, 5m); 0 = never.");
+
+namespace pdworker {
+namespace {
+
+// Everything the flags say, checked.
+struct WorkerConfig {
+  ModelRunnerOptions runner;
+  std::string model_dir;
+  std::string compilation_config_json;
+  DeviceKind device = DeviceKind::kCpu;
+  WorkerServerOptions server;
+  std::string metrics_address;  // empty: no metrics server
+  absl::Duration stats_log_interval;
+};
+
+absl::Status FlagError(absl::string_view flag, absl::string_view message) {
+  return absl::InvalidArgumentError(absl::StrCat("--", flag, ": ", message));
+}
+
+absl::Status CheckPositive(absl::string_view flag, int64_t value) {
+  if (value > 0) return absl::OkStatus();
+  return FlagError(flag, absl::StrCat("must be positive, got ", value));
+}
+
+absl::StatusOr<std::string> ReadPemFile(absl::string_view flag,
+                                        const std::string& path) {
+  if (path.empty()) return std::string();
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return FlagError(flag, absl::StrCat("cannot read '", path, "'"));
+  std::ostringstream contents;
+  contents << in.rdbuf();
+  if (contents.str().empty()) {
+    return FlagError(flag, absl::StrCat("'", path, "' is empty"));
+  }
+  return contents.str();
+}
+
+absl::StatusOr<WorkerConfig> ConfigFromFlags() {
+  WorkerConfig c;
+  ModelRunnerOptions& r = c.runner;
+
+  absl::StatusOr<Role> role = ParseRole(absl::GetFlag(FLAGS_role));
+  if (!role.ok()) return FlagError("role", role.status().message());
+  r.role = *role;
+
+  c.compilation_config_json = absl::GetFlag(FLAGS_compilation_config);
+  absl::StatusOr<CompilationConfig> compilation =
+      ParseCompilationConfig(c.compilation_config_json);
+  if (!compilation.ok()) {
+    return FlagError("compilation_config", compilation.status().message());
+  }
+  r.compilation = *compilation;
+
+  c.model_dir = absl::GetFlag(FLAGS_model);
+  if (c.model_dir.empty()) return FlagError("model", "is required");
+  struct stat st;
+  if (stat(c.model_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return FlagError("model",
+                     absl::StrCat("'", c.model_dir, "' is not a directory"));
+  }
+
+  r.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
+  r.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
+  r.max_model_len = absl::GetFlag(FLAGS_max_model_len);
+  r.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+  r.block_size = absl::GetFlag(FLAGS_block_size);
+  for (const auto& [flag, value] : std::vector<std::pair<const char*, int64_t>>{
+           {"max_num_seqs", r.max_num_seqs},
+           {"max_num_batched_tokens", r.max_num_batched_tokens},
+           {"kv_cache_bytes", r.kv_cache_bytes},
+           {"block_size", r.block_size},
+           {"max_queue", absl::GetFlag(FLAGS_max_queue)},
+           {"max_message_bytes", absl::GetFlag(FLAGS_max_message_bytes)}}) {
+    if (absl::Status s = CheckPositive(flag, value); !s.ok()) return s;
+  }
+  if (r.max_model_len < 0) {
+    return FlagError("max_model_len",
+                     absl::StrCat("must be >= 0 (0 = the model's limit), got ",
+                                  r.max_model_len));
+  }
+
+  const std::string device = absl::AsciiStrToLower(absl::GetFlag(FLAGS_device));
+  if (device == "cuda") {
+    return FlagError("device",
+                     "the CUDA model kernels are not implemented yet; use "
+                     "--device=cpu (or auto)");
+  }
+  if (device != "auto" && device != "cpu") {
+    return FlagError("device", absl::StrCat("unknown device '", device,
+                                            "'; expected auto, cpu or cuda"));
+  }
+  if (device == "auto") {
+    LOG(INFO) << "--device=auto: using the CPU backend (the CUDA model "
+                 "kernels are not implemented yet)";
+  }
+  c.device = DeviceKind::kCpu;
+
+  const std::string host = absl::GetFlag(FLAGS_host);
+  const int port = absl::GetFlag(FLAGS_port);
+  if (port < 0 || port > 65535) {
+    return FlagError("port", absl::StrCat("must be in [0, 65535], got ", port));
+  }
+  const int metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  if (metrics_port < -1 || metrics_port > 65535) {
+    return FlagError(
+        "metrics_port",
+        absl::StrCat("must be -1 (off) or in [0, 65535], got ", metrics_port));
+  }
+  // IPv6 literals need brackets in host:port.
+  const std::string bind_host =
+      host.find(':') != std::string::npos ? absl::StrCat("[", host, "]") : host;
+  c.server.listen_address = absl::StrCat(bind_host, ":", port);
+  if (metrics_port >= 0) {
+    c.metrics_address = absl::StrCat(bind_host, ":", metrics_port);
+  }
+
+  ServerTls& tls = c.server.tls;
+  absl::StatusOr<std::string> pem =
+      ReadPemFile("tls_cert", absl::GetFlag(FLAGS_tls_cert));
+  if (!pem.ok()) return pem.status();
+  tls.cert_chain_pem = *pem;
+  pem = ReadPemFile("tls_key", absl::GetFlag(FLAGS_tls_key));
+  if (!pem.ok()) return pem.status();
+  tls.private_key_pem = *pem;
+  pem = ReadPemFile("tls_client_ca", absl::GetFlag(FLAGS_tls_client_ca));
+  if (!pem.ok()) return pem.status();
+  tls.client_ca_pem = *pem;
+  if (tls.cert_chain_pem.empty() != tls.private_key_pem.empty()) {
+    return FlagError(tls.cert_chain_pem.empty() ? "tls_cert" : "tls_key",
+                     "--tls_cert and --tls_key go together");
+  }
+  if (!tls.client_ca_pem.empty() && tls.cert_chain_pem.empty()) {
+    return FlagError("tls_client_ca",
+                     "mutual TLS needs --tls_cert and --tls_key as well");
+  }
+
+  c.server.max_receive_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  c.server.executor.max_queue = absl::GetFlag(FLAGS_max_queue);
+  if (!absl::ParseDuration(absl::GetFlag(FLAGS_stats_log_interval),
+                           &c.stats_log_interval)) {
+    return FlagError("stats_log_interval",
+                     absl::StrCat("'", absl::GetFlag(FLAGS_stats_log_interval),
+                                  "' is not a duration (e.g. 30s, 5m, 0)"));
+  }
+  return c;
+}
+
+// Loads, captures, serves until SIGTERM/SIGINT (already blocked in every
+// thread by main), then drains.
+absl::Status RunWorker(const WorkerConfig& c, const sigset_t& stop_signals) {
+  DeviceOptions device_options;
+  absl::StatusOr<std::unique_ptr<Device>> device =
+      CreateDevice(c.device, device_options);
+  if (!device.ok()) return device.status();
+
+  LOG(INFO) << "loading " << c.model_dir << " (role " << RoleName(c.runner.role)
+            << ")";
+  absl::StatusOr<std::unique_ptr<ModelRunner>> runner =
+      ModelRunner::Create(**device, c.model_dir, c.runner);
+  if (!runner.ok()) return runner.status();
+  ModelRunner& r = **runner;
+
+  const GraphStatsHeader header{r.resolved_mode(),
+                                r.dispatcher().capture_sizes()};
+  WorkerInfo info;
+  info.role = std::string(RoleName(c.runner.role));
+  info.configured_mode = r.graph_plan().mode.ToString();
+  info.resolved_mode = r.resolved_mode().ToString();
+  info.model = c.model_dir;
+  info.model_fingerprint = r.model_config().Fingerprint();
+  info.device = (*device)->name();
+  WorkerMetrics metrics(info, &r.graph_stats(), header);
+  std::unique_ptr<MetricsServer> metrics_server;
+  if (!c.metrics_address.empty()) {
+    absl::StatusOr<std::unique_ptr<MetricsServer>> started =
+        MetricsServer::Start(c.metrics_address, metrics.registry());
+    if (!started.ok()) {
+      return absl::Status(
+          started.status().code(),
+          absl::StrCat("--metrics_port: ", started.status().message()));
+    }
+    metrics_server = *std::move(started);
+    LOG(INFO) << "metrics on port " << metrics_server->port();
+  }
+
+  WorkerServerOptions server_options = c.server;
+  server_options.device_name = (*device)->name();
+  absl::StatusOr<std::unique_ptr<WorkerServer>> server =
+      WorkerServer::Start(r, server_options, &metrics);
+  if (!server.ok()) {
+    return absl::Status(
+        server.status().code(),
+        absl::StrCat("--host/--port: ", server.status().message()));
+  }
+  LOG(INFO) << "gRPC bound to port " << (*server)->port()
+            << " (NOT_SERVING until graphs are captured); capturing "
+            << r.resolved_mode() << " graphs for "
+            << r.dispatcher().capture_sizes().size() << " capture sizes";
+  absl::StatusOr<CaptureSummary> captured = (*server)->CaptureGraphsAndServe();
+  if (!captured.ok()) return captured.status();
+
+  TableLogger table_logger(&r.graph_stats(), header, c.stats_log_interval);
+  std::cout << "listening on " << (*server)->port() << std::endl;
+
+  int signal_number = 0;
+  if (sigwait(&stop_signals, &signal_number) != 0) {
+    return absl::InternalError("sigwait failed");
+  }
+  LOG(INFO) << "signal " << signal_number << ": draining";
+  (*server)->Drain();
+  return absl::OkStatus();
+}
+
+// Rewrites "--some-name[=v]" to "--some_name[=v]" when the latter is one of
+// our flags (see the file comment). Stops at "--".
+std::vector<std::string> UnderscoreFlagNames(int argc, char** argv) {
+  std::vector<std::string> args(argv, argv + argc);
+  for (size_t i = 1; i < args.size(); ++i) {
+    std::string& arg = args[i];
+    if (arg == "--") break;
+    if (arg.size() < 3 || arg.compare(0, 2, "--") != 0) continue;
+    const size_t eq = arg.find('=');
+    const std::string name =
+        arg.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
+    if (name.find('-') == std::string::npos) continue;
+    const std::string underscored = absl::StrReplaceAll(name, {{"-", "_"}});
+    if (absl::FindCommandLineFlag(underscored) == nullptr) continue;
+    arg = absl::StrCat("--", underscored,
+                       eq == std::string::npos ? "" : arg.substr(eq));
+  }
+  return args;
+}
+
+}  // namespace
+}  // namespace pdworker
+
+int main(int argc, char** argv) {
+  // Block the stop signals before any thread exists, so every thread
+  // inherits the mask and only RunWorker's sigwait ever sees them: no
+  // signal handler, no work in signal context.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  absl::SetProgramUsageMessage(
+      "pdworker: gRPC worker for disaggregated prefill/decode LLM serving.\n"
+      "  pdworker --role=both --model=DIR [--port=50051] ...");
+  std::vector<std::string> args = pdworker::UnderscoreFlagNames(argc, argv);
+  std::vector<char*> arg_pointers;
+  for (std::string& a : args) arg_pointers.push_back(a.data());
+  absl::ParseCommandLine(static_cast<int>(arg_pointers.size()),
+                         arg_pointers.data());
+  FLAGS_logtostderr = true;
+  google::InitGoogleLogging(argv[0]);
+
+  absl::StatusOr<pdworker::WorkerConfig> config = pdworker::ConfigFromFlags();
+  if (!config.ok()) {
+    std::cerr << "pdworker: " << config.status().message() << std::endl;
+    return 2;
+  }
+  const absl::Status status = pdworker::RunWorker(*config, stop_signals);
+  if (!status.ok()) {
+    std::cerr << "pdworker: startup failed: " << status << std::endl;
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,501 @@
+#include "worker/server/executor.h"
+
+#include <algorithm>
+#include <chrono>
+#include <future>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+
+namespace pdworker {
+
+// One queued call and the executor's bookkeeping for it.
+struct Executor::Entry {
+  // Exactly one of the two is set.
+  std::unique_ptr<ForwardCall> forward;
+  std::unique_ptr<ReleaseCall> release;
+  CallControl* control = nullptr;  // owned by the call
+
+  // The planner's view; its spans point into `ids` and `remaining`, which
+  // are sized once and never reallocated.
+  std::vector<absl::string_view> ids;
+  std::vector<int32_t> remaining;  // Forward: tokens not yet run, per sequence
+  PendingCall view;
+
+  // Forward progress: each sequence's length before the call's first piece
+  // of it ran (-1: not run yet), for rollback.
+  std::vector<int32_t> length_before;
+  ForwardOutcome outcome;
+  ReleaseOutcome release_outcome;
+  // Set once the call is finished: OK, or the error it completes with.
+  std::optional<absl::Status> final_status;
+
+  bool started() const {
+    for (const int32_t len : length_before) {
+      if (len >= 0) return true;
+    }
+    return false;
+  }
+
+  // Answers the RPC. The call object must not be used afterwards.
+  void Finish() {
+    const absl::Status& status = *final_status;
+    if (forward != nullptr) {
+      if (status.ok()) {
+        forward->done(std::move(outcome));
+      } else {
+        forward->done(status);
+      }
+    } else if (status.ok()) {
+      release->done(release_outcome);
+    } else {
+      release->done(status);
+    }
+  }
+};
+
+Executor::Executor(ModelRunner& runner, const ExecutorOptions& options,
+                   WorkerMetrics* metrics)
+    : runner_(runner),
+      options_(options),
+      metrics_(metrics),
+      planner_(StepBudget{runner.options().max_num_seqs,
+                          runner.options().max_num_batched_tokens}) {
+  batch_.reserve(runner.options().max_num_seqs);
+  PublishSnapshot();
+  thread_ = std::thread([this] { Run(); });
+}
+
+Executor::~Executor() { Stop(); }
+
+// ---------------------------------------------------------------------------
+// The loop.
+
+void Executor::Run() {
+  while (WaitForWork()) {
+    DropExpiredCalls();  // deadline passed or cancelled: never run
+    bool paused;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      paused = paused_;
+    }
+    if (!paused) {
+      // Coalesce pending calls into one step.
+      views_.clear();
+      active_.clear();
+      for (const std::unique_ptr<Entry>& e : pending_) {
+        if (e->final_status.has_value()) continue;
+        views_.push_back(&e->view);
+        active_.push_back(e.get());
+      }
+      planner_.Plan(views_, &plan_);
+      RunReleases();
+      RunStep();  // ModelRunner::Execute(batch); call by call on failure
+    }
+    CompleteFinishedCalls();  // roll back or release_after_step; respond
+  }
+  FailAll(absl::UnavailableError("the worker stopped before the call ran"));
+}
+
+bool Executor::WaitForWork() {
+  std::vector<std::function<void()>> tasks;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      while (!incoming_.empty()) {
+        pending_.push_back(std::move(incoming_.front()));
+        incoming_.pop_front();
+      }
+      if (stopping_) return false;
+      if (!tasks_.empty()) {
+        tasks.swap(tasks_);
+        break;
+      }
+      if (wake_) {  // a cancellation to act on
+        wake_ = false;
+        break;
+      }
+      if (!pending_.empty() && !paused_) break;
+      // Idle or paused: sleep until new work, or until the earliest queued
+      // deadline so an expired call is answered without waiting for traffic.
+      auto earliest = std::chrono::system_clock::time_point::max();
+      for (const std::unique_ptr<Entry>& e : pending_) {
+        earliest = std::min(earliest, e->control->deadline);
+      }
+      if (earliest == std::chrono::system_clock::time_point::max()) {
+        work_cv_.wait(lock);
+      } else if (work_cv_.wait_until(lock, earliest) ==
+                 std::cv_status::timeout) {
+        break;
+      }
+    }
+  }
+  for (std::function<void()>& task : tasks) task();
+  return true;
+}
+
+void Executor::DropExpiredCalls() {
+  const auto now = std::chrono::system_clock::now();
+  for (const std::unique_ptr<Entry>& e : pending_) {
+    if (e->final_status.has_value()) continue;
+    // The deadline first: when it passes, gRPC cancels the call too.
+    const absl::string_view when =
+        e->started() ? "between its chunks (the chunks that ran were undone)"
+                     : "before it ran";
+    if (now >= e->control->deadline) {
+      e->final_status = absl::DeadlineExceededError(
+          absl::StrCat("the call's deadline passed ", when));
+      ++dropped_deadline_;
+    } else if (e->control->cancelled.load(std::memory_order_acquire)) {
+      e->final_status = absl::CancelledError(
+          absl::StrCat("the client cancelled the call ", when));
+      ++dropped_cancelled_;
+    }
+  }
+}
+
+void Executor::RunReleases() {
+  for (const int i : plan_.releases) {
+    Entry& e = *active_[i];
+    // All or nothing: an unknown id frees nothing.
+    int freed = 0;
+    absl::Status status;
+    for (const std::string& id : e.release->sequence_ids) {
+      const SequenceKv* kv = runner_.kv_cache().Find(id);
+      if (kv == nullptr) {
+        status = absl::NotFoundError(
+            absl::StrCat("unknown sequence '", id, "'; nothing was released"));
+        break;
+      }
+      freed += static_cast<int>(kv->blocks.size());
+    }
+    if (status.ok()) {
+      for (const std::string& id : e.release->sequence_ids) {
+        const absl::Status released = runner_.Release(id);
+        CHECK(released.ok()) << released;  // checked just above
+      }
+    }
+    e.release_outcome.freed_blocks = freed;
+    e.final_status = status;
+  }
+}
+
+void Executor::RunStep() {
+  if (plan_.pieces.empty()) return;
+  const int num_calls = static_cast<int>(plan_.forwards.size());
+  absl::Status error;
+  if (ExecutePieces(plan_.pieces, num_calls, &error)) return;
+  if (num_calls == 1) {
+    active_[plan_.forwards[0]]->final_status = error;
+    return;
+  }
+  // A failed step changed nothing, and one call's problem (an unknown
+  // sequence, a KV demand that only the merged step exceeds) must not fail
+  // the others: run each call's pieces alone, oldest first.
+  VLOG(1) << "merged step of " << num_calls
+          << " calls failed; retrying them one by one: " << error;
+  for (const int call : plan_.forwards) {
+    solo_pieces_.clear();
+    for (const StepPiece& p : plan_.pieces) {
+      if (p.call == call) solo_pieces_.push_back(p);
+    }
+    if (!ExecutePieces(solo_pieces_, 1, &error)) {
+      active_[call]->final_status = error;
+    }
+  }
+}
+
+bool Executor::ExecutePieces(absl::Span<const StepPiece> pieces, int num_calls,
+                             absl::Status* error) {
+  // The batch: each piece's slice of its sequence's tokens. A sequence's
+  // first piece creates it as the request asked; later chunks continue it.
+  batch_.resize(pieces.size());
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    const StepPiece& p = pieces[k];
+    const Entry& e = *active_[p.call];
+    const SequenceStep& src = e.forward->spec.sequences[p.sequence];
+    const size_t offset = src.token_ids.size() - e.remaining[p.sequence];
+    SequenceStep& dst = batch_[k];
+    dst.sequence_id = src.sequence_id;
+    dst.token_ids.assign(src.token_ids.begin() + offset,
+                         src.token_ids.begin() + offset + p.num_tokens);
+    dst.sampling = src.sampling;
+    dst.creation = e.length_before[p.sequence] < 0
+                       ? src.creation
+                       : SequenceCreation::kMustExist;
+  }
+  absl::StatusOr<StepResult> result = runner_.Execute(batch_);
+  if (!result.ok()) {
+    *error = result.status();
+    return false;
+  }
+
+  ++steps_;
+  StepSummary summary;
+  summary.mode = result->mode;
+  summary.fallback_reason = result->fallback_reason;
+  summary.unpadded_tokens = result->unpadded_tokens;
+  summary.padded_tokens = result->padded_tokens;
+  summary.num_sequences = static_cast<int>(pieces.size());
+  summary.num_calls = num_calls;
+  summary.step_seconds = result->forward_seconds;
+  if (metrics_ != nullptr) {
+    metrics_->ObserveStep(summary.mode, summary.fallback_reason,
+                          summary.unpadded_tokens, summary.padded_tokens,
+                          summary.num_sequences, summary.num_calls,
+                          summary.step_seconds);
+  }
+
+  // Pieces are grouped by call (the planner emits them call by call).
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    const StepPiece& p = pieces[k];
+    Entry& e = *active_[p.call];
+    const SequenceResult& r = result->sequences[k];
+    if (e.length_before[p.sequence] < 0) {
+      e.length_before[p.sequence] = r.num_tokens - p.num_tokens;
+    }
+    e.remaining[p.sequence] -= p.num_tokens;
+    // Only the sample after a sequence's last token is an answer; earlier
+    // chunks' samples are discarded.
+    if (e.remaining[p.sequence] == 0) e.outcome.sequences[p.sequence] = r;
+    const bool last_piece_of_call =
+        k + 1 == pieces.size() || pieces[k + 1].call != p.call;
+    if (!last_piece_of_call) continue;
+    ++e.outcome.num_steps;
+    e.outcome.last_step = summary;
+    bool done = true;
+    for (const int32_t left : e.remaining) done = done && left == 0;
+    if (done) e.final_status = absl::OkStatus();
+  }
+  return true;
+}
+
+void Executor::CompleteFinishedCalls() {
+  // 1. Finish the calls' effects on the KV cache.
+  int64_t completed = 0;
+  for (const std::unique_ptr<Entry>& e : pending_) {
+    if (!e->final_status.has_value()) continue;
+    ++completed;
+    if (e->forward == nullptr) continue;
+    if (!e->final_status->ok()) {
+      RollBack(*e);
+      continue;
+    }
+    const ForwardCallSpec& spec = e->forward->spec;
+    for (size_t s = 0; s < spec.sequences.size(); ++s) {
+      if (spec.after_step[s] != AfterStep::kRelease) continue;
+      const absl::Status released =
+          runner_.Release(spec.sequences[s].sequence_id);
+      LOG_IF(ERROR, !released.ok()) << "release_after_step: " << released;
+    }
+  }
+  // 2. Publish before answering: a client that reads GetStatus after its
+  // response sees its own call's effect, and a finished call no longer
+  // counts as queued.
+  if (completed > 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    queued_ -= completed;
+  }
+  PublishSnapshot();
+  if (completed == 0) return;
+  // 3. Answer.
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (!(*it)->final_status.has_value()) {
+      ++it;
+      continue;
+    }
+    (*it)->Finish();
+    it = pending_.erase(it);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  unanswered_ -= completed;
+  if (unanswered_ == 0) idle_cv_.notify_all();
+}
+
+void Executor::RollBack(Entry& e) {
+  if (e.forward == nullptr) return;
+  for (size_t s = 0; s < e.length_before.size(); ++s) {
+    if (e.length_before[s] < 0) continue;
+    const SequenceStep& seq = e.forward->spec.sequences[s];
+    // The planner kept every other call off this sequence meanwhile, so the
+    // undo cannot fail unless the bookkeeping is broken.
+    const absl::Status undone =
+        seq.creation == SequenceCreation::kMustBeNew
+            ? runner_.Release(seq.sequence_id)
+            : runner_.Truncate(seq.sequence_id, e.length_before[s]);
+    CHECK(undone.ok()) << "rollback of '" << seq.sequence_id << "': " << undone;
+    e.length_before[s] = -1;
+  }
+}
+
+void Executor::FailAll(const absl::Status& status) {
+  std::vector<std::function<void()>> tasks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (!incoming_.empty()) {
+      pending_.push_back(std::move(incoming_.front()));
+      incoming_.pop_front();
+    }
+    tasks.swap(tasks_);
+  }
+  for (std::function<void()>& task : tasks) task();
+  for (const std::unique_ptr<Entry>& e : pending_) {
+    if (!e->final_status.has_value()) e->final_status = status;
+  }
+  CompleteFinishedCalls();
+}
+
+void Executor::PublishSnapshot() {
+  const KvCacheStats kv = runner_.kv_cache().Stats();
+  int64_t queued;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queued = queued_;
+  }
+  {
+    std::lock_guard<std::mutex> lock(snapshot_mu_);
+    snapshot_.kv = kv;
+    snapshot_.steps = steps_;
+    snapshot_.dropped_deadline = dropped_deadline_;
+    snapshot_.dropped_cancelled = dropped_cancelled_;
+  }
+  if (metrics_ != nullptr) {
+    metrics_->SetKvBlocks(kv.used_blocks, kv.free_blocks);
+    metrics_->SetQueueDepth(queued);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Other threads.
+
+void Executor::Submit(std::unique_ptr<ForwardCall> call) {
+  auto e = std::make_unique<Entry>();
+  const ForwardCallSpec& spec = call->spec;
+  const size_t n = spec.sequences.size();
+  e->control = call->control.get();
+  e->ids.reserve(n);
+  e->remaining.reserve(n);
+  for (const SequenceStep& s : spec.sequences) {
+    e->ids.push_back(s.sequence_id);
+    e->remaining.push_back(static_cast<int32_t>(s.token_ids.size()));
+  }
+  e->length_before.assign(n, -1);
+  e->outcome.sequences.resize(n);
+  e->view.kind = PendingKind::kForward;
+  e->view.chunking =
+      spec.total_tokens > planner_.budget().max_num_batched_tokens
+          ? Chunking::kChunked
+          : Chunking::kWhole;
+  e->view.sequence_ids = e->ids;
+  e->view.remaining_tokens = e->remaining;
+  e->forward = std::move(call);
+  Enqueue(std::move(e));
+}
+
+void Executor::Submit(std::unique_ptr<ReleaseCall> call) {
+  auto e = std::make_unique<Entry>();
+  e->control = call->control.get();
+  for (const std::string& id : call->sequence_ids) e->ids.push_back(id);
+  e->view.kind = PendingKind::kRelease;
+  e->view.sequence_ids = e->ids;
+  e->release = std::move(call);
+  Enqueue(std::move(e));
+}
+
+void Executor::Enqueue(std::unique_ptr<Entry> entry) {
+  absl::Status refused;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (draining_ || stopping_) {
+      refused = absl::UnavailableError(
+          "the worker is draining (shutting down) and takes no new calls");
+    } else if (queued_ >= options_.max_queue) {
+      refused = absl::ResourceExhaustedError(
+          absl::StrCat("request queue full: ", queued_,
+                       " calls queued (--max_queue=", options_.max_queue, ")"));
+    } else {
+      incoming_.push_back(std::move(entry));
+      ++queued_;
+      ++unanswered_;
+    }
+  }
+  if (refused.ok()) {
+    work_cv_.notify_one();
+    return;
+  }
+  entry->final_status = refused;
+  entry->Finish();
+}
+
+absl::Status Executor::RunExclusive(
+    std::function<absl::Status(ModelRunner&)> task) {
+  // Shared with the task so the promise outlives set_value even when the
+  // caller wakes up and returns first.
+  auto promise = std::make_shared<std::promise<absl::Status>>();
+  std::future<absl::Status> result = promise->get_future();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return absl::UnavailableError("the executor has stopped");
+    tasks_.push_back([this, task = std::move(task), promise] {
+      promise->set_value(task(runner_));
+    });
+  }
+  work_cv_.notify_one();
+  return result.get();
+}
+
+void Executor::NotifyCancelled() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    wake_ = true;
+  }
+  work_cv_.notify_one();
+}
+
+void Executor::BeginDrain() {
+  std::lock_guard<std::mutex> lock(mu_);
+  draining_ = true;
+}
+
+void Executor::WaitUntilIdle() {
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_cv_.wait(lock, [this] { return unanswered_ == 0; });
+}
+
+void Executor::Pause() {
+  std::lock_guard<std::mutex> lock(mu_);
+  paused_ = true;
+}
+
+void Executor::Resume() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    paused_ = false;
+  }
+  work_cv_.notify_one();
+}
+
+void Executor::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  work_cv_.notify_one();
+  if (thread_.joinable()) thread_.join();
+}
+
+ExecutorSnapshot Executor::snapshot() const {
+  ExecutorSnapshot s;
+  {
+    std::lock_guard<std::mutex> lock(snapshot_mu_);
+    s = snapshot_;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  s.queued_calls = queued_;
+  return s;
+}
+
+}  // namespace pdworker

@@ -1,0 +1,158 @@
+// Executor: the one thread that owns the ModelRunner (DESIGN.md, "One
+// step"). gRPC handlers validate and Submit; the executor merges pending
+// calls into model steps and completes them:
+//
+//   Submit ──▶ queue ──coalesce──▶ ModelRunner::Execute(batch) ──▶ done()
+//
+// Guarantees:
+//  - A call fails or succeeds as a whole, and a failed call changes nothing:
+//    a merged step that fails is retried call by call (so one bad call never
+//    fails innocent ones), and a chunked call whose later chunk fails rolls
+//    its earlier chunks back (created sequences are released, continued ones
+//    truncated to their old length).
+//  - Calls whose deadline passed or whose client cancelled are dropped
+//    before they run (DEADLINE_EXCEEDED / CANCELLED), even while a step
+//    runs for others or the executor is paused.
+//  - Per sequence, calls run in arrival order (see StepPlanner).
+// Synchronization is std::mutex / std::condition_variable / std::atomic
+// (TSan sees them; Debian's absl::Mutex is not instrumented).
+#ifndef PDWORKER_WORKER_SERVER_EXECUTOR_H_
+#define PDWORKER_WORKER_SERVER_EXECUTOR_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "metrics/worker_metrics.h"
+#include "worker/kv_cache/kv_cache_manager.h"
+#include "worker/runner/model_runner.h"
+#include "worker/server/forward_call.h"
+#include "worker/server/step_planner.h"
+
+namespace pdworker {
+
+struct ExecutorOptions {
+  // Calls queued or running (Forward and Release); beyond it Submit answers
+  // RESOURCE_EXHAUSTED at once instead of letting latency grow unbounded.
+  int max_queue = 1024;
+};
+
+// What other threads may read, published after every loop iteration.
+struct ExecutorSnapshot {
+  KvCacheStats kv;
+  int64_t queued_calls = 0;       // submitted, not yet finished by the executor
+  int64_t steps = 0;              // model steps run (retries included)
+  int64_t dropped_deadline = 0;   // calls dropped: deadline passed
+  int64_t dropped_cancelled = 0;  // calls dropped: client cancelled
+};
+
+class Executor {
+ public:
+  // Starts the thread. `runner` and `metrics` (may be null) must outlive
+  // the executor; from now on only the executor thread touches `runner`.
+  Executor(ModelRunner& runner, const ExecutorOptions& options,
+           WorkerMetrics* metrics);
+  // Stop(), then joins.
+  ~Executor();
+
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  // Queues the call, or completes it at once (call->done, on this thread)
+  // with UNAVAILABLE (draining or stopped) or RESOURCE_EXHAUSTED (queue
+  // full). Never blocks on a step.
+  void Submit(std::unique_ptr<ForwardCall> call);
+  void Submit(std::unique_ptr<ReleaseCall> call);
+
+  // Runs `task` on the executor thread between steps (e.g. graph capture)
+  // and returns its status; blocks the caller until then.
+  absl::Status RunExclusive(std::function<absl::Status(ModelRunner&)> task);
+
+  // A queued call's CallControl changed (cancelled): look at it now rather
+  // than at the next step. Cheap; called from gRPC threads.
+  void NotifyCancelled();
+
+  // From now on Submit refuses new calls with UNAVAILABLE; queued calls
+  // still run.
+  void BeginDrain();
+  // Blocks until every submitted call has completed.
+  void WaitUntilIdle();
+
+  // Holds steps (queued calls wait; cancellations and deadlines are still
+  // honoured) until Resume(). For tests that need a busy worker without
+  // timing, and for operators.
+  void Pause();
+  void Resume();
+
+  // Completes every queued call with UNAVAILABLE (a running step finishes
+  // first) and joins the thread. Idempotent.
+  void Stop();
+
+  ExecutorSnapshot snapshot() const;
+
+ private:
+  struct Entry;
+
+  // The loop and its stages, in the order of DESIGN.md's diagram.
+  void Run();
+  bool WaitForWork();
+  void DropExpiredCalls();
+  void RunReleases();
+  void RunStep();
+  bool ExecutePieces(absl::Span<const StepPiece> pieces, int num_calls,
+                     absl::Status* error);
+  void CompleteFinishedCalls();
+  void PublishSnapshot();
+
+  void Enqueue(std::unique_ptr<Entry> entry);
+  // Undoes the steps a failed (or dropped) call already ran.
+  void RollBack(Entry& entry);
+  void FailAll(const absl::Status& status);
+
+  ModelRunner& runner_;
+  const ExecutorOptions options_;
+  WorkerMetrics* const metrics_;
+
+  mutable std::mutex mu_;
+  std::condition_variable work_cv_;  // the executor waits for work
+  std::condition_variable idle_cv_;  // WaitUntilIdle: unanswered_ == 0
+  std::deque<std::unique_ptr<Entry>> incoming_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
+  // Submitted and not yet finished by the executor (what the queue bound
+  // and the snapshot count) ...
+  int64_t queued_ ABSL_GUARDED_BY(mu_) = 0;
+  // ... and not yet answered (done() not yet returned; what drains wait for).
+  int64_t unanswered_ ABSL_GUARDED_BY(mu_) = 0;
+  bool wake_ ABSL_GUARDED_BY(mu_) = false;
+  bool paused_ ABSL_GUARDED_BY(mu_) = false;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+
+  mutable std::mutex snapshot_mu_;
+  ExecutorSnapshot snapshot_ ABSL_GUARDED_BY(snapshot_mu_);
+
+  // Executor thread only.
+  std::deque<std::unique_ptr<Entry>> pending_;
+  StepPlanner planner_;
+  StepPlan plan_;
+  std::vector<const PendingCall*> views_;  // unfinished calls, oldest first
+  std::vector<Entry*> active_;             // parallel to views_
+  std::vector<SequenceStep> batch_;
+  std::vector<StepPiece> solo_pieces_;
+  int64_t steps_ = 0;
+  int64_t dropped_deadline_ = 0;
+  int64_t dropped_cancelled_ = 0;
+
+  std::thread thread_;  // last: starts after everything it reads
+};
+
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_SERVER_EXECUTOR_H_

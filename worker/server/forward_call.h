@@ -1,0 +1,70 @@
+// The calls the executor queues: a validated Forward or Release request, the
+// control block it shares with its RPC (deadline, cancellation), and the
+// completion callback that answers the RPC.
+#ifndef PDWORKER_WORKER_SERVER_FORWARD_CALL_H_
+#define PDWORKER_WORKER_SERVER_FORWARD_CALL_H_
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "dispatcher/cudagraph_dispatcher.h"
+#include "dispatcher/cudagraph_mode.h"
+#include "worker/runner/model_runner.h"
+#include "worker/server/request_validation.h"
+
+namespace pdworker {
+
+// Shared by the RPC (which may cancel it from a gRPC thread) and the
+// executor (which reads it before running the call).
+struct CallControl {
+  // gRPC deadlines are wall-clock; max() when the client set none.
+  std::chrono::system_clock::time_point deadline =
+      std::chrono::system_clock::time_point::max();
+  std::atomic<bool> cancelled{false};
+};
+
+// One model step as a call saw it (ForwardResponse.step).
+struct StepSummary {
+  RuntimeMode mode = RuntimeMode::kNone;
+  FallbackReason fallback_reason = FallbackReason::kNone;
+  int unpadded_tokens = 0;
+  int padded_tokens = 0;
+  int num_sequences = 0;  // all calls merged into the step
+  int num_calls = 0;      // calls merged into the step
+  double step_seconds = 0.0;
+};
+
+struct ForwardOutcome {
+  // In request order: the sample from the step that ran the sequence's
+  // last token.
+  std::vector<SequenceResult> sequences;
+  StepSummary last_step;  // the call's last step
+  int num_steps = 0;      // > 1 when the call was chunked
+};
+
+struct ForwardCall {
+  ForwardCallSpec spec;
+  std::shared_ptr<CallControl> control;
+  // Called exactly once, from the executor thread (or from Submit when the
+  // call is refused). Must not block.
+  std::function<void(absl::StatusOr<ForwardOutcome>)> done;
+};
+
+struct ReleaseOutcome {
+  int freed_blocks = 0;
+};
+
+struct ReleaseCall {
+  std::vector<std::string> sequence_ids;  // validated, distinct
+  std::shared_ptr<CallControl> control;
+  std::function<void(absl::StatusOr<ReleaseOutcome>)> done;
+};
+
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_SERVER_FORWARD_CALL_H_

@@ -1,0 +1,264 @@
+#include "worker/server/worker_service.h"
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "worker/server/forward_call.h"
+#include "worker/server/status_mapping.h"
+
+namespace pdworker {
+namespace {
+
+v1::RuntimeMode ToProto(RuntimeMode mode) {
+  switch (mode) {
+    case RuntimeMode::kNone:
+      return v1::RUNTIME_MODE_NONE;
+    case RuntimeMode::kPiecewise:
+      return v1::RUNTIME_MODE_PIECEWISE;
+    case RuntimeMode::kFull:
+      return v1::RUNTIME_MODE_FULL;
+  }
+  return v1::RUNTIME_MODE_UNSPECIFIED;
+}
+
+void FillResponse(const v1::ForwardRequest& request,
+                  const ForwardOutcome& outcome,
+                  v1::ForwardResponse* response) {
+  for (int i = 0; i < request.sequences_size(); ++i) {
+    const SequenceResult& r = outcome.sequences[i];
+    v1::SequenceOutput* out = response->add_sequences();
+    out->set_sequence_id(request.sequences(i).sequence_id());
+    out->set_token_id(r.token_id);
+    out->set_logprob(r.logprob);
+    out->set_num_tokens(r.num_tokens);
+  }
+  const StepSummary& s = outcome.last_step;
+  v1::StepInfo* step = response->mutable_step();
+  step->set_runtime_mode(ToProto(s.mode));
+  if (s.fallback_reason != FallbackReason::kNone) {
+    step->set_fallback_reason(
+        std::string(FallbackReasonName(s.fallback_reason)));
+  }
+  step->set_unpadded_tokens(s.unpadded_tokens);
+  step->set_padded_tokens(s.padded_tokens);
+  step->set_num_sequences(s.num_sequences);
+  step->set_step_micros(static_cast<int64_t>(s.step_seconds * 1e6));
+  response->set_num_steps(outcome.num_steps);
+}
+
+// One Forward RPC. Finished exactly once, by Complete (from the executor
+// thread, or inline when refused); gRPC deletes it in OnDone.
+class ForwardReactor final : public grpc::ServerUnaryReactor {
+ public:
+  ForwardReactor(Executor& executor, WorkerMetrics* metrics,
+                 const v1::ForwardRequest* request,
+                 v1::ForwardResponse* response)
+      : executor_(executor),
+        metrics_(metrics),
+        request_(request),
+        response_(response),
+        control_(std::make_shared<CallControl>()),
+        start_(std::chrono::steady_clock::now()) {}
+
+  const std::shared_ptr<CallControl>& control() const { return control_; }
+
+  void Complete(const absl::StatusOr<ForwardOutcome>& outcome) {
+    if (outcome.ok()) FillResponse(*request_, *outcome, response_);
+    if (metrics_ != nullptr) {
+      metrics_->ObserveForwardCall(
+          outcome.status().code(),
+          std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                        start_)
+              .count());
+    }
+    // Last use of `this`: OnDone may delete it from another thread as soon
+    // as Finish is called.
+    Finish(ToGrpcStatus(outcome.status()));
+  }
+
+  void OnCancel() override {
+    control_->cancelled.store(true, std::memory_order_release);
+    executor_.NotifyCancelled();
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  Executor& executor_;
+  WorkerMetrics* const metrics_;
+  const v1::ForwardRequest* const request_;
+  v1::ForwardResponse* const response_;
+  const std::shared_ptr<CallControl> control_;
+  const std::chrono::steady_clock::time_point start_;
+};
+
+class ReleaseReactor final : public grpc::ServerUnaryReactor {
+ public:
+  ReleaseReactor(Executor& executor, v1::ReleaseResponse* response)
+      : executor_(executor),
+        response_(response),
+        control_(std::make_shared<CallControl>()) {}
+
+  const std::shared_ptr<CallControl>& control() const { return control_; }
+
+  void Complete(const absl::StatusOr<ReleaseOutcome>& outcome) {
+    if (outcome.ok()) response_->set_freed_blocks(outcome->freed_blocks);
+    Finish(ToGrpcStatus(outcome.status()));
+  }
+
+  void OnCancel() override {
+    control_->cancelled.store(true, std::memory_order_release);
+    executor_.NotifyCancelled();
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  Executor& executor_;
+  v1::ReleaseResponse* const response_;
+  const std::shared_ptr<CallControl> control_;
+};
+
+}  // namespace
+
+WorkerService::WorkerService(const ModelRunner& runner, Executor& executor,
+                             WorkerMetrics* metrics,
+                             const std::string& device_name)
+    : executor_(executor),
+      metrics_(metrics),
+      graph_stats_(runner.graph_stats()),
+      table_header_{runner.resolved_mode(),
+                    runner.dispatcher().capture_sizes()},
+      limits_{runner.options().max_num_seqs,
+              static_cast<int>(runner.model_config().vocab_size),
+              runner.max_model_len()} {
+  const ModelRunnerOptions& o = runner.options();
+  std::lock_guard<std::mutex> lock(mu_);
+  v1::WorkerStatus& s = status_template_;
+  s.set_role(std::string(RoleName(o.role)));
+  s.set_configured_mode(runner.graph_plan().mode.ToString());
+  s.set_resolved_mode(runner.resolved_mode().ToString());
+  s.set_mode_downgrade_reason(runner.downgrade_reason());
+  for (const int size : runner.dispatcher().capture_sizes()) {
+    s.add_capture_sizes(size);
+  }
+  s.set_kv_block_size(o.block_size);
+  s.set_max_num_seqs(o.max_num_seqs);
+  s.set_max_num_batched_tokens(o.max_num_batched_tokens);
+  s.set_max_model_len(runner.max_model_len());
+  s.set_vocab_size(static_cast<int32_t>(runner.model_config().vocab_size));
+  s.set_model_fingerprint(runner.model_config().Fingerprint());
+  s.set_device(device_name);
+}
+
+void WorkerService::SetState(ServingState state) {
+  state_.store(state, std::memory_order_release);
+}
+
+void WorkerService::SetGraphsCaptured(int graphs) {
+  std::lock_guard<std::mutex> lock(mu_);
+  status_template_.set_graphs_captured(graphs);
+}
+
+absl::Status WorkerService::CheckServing() const {
+  switch (state()) {
+    case ServingState::kServing:
+      return absl::OkStatus();
+    case ServingState::kStarting:
+      return absl::UnavailableError(
+          "the worker is starting (capturing CUDA graphs); retry shortly");
+    case ServingState::kDraining:
+      return absl::UnavailableError(
+          "the worker is draining (shutting down) and takes no new calls");
+  }
+  return absl::UnavailableError("the worker is not serving");
+}
+
+grpc::ServerUnaryReactor* WorkerService::Forward(
+    grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
+    v1::ForwardResponse* response) {
+  auto* reactor = new ForwardReactor(executor_, metrics_, request, response);
+  if (absl::Status serving = CheckServing(); !serving.ok()) {
+    reactor->Complete(serving);
+    return reactor;
+  }
+  absl::StatusOr<ForwardCallSpec> spec =
+      ValidateForwardRequest(*request, limits_);
+  if (!spec.ok()) {
+    reactor->Complete(spec.status());
+    return reactor;
+  }
+  auto call = std::make_unique<ForwardCall>();
+  call->spec = std::move(*spec);
+  call->control = reactor->control();
+  call->control->deadline = context->deadline();
+  call->done = [reactor](absl::StatusOr<ForwardOutcome> outcome) {
+    reactor->Complete(outcome);
+  };
+  // The reactor may be finished (and soon deleted) from here on.
+  executor_.Submit(std::move(call));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* WorkerService::Release(
+    grpc::CallbackServerContext* context, const v1::ReleaseRequest* request,
+    v1::ReleaseResponse* response) {
+  auto* reactor = new ReleaseReactor(executor_, response);
+  if (absl::Status serving = CheckServing(); !serving.ok()) {
+    reactor->Complete(serving);
+    return reactor;
+  }
+  absl::StatusOr<std::vector<std::string>> ids =
+      ValidateReleaseRequest(*request);
+  if (!ids.ok()) {
+    reactor->Complete(ids.status());
+    return reactor;
+  }
+  auto call = std::make_unique<ReleaseCall>();
+  call->sequence_ids = std::move(*ids);
+  call->control = reactor->control();
+  call->control->deadline = context->deadline();
+  call->done = [reactor](absl::StatusOr<ReleaseOutcome> outcome) {
+    reactor->Complete(outcome);
+  };
+  executor_.Submit(std::move(call));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* WorkerService::GetStatus(
+    grpc::CallbackServerContext* context, const v1::GetStatusRequest* /*req*/,
+    v1::WorkerStatus* response) {
+  const ExecutorSnapshot snapshot = executor_.snapshot();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    *response = status_template_;
+  }
+  response->set_kv_blocks_total(snapshot.kv.total_blocks);
+  response->set_kv_blocks_free(snapshot.kv.free_blocks);
+  response->set_num_sequences(snapshot.kv.num_sequences);
+  response->set_serving(state() == ServingState::kServing);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* WorkerService::GetGraphStats(
+    grpc::CallbackServerContext* context,
+    const v1::GetGraphStatsRequest* /*request*/,
+    v1::GraphStatsResponse* response) {
+  const std::vector<GraphStatsRow> rows = graph_stats_.Snapshot();
+  for (const GraphStatsRow& row : rows) {
+    v1::GraphStatsRow* out = response->add_rows();
+    out->set_unpadded_tokens(row.unpadded_tokens);
+    out->set_padded_tokens(row.padded_tokens);
+    out->set_num_paddings(row.num_paddings);
+    out->set_runtime_mode(ToProto(row.mode));
+    out->set_count(row.count);
+  }
+  response->set_table(RenderGraphStatsTable(table_header_, rows));
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace pdworker

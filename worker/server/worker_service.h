@@ -1,0 +1,76 @@
+// WorkerService: the pdworker.v1.Worker RPC handlers on gRPC's callback API.
+// Handlers never block: Forward and Release are validated on the gRPC
+// thread, queued on the Executor and finished from the executor thread;
+// GetStatus and GetGraphStats answer from published snapshots.
+#ifndef PDWORKER_WORKER_SERVER_WORKER_SERVICE_H_
+#define PDWORKER_WORKER_SERVER_WORKER_SERVICE_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <mutex>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "dispatcher/graph_stats.h"
+#include "metrics/worker_metrics.h"
+#include "proto/worker.grpc.pb.h"
+#include "worker/runner/model_runner.h"
+#include "worker/server/executor.h"
+#include "worker/server/request_validation.h"
+
+namespace pdworker {
+
+// The worker's lifecycle as RPCs see it.
+enum class ServingState {
+  kStarting,  // capturing graphs: Forward/Release -> UNAVAILABLE
+  kServing,
+  kDraining,  // shutting down: Forward/Release -> UNAVAILABLE
+};
+
+class WorkerService final : public v1::Worker::CallbackService {
+ public:
+  // Reads the runner's static configuration now (before serving); from then
+  // on only `executor` touches the runner. `metrics` may be null.
+  WorkerService(const ModelRunner& runner, Executor& executor,
+                WorkerMetrics* metrics, const std::string& device_name);
+
+  void SetState(ServingState state);
+  ServingState state() const { return state_.load(std::memory_order_acquire); }
+  // Reported by GetStatus once capture is done.
+  void SetGraphsCaptured(int graphs);
+
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
+                                    const v1::ForwardRequest* request,
+                                    v1::ForwardResponse* response) override;
+  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* context,
+                                    const v1::ReleaseRequest* request,
+                                    v1::ReleaseResponse* response) override;
+  grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* context,
+                                      const v1::GetStatusRequest* request,
+                                      v1::WorkerStatus* response) override;
+  grpc::ServerUnaryReactor* GetGraphStats(
+      grpc::CallbackServerContext* context,
+      const v1::GetGraphStatsRequest* request,
+      v1::GraphStatsResponse* response) override;
+
+ private:
+  // OK while serving; UNAVAILABLE naming why otherwise.
+  absl::Status CheckServing() const;
+
+  Executor& executor_;
+  WorkerMetrics* const metrics_;
+  const GraphStats& graph_stats_;  // thread-safe
+  const GraphStatsHeader table_header_;
+  const RequestLimits limits_;
+  std::atomic<ServingState> state_{ServingState::kStarting};
+
+  mutable std::mutex mu_;
+  // The static part of GetStatus, filled at construction.
+  v1::WorkerStatus status_template_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_SERVER_WORKER_SERVICE_H_
