@@ -25,10 +25,13 @@ constexpr char kOp[] = "linear";
 // count and eager runs at the real one, so sgemm would make graph and eager
 // results differ, breaking DESIGN.md's "eager and replay are bit-identical".
 // Here every output element is the same fixed sequence of fp32 operations
-// (the file is compiled with -ffp-contract=off), whatever the row count.
+// (DotRow; the file is compiled with -ffp-contract=off), whatever the row
+// count.
 
+// One code path per output element: a 4-row blocked variant measured ~2x
+// slower here (4-6 vs 8-11 GFLOP/s, accumulators spill), so rows are done one
+// at a time while a 64-row tile of inputs stays hot in L2.
 constexpr int kLanes = 8;       // partial sums per dot product
-constexpr int kRowBlock = 4;    // token rows sharing one weight-row pass
 constexpr int kTokenTile = 64;  // token rows kept hot while weights stream
 
 // The one definition of an output element: 8 interleaved partial sums over
@@ -48,25 +51,6 @@ inline float DotRow(const float* x, const float* w, int k) {
   return Reduce(acc);
 }
 
-// Four rows at once against one weight row: the same per-element operation
-// sequence as DotRow, so results do not depend on the blocking.
-inline void DotRows4(const float* x, int64_t x_stride, const float* w, int k,
-                     float out[kRowBlock]) {
-  float acc[kRowBlock][kLanes] = {};
-  int i = 0;
-  for (; i + kLanes <= k; i += kLanes) {
-    for (int r = 0; r < kRowBlock; ++r) {
-      const float* xr = x + r * x_stride;
-      for (int l = 0; l < kLanes; ++l) acc[r][l] += xr[i + l] * w[i + l];
-    }
-  }
-  for (int r = 0; r < kRowBlock; ++r) {
-    const float* xr = x + r * x_stride;
-    for (int j = i, l = 0; j < k; ++j, ++l) acc[r][l] += xr[j] * w[j];
-    out[r] = Reduce(acc[r]);
-  }
-}
-
 void LinearCpu(const LinearParams& p) {
   const float* x = p.input.as<const float>();
   const float* w = p.weight.as<const float>();
@@ -79,15 +63,7 @@ void LinearCpu(const LinearParams& p) {
     for (int o = 0; o < p.out_features; ++o) {
       const float* wo = w + static_cast<int64_t>(o) * k;
       const float bias = b ? b[o] : 0.0f;
-      int t = t0;
-      for (; t + kRowBlock <= t1; t += kRowBlock) {
-        float out[kRowBlock];
-        DotRows4(x + static_cast<int64_t>(t) * k, k, wo, k, out);
-        for (int r = 0; r < kRowBlock; ++r) {
-          y[static_cast<int64_t>(t + r) * p.out_features + o] = out[r] + bias;
-        }
-      }
-      for (; t < t1; ++t) {
+      for (int t = t0; t < t1; ++t) {
         y[static_cast<int64_t>(t) * p.out_features + o] =
             DotRow(x + static_cast<int64_t>(t) * k, wo, k) + bias;
       }
