@@ -196,6 +196,7 @@ struct ConcurrentResult {
 ConcurrentResult ConcurrentDecodes(ServerUnderTest& s, int clients, int steps) {
   std::vector<CallTimes> per_client(clients);
   std::vector<std::thread> threads;
+  threads.reserve(clients);
   const int64_t steps_before = s.server->executor().snapshot().steps;
   const auto t0 = Clock::now();
   for (int c = 0; c < clients; ++c) {
@@ -223,6 +224,7 @@ ConcurrentResult ConcurrentDecodes(ServerUnderTest& s, int clients, int steps) {
 // In-process bound: all `clients` sequences in every step.
 double InProcessBatchedTokensPerSecond(ModelRunner& r, int clients, int steps) {
   std::vector<SequenceStep> batch;
+  batch.reserve(clients);
   for (int c = 0; c < clients; ++c) {
     batch.push_back(
         Step(absl::StrCat("b", c), Prompt(c), SequenceCreation::kMustBeNew));

@@ -136,7 +136,7 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
 
   c.model_dir = absl::GetFlag(FLAGS_model);
   if (c.model_dir.empty()) return FlagError("model", "is required");
-  struct stat st;
+  struct stat st {};
   if (stat(c.model_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
     return FlagError("model",
                      absl::StrCat("'", c.model_dir, "' is not a directory"));
@@ -246,7 +246,7 @@ absl::Status RunWorker(const WorkerConfig& c, const sigset_t& stop_signals) {
   const GraphStatsHeader header{r.resolved_mode(),
                                 r.dispatcher().capture_sizes()};
   WorkerInfo info;
-  info.role = std::string(RoleName(c.runner.role));
+  info.role = std::string{RoleName(c.runner.role)};
   info.configured_mode = r.graph_plan().mode.ToString();
   info.resolved_mode = r.resolved_mode().ToString();
   info.model = c.model_dir;
@@ -332,6 +332,7 @@ int main(int argc, char** argv) {
       "  pdworker --role=both --model=DIR [--port=50051] ...");
   std::vector<std::string> args = pdworker::UnderscoreFlagNames(argc, argv);
   std::vector<char*> arg_pointers;
+  arg_pointers.reserve(args.size());
   for (std::string& a : args) arg_pointers.push_back(a.data());
   absl::ParseCommandLine(static_cast<int>(arg_pointers.size()),
                          arg_pointers.data());

@@ -47,6 +47,7 @@ std::vector<BadCase> Cases() {
   v1::SequenceInput handoff = Input("h", {1}, true);
   handoff.set_hold_for_handoff(true);
   std::vector<v1::SequenceInput> five;
+  five.reserve(5);
   for (int i = 0; i < 5; ++i)
     five.push_back(Input("s" + std::to_string(i), {1}, true));
   return {
@@ -127,7 +128,7 @@ TEST(BadInputTest, EveryBadCallGetsItsCodeAndChangesNothing) {
   options.max_num_seqs = 4;
   options.max_num_batched_tokens = 64;
   options.max_model_len = 64;
-  options.kv_cache_bytes = 40 * 1024;  // 40 blocks of 4 tokens
+  options.kv_cache_bytes = int64_t{40} * 1024;  // 40 blocks of 4 tokens
   WorkerServerOptions server_options;
   server_options.max_receive_message_bytes = 64 << 10;
   auto w = StartWorker(options, server_options);

@@ -1,7 +1,11 @@
 // The pdworker binary as an operator runs it: it starts on a tiny model,
 // prints "listening on PORT", serves, and drains on SIGTERM with exit code 0;
 // bad configuration fails at startup with a message naming the flag.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <memory>
@@ -51,6 +55,43 @@ std::vector<std::string> WorkerArgs(std::vector<std::string> extra) {
   return args;
 }
 
+// GET /metrics from the worker's Prometheus endpoint (HTTP/1.0: the server
+// closes the connection after the body).
+std::string ScrapeMetrics(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string reply;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) ==
+      0) {
+    const std::string request =
+        "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    if (write(fd, request.data(), request.size()) ==
+        static_cast<ssize_t>(request.size())) {
+      char buffer[4096];
+      ssize_t n;
+      while ((n = read(fd, buffer, sizeof(buffer))) > 0)
+        reply.append(buffer, n);
+    }
+  }
+  close(fd);
+  return reply;
+}
+
+// The number after `needle` in `text` ("metrics on port 1234" -> 1234).
+int NumberAfter(const std::string& text, const std::string& needle) {
+  const size_t at = text.find(needle);
+  if (at == std::string::npos) return 0;
+  const size_t begin = at + needle.size();
+  const size_t end = text.find_first_not_of("0123456789", begin);
+  int value = 0;
+  if (!absl::SimpleAtoi(text.substr(begin, end - begin), &value)) return 0;
+  return value;
+}
+
 // Waits for the ready line; returns the port.
 int WaitUntilListening(Subprocess& worker) {
   auto output = worker.WaitForOutput("listening on ", absl::Seconds(120));
@@ -93,6 +134,22 @@ TEST(PdworkerMainTest, ServesThenDrainsOnSigterm) {
                   *stub, Request({Input("s", {1, 2, 3}, true)}), &response)
                   .ok());
   EXPECT_EQ(response.sequences(0).num_tokens(), 3);
+  EXPECT_EQ(server_testing::Forward(*stub, Request({Input("s", {1}, true)}),
+                                    &response)
+                .error_code(),
+            grpc::StatusCode::ALREADY_EXISTS);
+
+  // The executor and the service feed the Prometheus metrics.
+  const int metrics_port = NumberAfter((*worker)->Output(), "metrics on port ");
+  ASSERT_GT(metrics_port, 0);
+  const std::string metrics = ScrapeMetrics(metrics_port);
+  EXPECT_THAT(metrics,
+              HasSubstr("pdworker_forward_requests_total{code=\"OK\"} 1"));
+  EXPECT_THAT(metrics, HasSubstr("pdworker_forward_requests_total{code="
+                                 "\"ALREADY_EXISTS\"} 1"));
+  EXPECT_THAT(metrics, HasSubstr("pdworker_worker_info{"));
+  EXPECT_THAT(metrics, HasSubstr("role=\"both\""));
+  EXPECT_THAT(metrics, HasSubstr("pdworker_cudagraph_graphs{"));
 
   (*worker)->Signal(SIGTERM);
   auto code = (*worker)->Wait(absl::Seconds(60));

@@ -103,8 +103,8 @@ std::unique_ptr<TestWorker> StartWorker(
   return w;
 }
 
-v1::SequenceInput Input(const std::string& id, std::vector<int32_t> tokens,
-                        bool start) {
+v1::SequenceInput Input(const std::string& id,
+                        const std::vector<int32_t>& tokens, bool start) {
   v1::SequenceInput in;
   in.set_sequence_id(id);
   for (const int32_t t : tokens) in.add_token_ids(t);

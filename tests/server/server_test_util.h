@@ -56,8 +56,8 @@ std::unique_ptr<TestWorker> StartWorker(
     bool capture_and_serve = true);
 
 // Request builders.
-v1::SequenceInput Input(const std::string& id, std::vector<int32_t> tokens,
-                        bool start);
+v1::SequenceInput Input(const std::string& id,
+                        const std::vector<int32_t>& tokens, bool start);
 v1::ForwardRequest Request(std::vector<v1::SequenceInput> sequences);
 
 // A deadline far enough away that only a hung worker hits it.

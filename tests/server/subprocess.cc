@@ -23,6 +23,7 @@ absl::StatusOr<std::unique_ptr<Subprocess>> Subprocess::Start(
     const std::vector<std::string>& extra_env) {
   if (argv.empty()) return absl::InvalidArgumentError("empty argv");
   std::vector<char*> args;
+  args.reserve(argv.size() + 1);
   for (const std::string& a : argv)
     args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -30,6 +31,7 @@ absl::StatusOr<std::unique_ptr<Subprocess>> Subprocess::Start(
   for (char** e = environ; *e != nullptr; ++e) env_storage.emplace_back(*e);
   for (const std::string& e : extra_env) env_storage.push_back(e);
   std::vector<char*> env;
+  env.reserve(env_storage.size() + 1);
   for (const std::string& e : env_storage) {
     env.push_back(const_cast<char*>(e.c_str()));
   }

@@ -255,6 +255,7 @@ TEST(WorkerServerTest, CoalescesConcurrentClientsWithoutChangingResults) {
   std::vector<std::vector<int32_t>> got(kClients);
   std::vector<std::vector<int>> step_sequences(kClients);
   std::vector<std::thread> clients;
+  clients.reserve(kClients);
   for (int c = 0; c < kClients; ++c) {
     clients.emplace_back([&, c] {
       const std::string id = "client-" + std::to_string(c);
@@ -360,7 +361,7 @@ TEST(WorkerServerTest, MergedKvDemandTooBigOnlyFailsWhatDoesNotFit) {
   ModelRunnerOptions options = SmallRunnerOptions();
   options.max_num_batched_tokens = 128;
   options.max_model_len = 64;
-  options.kv_cache_bytes = 40 * 1024;  // 40 blocks of 4 tokens
+  options.kv_cache_bytes = int64_t{40} * 1024;  // 40 blocks of 4 tokens
   auto w = StartWorker(options);
   ASSERT_NE(w, nullptr);
   v1::ForwardResponse response;
@@ -404,7 +405,7 @@ TEST(WorkerServerTest, CallsOnOneSequenceRunInArrivalOrder) {
   std::future<grpc::Status> release_result = release_done->get_future();
   w->stub->async()->Release(
       &release_context, &release, &released,
-      [release_done](grpc::Status s) { release_done->set_value(s); });
+      [release_done](const grpc::Status& s) { release_done->set_value(s); });
   ASSERT_TRUE(WaitFor([&] { return executor.snapshot().queued_calls == 2; }));
   auto again = StartForward(*w->stub, Request({Input("o", {3}, true)}));
   ASSERT_TRUE(WaitFor([&] { return executor.snapshot().queued_calls == 3; }));
@@ -427,7 +428,8 @@ TEST(WorkerServerTest, ReleaseIsAllOrNothing) {
           .ok());
   const v1::WorkerStatus before = w->Status();
 
-  auto release = [&](std::vector<std::string> ids, v1::ReleaseResponse* out) {
+  auto release = [&](const std::vector<std::string>& ids,
+                     v1::ReleaseResponse* out) {
     grpc::ClientContext context;
     server_testing::SetGenerousDeadline(&context);
     v1::ReleaseRequest request;

@@ -33,7 +33,8 @@ constexpr AttentionCGSupport kCpuPagedAttentionCGSupport =
 // query_start_loc, seq_lens, block_tables, slots) is read by the kernels on
 // the device, and every grid is sized from the params' fixed shape only
 // (padded num_tokens, max_num_seqs, heads, max_blocks_per_seq); CTAs with no
-// work return at once. The decode routine's split-K partials live in a
+// work return at once (the decode routine launches at most 32 partition CTAs
+// per request and loops over longer contexts). Its split-K partials live in a
 // workspace allocated at startup for the largest decode batch and the
 // longest context. Both routines are therefore safe inside FULL graphs for
 // any batch (mixed prefill/decode included).

@@ -77,27 +77,30 @@ Executor::~Executor() { Stop(); }
 void Executor::Run() {
   while (WaitForWork()) {
     DropExpiredCalls();  // deadline passed or cancelled: never run
-    bool paused;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      paused = paused_;
-    }
-    if (!paused) {
-      // Coalesce pending calls into one step.
-      views_.clear();
-      active_.clear();
-      for (const std::unique_ptr<Entry>& e : pending_) {
-        if (e->final_status.has_value()) continue;
-        views_.push_back(&e->view);
-        active_.push_back(e.get());
-      }
-      planner_.Plan(views_, &plan_);
-      RunReleases();
-      RunStep();  // ModelRunner::Execute(batch); call by call on failure
+    if (!Paused()) {
+      PlanStep();     // coalesce pending calls into one step
+      RunReleases();  // Release calls that wait for nothing
+      RunStep();      // ModelRunner::Execute(batch); call by call on failure
     }
     CompleteFinishedCalls();  // roll back or release_after_step; respond
   }
   FailAll(absl::UnavailableError("the worker stopped before the call ran"));
+}
+
+bool Executor::Paused() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return paused_;
+}
+
+void Executor::PlanStep() {
+  views_.clear();
+  active_.clear();
+  for (const std::unique_ptr<Entry>& e : pending_) {
+    if (e->final_status.has_value()) continue;
+    views_.push_back(&e->view);
+    active_.push_back(e.get());
+  }
+  planner_.Plan(views_, &plan_);
 }
 
 bool Executor::WaitForWork() {
@@ -406,6 +409,16 @@ void Executor::Submit(std::unique_ptr<ReleaseCall> call) {
 }
 
 void Executor::Enqueue(std::unique_ptr<Entry> entry) {
+  const absl::Status refused = Admit(entry);
+  if (refused.ok()) {
+    work_cv_.notify_one();
+    return;
+  }
+  entry->final_status = refused;
+  entry->Finish();
+}
+
+absl::Status Executor::Admit(std::unique_ptr<Entry>& entry) {
   absl::Status refused;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -422,12 +435,7 @@ void Executor::Enqueue(std::unique_ptr<Entry> entry) {
       ++unanswered_;
     }
   }
-  if (refused.ok()) {
-    work_cv_.notify_one();
-    return;
-  }
-  entry->final_status = refused;
-  entry->Finish();
+  return refused;
 }
 
 absl::Status Executor::RunExclusive(

@@ -102,8 +102,10 @@ class Executor {
 
   // The loop and its stages, in the order of DESIGN.md's diagram.
   void Run();
-  bool WaitForWork();
+  bool WaitForWork();  // false when stopping
   void DropExpiredCalls();
+  bool Paused() const;
+  void PlanStep();
   void RunReleases();
   void RunStep();
   bool ExecutePieces(absl::Span<const StepPiece> pieces, int num_calls,
@@ -111,7 +113,11 @@ class Executor {
   void CompleteFinishedCalls();
   void PublishSnapshot();
 
+  // Queues `entry`, or completes it with the reason it was refused.
   void Enqueue(std::unique_ptr<Entry> entry);
+  // Moves `entry` into the queue and returns OK, or leaves it and returns
+  // UNAVAILABLE / RESOURCE_EXHAUSTED.
+  absl::Status Admit(std::unique_ptr<Entry>& entry);
   // Undoes the steps a failed (or dropped) call already ran.
   void RollBack(Entry& entry);
   void FailAll(const absl::Status& status);

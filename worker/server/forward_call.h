@@ -52,7 +52,7 @@ struct ForwardCall {
   std::shared_ptr<CallControl> control;
   // Called exactly once, from the executor thread (or from Submit when the
   // call is refused). Must not block.
-  std::function<void(absl::StatusOr<ForwardOutcome>)> done;
+  std::function<void(const absl::StatusOr<ForwardOutcome>&)> done;
 };
 
 struct ReleaseOutcome {
@@ -62,7 +62,7 @@ struct ReleaseOutcome {
 struct ReleaseCall {
   std::vector<std::string> sequence_ids;  // validated, distinct
   std::shared_ptr<CallControl> control;
-  std::function<void(absl::StatusOr<ReleaseOutcome>)> done;
+  std::function<void(const absl::StatusOr<ReleaseOutcome>&)> done;
 };
 
 }  // namespace pdworker

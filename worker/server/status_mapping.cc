@@ -17,7 +17,7 @@ static_assert(static_cast<int>(absl::StatusCode::kUnauthenticated) ==
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
+                      std::string{status.message()});
 }
 
 }  // namespace pdworker

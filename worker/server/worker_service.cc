@@ -39,7 +39,7 @@ void FillResponse(const v1::ForwardRequest& request,
   step->set_runtime_mode(ToProto(s.mode));
   if (s.fallback_reason != FallbackReason::kNone) {
     step->set_fallback_reason(
-        std::string(FallbackReasonName(s.fallback_reason)));
+        std::string{FallbackReasonName(s.fallback_reason)});
   }
   step->set_unpadded_tokens(s.unpadded_tokens);
   step->set_padded_tokens(s.padded_tokens);
@@ -135,7 +135,7 @@ WorkerService::WorkerService(const ModelRunner& runner, Executor& executor,
   const ModelRunnerOptions& o = runner.options();
   std::lock_guard<std::mutex> lock(mu_);
   v1::WorkerStatus& s = status_template_;
-  s.set_role(std::string(RoleName(o.role)));
+  s.set_role(std::string{RoleName(o.role)});
   s.set_configured_mode(runner.graph_plan().mode.ToString());
   s.set_resolved_mode(runner.resolved_mode().ToString());
   s.set_mode_downgrade_reason(runner.downgrade_reason());
@@ -192,7 +192,7 @@ grpc::ServerUnaryReactor* WorkerService::Forward(
   call->spec = std::move(*spec);
   call->control = reactor->control();
   call->control->deadline = context->deadline();
-  call->done = [reactor](absl::StatusOr<ForwardOutcome> outcome) {
+  call->done = [reactor](const absl::StatusOr<ForwardOutcome>& outcome) {
     reactor->Complete(outcome);
   };
   // The reactor may be finished (and soon deleted) from here on.
@@ -218,7 +218,7 @@ grpc::ServerUnaryReactor* WorkerService::Release(
   call->sequence_ids = std::move(*ids);
   call->control = reactor->control();
   call->control->deadline = context->deadline();
-  call->done = [reactor](absl::StatusOr<ReleaseOutcome> outcome) {
+  call->done = [reactor](const absl::StatusOr<ReleaseOutcome>& outcome) {
     reactor->Complete(outcome);
   };
   executor_.Submit(std::move(call));
