@@ -370,13 +370,21 @@ TEST(WorkerServerTest, MergedKvDemandTooBigOnlyFailsWhatDoesNotFit) {
                   .ok());
   ASSERT_EQ(w->Status().kv_blocks_free(), 25);
 
-  // 10 blocks each; merged they need 30 of the 25 free.
+  // 10 blocks each; merged they need 30 of the 25 free. Queued one at a
+  // time so the queue order is a, b, c.
   Executor& executor = w->server->executor();
   executor.Pause();
-  auto a = StartForward(*w->stub, Request({Input("a", Range(40, 2), true)}));
-  auto b = StartForward(*w->stub, Request({Input("b", Range(40, 3), true)}));
-  auto c = StartForward(*w->stub, Request({Input("c", Range(40, 4), true)}));
-  ASSERT_TRUE(WaitFor([&] { return executor.snapshot().queued_calls == 3; }));
+  std::vector<std::unique_ptr<server_testing::PendingForward>> calls;
+  for (const char* id : {"a", "b", "c"}) {
+    calls.push_back(
+        StartForward(*w->stub, Request({Input(id, Range(40, id[0]), true)})));
+    const int64_t queued = static_cast<int64_t>(calls.size());
+    ASSERT_TRUE(
+        WaitFor([&] { return executor.snapshot().queued_calls == queued; }));
+  }
+  auto& a = calls[0];
+  auto& b = calls[1];
+  auto& c = calls[2];
   executor.Resume();
   EXPECT_TRUE(a->result.get().ok());
   EXPECT_TRUE(b->result.get().ok());
