@@ -16,11 +16,13 @@
 #include <signal.h>
 #include <sys/stat.h>
 
+#include <chrono>
 #include <fstream>
 #include <iostream>
 #include <memory>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -76,6 +78,17 @@ ABSL_FLAG(int, max_queue, 1024,
           "RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int, max_message_bytes, 4 << 20,
           "Largest request accepted; larger ones get RESOURCE_EXHAUSTED.");
+ABSL_FLAG(std::string, advertise_address, "",
+          "host:port decode workers use to pull KV from this worker (sent "
+          "in every KV handle). Default: --host with the bound port, or the "
+          "host name when --host is a wildcard. In Kubernetes: the pod IP.");
+ABSL_FLAG(std::string, kv_lease_ttl, "30s",
+          "How long a prefill worker holds a prompt's KV for its decode "
+          "worker (hold_for_handoff) before freeing it.");
+ABSL_FLAG(std::string, kv_pull_timeout, "10s",
+          "Decode side: bound on one KV pull; a prefill worker that dies or "
+          "hangs mid-pull fails the import with UNAVAILABLE within it.");
+ABSL_FLAG(int, kv_import_threads, 4, "Decode side: concurrent KV pulls.");
 // A string, not an absl::Duration flag: reading Duration flags compiles to an
 // atomic_thread_fence that GCC refuses under -fsanitize=thread.
 ABSL_FLAG(std::string, stats_log_interval, "60s",
@@ -219,6 +232,28 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
 
   c.server.max_receive_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   c.server.executor.max_queue = absl::GetFlag(FLAGS_max_queue);
+  c.server.advertise_address = absl::GetFlag(FLAGS_advertise_address);
+  for (const auto& [flag, text, out] : std::vector<
+           std::tuple<const char*, std::string, std::chrono::milliseconds*>>{
+           {"kv_lease_ttl", absl::GetFlag(FLAGS_kv_lease_ttl),
+            &c.server.kv_lease_ttl},
+           {"kv_pull_timeout", absl::GetFlag(FLAGS_kv_pull_timeout),
+            &c.server.importer.pull_timeout}}) {
+    absl::Duration d;
+    if (!absl::ParseDuration(text, &d) || d <= absl::ZeroDuration()) {
+      return FlagError(flag, absl::StrCat("'", text,
+                                          "' is not a positive duration "
+                                          "(e.g. 500ms, 30s)"));
+    }
+    *out = absl::ToChronoMilliseconds(d);
+    if (out->count() == 0) *out = std::chrono::milliseconds(1);
+  }
+  c.server.importer.num_threads = absl::GetFlag(FLAGS_kv_import_threads);
+  if (absl::Status s =
+          CheckPositive("kv_import_threads", c.server.importer.num_threads);
+      !s.ok()) {
+    return s;
+  }
   if (!absl::ParseDuration(absl::GetFlag(FLAGS_stats_log_interval),
                            &c.stats_log_interval)) {
     return FlagError("stats_log_interval",
@@ -275,6 +310,8 @@ absl::Status RunWorker(const WorkerConfig& c, const sigset_t& stop_signals) {
         server.status().code(),
         absl::StrCat("--host/--port: ", server.status().message()));
   }
+  LOG(INFO) << "KV handles advertise " << (*server)->advertise_address()
+            << "; leases last " << c.server.kv_lease_ttl.count() << " ms";
   LOG(INFO) << "gRPC bound to port " << (*server)->port()
             << " (NOT_SERVING until graphs are captured); capturing "
             << r.resolved_mode() << " graphs for "

@@ -1,5 +1,6 @@
 #include "worker/kv_cache/kv_cache_manager.h"
 
+#include <algorithm>
 #include <map>
 #include <random>
 #include <set>
@@ -164,6 +165,61 @@ TEST(KvCacheManagerTest, TruncateFreesTrailingBlocks) {
   EXPECT_EQ(m.Find("a")->num_tokens, 0);
   EXPECT_EQ(m.Stats().used_blocks, 0);
   EXPECT_EQ(m.Stats().num_sequences, 1);
+}
+
+// The handoff primitives: a prefill lease is a detached sequence, a decode
+// import allocates detached blocks and attaches them under an id.
+TEST(KvCacheManagerTest, DetachAttachKeepsBlocksAndCountsThem) {
+  KvCacheManager m(/*num_blocks=*/6, /*block_size=*/4, /*max_model_len=*/16);
+  ASSERT_TRUE(m.Append({{"a", 9}}).ok());  // 3 blocks
+  const std::vector<int32_t> blocks = m.Find("a")->blocks;
+
+  absl::StatusOr<SequenceKv> lease = m.Detach("a");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_EQ(lease->blocks, blocks);
+  EXPECT_EQ(lease->num_tokens, 9);
+  EXPECT_EQ(m.Find("a"), nullptr);      // the id is free again ...
+  EXPECT_EQ(m.Stats().used_blocks, 3);  // ... the blocks are not
+  EXPECT_EQ(m.Stats().detached_blocks, 3);
+  EXPECT_EQ(m.Stats().num_sequences, 0);
+  EXPECT_EQ(m.Detach("a").status().code(), absl::StatusCode::kNotFound);
+
+  // A new "a" does not get the held blocks.
+  ASSERT_TRUE(m.Append({{"a", 4}}).ok());
+  for (int32_t b : m.Find("a")->blocks) {
+    EXPECT_EQ(std::count(blocks.begin(), blocks.end(), b), 0);
+  }
+
+  // Import side: all-or-nothing allocation, then attach under an id.
+  EXPECT_EQ(m.AllocateDetached(0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(m.AllocateDetached(17).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(m.AllocateDetached(9).status().code(),  // 3 > 2 free
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(m.Stats().free_blocks, 2);
+  absl::StatusOr<SequenceKv> import = m.AllocateDetached(5);
+  ASSERT_TRUE(import.ok()) << import.status();
+  EXPECT_EQ(import->blocks.size(), 2u);
+  EXPECT_EQ(m.Stats().detached_blocks, 5);
+
+  // A live id refuses the attach and the caller keeps the blocks.
+  EXPECT_EQ(m.Attach("a", *import).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(import->blocks.size(), 2u);
+  ASSERT_TRUE(m.Attach("b", *import).ok());
+  EXPECT_TRUE(import->blocks.empty());
+  EXPECT_EQ(m.Find("b")->num_tokens, 5);
+  EXPECT_EQ(m.Stats().detached_blocks, 3);
+  // The attached sequence grows like any other.
+  ASSERT_TRUE(m.Append({{"b", 3, SequenceCreation::kMustExist}}).ok());
+  EXPECT_EQ(m.Find("b")->num_tokens, 8);
+
+  m.FreeDetached(*lease);
+  EXPECT_TRUE(lease->blocks.empty());
+  EXPECT_EQ(m.Stats().detached_blocks, 0);
+  ASSERT_TRUE(m.Free("a").ok());
+  ASSERT_TRUE(m.Free("b").ok());
+  EXPECT_EQ(m.Stats().free_blocks, 6);
 }
 
 // 10,000 random allocate/append/free/undo operations against a shadow model

@@ -46,6 +46,7 @@ std::vector<BadCase> Cases() {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   v1::SequenceInput handoff = Input("h", {1}, true);
   handoff.set_hold_for_handoff(true);
+  handoff.set_release_after_step(true);
   std::vector<v1::SequenceInput> five;
   five.reserve(5);
   for (int i = 0; i < 5; ++i)
@@ -96,8 +97,9 @@ std::vector<BadCase> Cases() {
        grpc::StatusCode::INVALID_ARGUMENT, "is 129 bytes; the limit is 128"},
       {"no tokens", Request({Input("x", {}, true)}),
        grpc::StatusCode::INVALID_ARGUMENT, "sequences[0].token_ids is empty"},
-      {"hold_for_handoff", Request({handoff}), grpc::StatusCode::UNIMPLEMENTED,
-       "hold_for_handoff"},
+      {"hold_for_handoff with release_after_step", Request({handoff}),
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "hold_for_handoff and release_after_step exclude each other"},
       // A good sequence merged with a bad one: the whole call fails and the
       // good one is not created.
       {"one unknown sequence among good ones",

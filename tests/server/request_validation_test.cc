@@ -107,8 +107,10 @@ TEST(RequestValidationTest, ErrorsNameTheField) {
        absl::StatusCode::kInvalidArgument, "top_p=-0.1"},
       {[](v1::ForwardRequest* r) {
          r->mutable_sequences(0)->set_hold_for_handoff(true);
+         r->mutable_sequences(0)->set_release_after_step(true);
        },
-       absl::StatusCode::kUnimplemented, "sequences[0].hold_for_handoff"},
+       absl::StatusCode::kInvalidArgument,
+       "sequences[0]: hold_for_handoff and release_after_step exclude"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     v1::ForwardRequest r = OneSequence("a", true);

@@ -79,10 +79,13 @@ grpc::health::v1::HealthCheckResponse::ServingStatus TestWorker::Health(
 
 std::unique_ptr<TestWorker> StartWorker(
     const ModelRunnerOptions& options,
-    const WorkerServerOptions& server_options, bool capture_and_serve) {
+    const WorkerServerOptions& server_options, bool capture_and_serve,
+    const std::string& model_dir) {
   auto w = std::make_unique<TestWorker>();
   w->runner.device = std::make_unique<CpuDevice>();
-  auto runner = ModelRunner::Create(*w->runner.device, TinyModelDir(), options);
+  auto runner = ModelRunner::Create(
+      *w->runner.device, model_dir.empty() ? TinyModelDir() : model_dir,
+      options);
   EXPECT_TRUE(runner.ok()) << runner.status();
   if (!runner.ok()) return nullptr;
   w->runner.runner = *std::move(runner);

@@ -50,10 +50,11 @@ struct TestWorker {
       const std::string& service);
 };
 // ASSERTs inside; check HasFatalFailure() after.
+// `model_dir` empty: TinyModelDir().
 std::unique_ptr<TestWorker> StartWorker(
     const ModelRunnerOptions& options,
     const WorkerServerOptions& server_options = {},
-    bool capture_and_serve = true);
+    bool capture_and_serve = true, const std::string& model_dir = "");
 
 // Request builders.
 v1::SequenceInput Input(const std::string& id,

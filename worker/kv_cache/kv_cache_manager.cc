@@ -127,6 +127,64 @@ absl::Status KvCacheManager::Truncate(absl::string_view sequence_id,
   return absl::OkStatus();
 }
 
+absl::StatusOr<SequenceKv> KvCacheManager::Detach(
+    absl::string_view sequence_id) {
+  auto it = sequences_.find(sequence_id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("unknown sequence '", sequence_id, "'"));
+  }
+  SequenceKv kv = std::move(it->second);
+  sequences_.erase(it);
+  detached_blocks_ += static_cast<int32_t>(kv.blocks.size());
+  return kv;
+}
+
+absl::StatusOr<SequenceKv> KvCacheManager::AllocateDetached(
+    int32_t num_tokens) {
+  if (num_tokens <= 0 || num_tokens > max_model_len_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_tokens ", num_tokens,
+                     " outside [1, max_model_len=", max_model_len_, "]"));
+  }
+  SequenceKv kv;
+  const int32_t blocks = BlocksFor(num_tokens);
+  if (blocks > pool_.num_free()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "KV cache full: ", num_tokens, " tokens need ", blocks, " blocks, ",
+        pool_.num_free(), " of ", pool_.num_blocks(), " free"));
+  }
+  const absl::Status allocated = pool_.Allocate(blocks, &kv.blocks);
+  CHECK(allocated.ok()) << allocated;
+  kv.num_tokens = num_tokens;
+  detached_blocks_ += blocks;
+  return kv;
+}
+
+absl::Status KvCacheManager::Attach(absl::string_view sequence_id,
+                                    SequenceKv& kv) {
+  if (sequence_id.empty()) {
+    return absl::InvalidArgumentError("sequence_id must not be empty");
+  }
+  auto [it, created] = sequences_.try_emplace(sequence_id);
+  if (!created) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("sequence '", sequence_id, "' already exists"));
+  }
+  detached_blocks_ -= static_cast<int32_t>(kv.blocks.size());
+  CHECK_GE(detached_blocks_, 0);
+  it->second = std::move(kv);
+  kv = SequenceKv{};
+  return absl::OkStatus();
+}
+
+void KvCacheManager::FreeDetached(SequenceKv& kv) {
+  detached_blocks_ -= static_cast<int32_t>(kv.blocks.size());
+  CHECK_GE(detached_blocks_, 0);
+  pool_.Free(kv.blocks);
+  kv = SequenceKv{};
+}
+
 const SequenceKv* KvCacheManager::Find(absl::string_view sequence_id) const {
   auto it = sequences_.find(sequence_id);
   return it == sequences_.end() ? nullptr : &it->second;
@@ -141,7 +199,7 @@ int32_t KvCacheManager::SlotFor(const SequenceKv& seq, int32_t position) const {
 
 KvCacheStats KvCacheManager::Stats() const {
   return {pool_.num_blocks(), pool_.num_free(), pool_.num_used(),
-          static_cast<int32_t>(sequences_.size())};
+          static_cast<int32_t>(sequences_.size()), detached_blocks_};
 }
 
 }  // namespace pdworker

@@ -54,6 +54,7 @@ struct KvCacheStats {
   int32_t free_blocks = 0;
   int32_t used_blocks = 0;
   int32_t num_sequences = 0;
+  int32_t detached_blocks = 0;  // held by leases and imports (in used_blocks)
 };
 
 // Not thread-safe: the executor thread owns it; others read snapshots the
@@ -83,6 +84,24 @@ class KvCacheManager {
   // 0 <= num_tokens <= the current length. Changes nothing on error.
   absl::Status Truncate(absl::string_view sequence_id, int32_t num_tokens);
 
+  // --- KV handoff: blocks held outside the id table ---
+  // A detached SequenceKv owns pool blocks that no sequence id names: a
+  // prefill worker's lease, or a decode worker's import in progress. Its
+  // blocks count as used until FreeDetached or Attach.
+
+  // Removes a live sequence from the id table, keeping its blocks.
+  // NOT_FOUND when unknown.
+  absl::StatusOr<SequenceKv> Detach(absl::string_view sequence_id);
+  // Allocates blocks for `num_tokens` tokens under no id (their bytes are
+  // garbage until written). INVALID_ARGUMENT unless 0 < num_tokens <=
+  // max_model_len; RESOURCE_EXHAUSTED when the pool is short.
+  absl::StatusOr<SequenceKv> AllocateDetached(int32_t num_tokens);
+  // Makes detached blocks the live sequence `sequence_id`. ALREADY_EXISTS
+  // (nothing changes; the caller still owns `kv`) when the id is live.
+  absl::Status Attach(absl::string_view sequence_id, SequenceKv& kv);
+  // Returns detached blocks to the pool and clears `kv`.
+  void FreeDetached(SequenceKv& kv);
+
   // nullptr when unknown.
   const SequenceKv* Find(absl::string_view sequence_id) const;
   // Cache slot of token `position` of `seq` (position < seq.num_tokens).
@@ -104,6 +123,7 @@ class KvCacheManager {
   int32_t block_size_;
   int32_t max_model_len_;
   absl::flat_hash_map<std::string, SequenceKv> sequences_;
+  int32_t detached_blocks_ = 0;
 };
 
 }  // namespace pdworker

@@ -321,6 +321,35 @@ absl::Status ModelRunner::Truncate(absl::string_view sequence_id,
   return kv_->Truncate(sequence_id, num_tokens);
 }
 
+absl::StatusOr<SequenceKv> ModelRunner::Detach(absl::string_view sequence_id) {
+  return kv_->Detach(sequence_id);
+}
+
+absl::StatusOr<SequenceKv> ModelRunner::AllocateDetached(int32_t num_tokens) {
+  return kv_->AllocateDetached(num_tokens);
+}
+
+absl::Status ModelRunner::Attach(absl::string_view sequence_id,
+                                 SequenceKv& kv) {
+  return kv_->Attach(sequence_id, kv);
+}
+
+void ModelRunner::FreeDetached(SequenceKv& kv) { kv_->FreeDetached(kv); }
+
+KvCacheView ModelRunner::kv_cache_view() const {
+  KvCacheView view;
+  view.layout.num_layers = static_cast<int32_t>(config_.num_hidden_layers);
+  view.layout.num_kv_heads = static_cast<int32_t>(config_.num_key_value_heads);
+  view.layout.head_dim = static_cast<int32_t>(config_.head_dim);
+  view.layout.dtype = std::string(DTypeName(forward_->dtype()));
+  view.block_size = options_.block_size;
+  view.token_bytes =
+      static_cast<size_t>(config_.kv_size()) * DTypeSize(forward_->dtype());
+  view.keys = forward_->key_caches();
+  view.values = forward_->value_caches();
+  return view;
+}
+
 absl::Status ModelRunner::ReadLogits(int rows, std::vector<float>* out) {
   if (rows <= 0 || rows > options_.max_num_seqs) {
     return absl::InvalidArgumentError("ReadLogits: rows out of range");

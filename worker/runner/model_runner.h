@@ -35,6 +35,7 @@
 #include "worker/runtime/capture_session.h"
 #include "worker/runtime/device.h"
 #include "worker/runtime/stream.h"
+#include "worker/transfer/kv_cache_view.h"
 
 namespace pdworker {
 
@@ -104,6 +105,16 @@ class ModelRunner {
   // KvCacheManager::Truncate): the undo for steps that already succeeded.
   absl::Status Truncate(absl::string_view sequence_id, int32_t num_tokens);
 
+  // KV handoff (see KvCacheManager's detached blocks): a prefill lease
+  // detaches a finished sequence; an import allocates detached blocks,
+  // fills them off the step thread, then attaches them under an id.
+  absl::StatusOr<SequenceKv> Detach(absl::string_view sequence_id);
+  absl::StatusOr<SequenceKv> AllocateDetached(int32_t num_tokens);
+  absl::Status Attach(absl::string_view sequence_id, SequenceKv& kv);
+  void FreeDetached(SequenceKv& kv);
+  // The KV cache memory, for transfers. The buffers never move.
+  KvCacheView kv_cache_view() const;
+
   // Debug/test read-backs (synchronize the stream; not during capture):
   // the last step's logits rows [0, rows) as [rows, vocab], and one layer's
   // whole K or V cache as raw bytes.
@@ -125,6 +136,7 @@ class ModelRunner {
   // Graphs captured so far (FULL + every PIECEWISE piece's).
   int NumCapturedGraphs() const;
   Stream& stream() { return *stream_; }
+  Device& device() const { return device_; }
 
  private:
   ModelRunner(Device& device, const ModelRunnerOptions& options);

@@ -58,10 +58,11 @@ struct Executor::Entry {
 };
 
 Executor::Executor(ModelRunner& runner, const ExecutorOptions& options,
-                   WorkerMetrics* metrics)
+                   WorkerMetrics* metrics, KvLeaseTable* leases)
     : runner_(runner),
       options_(options),
       metrics_(metrics),
+      leases_(leases),
       planner_(StepBudget{runner.options().max_num_seqs,
                           runner.options().max_num_batched_tokens}) {
   batch_.reserve(runner.options().max_num_seqs);
@@ -289,10 +290,18 @@ void Executor::CompleteFinishedCalls() {
     }
     const ForwardCallSpec& spec = e->forward->spec;
     for (size_t s = 0; s < spec.sequences.size(); ++s) {
-      if (spec.after_step[s] != AfterStep::kRelease) continue;
-      const absl::Status released =
-          runner_.Release(spec.sequences[s].sequence_id);
-      LOG_IF(ERROR, !released.ok()) << "release_after_step: " << released;
+      const std::string& id = spec.sequences[s].sequence_id;
+      if (spec.after_step[s] == AfterStep::kRelease) {
+        const absl::Status released = runner_.Release(id);
+        LOG_IF(ERROR, !released.ok()) << "release_after_step: " << released;
+      } else if (spec.after_step[s] == AfterStep::kHoldForHandoff &&
+                 leases_ != nullptr) {
+        // The id is free again at once; the blocks live on in the lease.
+        absl::StatusOr<SequenceKv> kv = runner_.Detach(id);
+        CHECK(kv.ok()) << "hold_for_handoff of '" << id << "': " << kv.status();
+        e->outcome.leases.resize(spec.sequences.size());
+        e->outcome.leases[s] = leases_->Add(id, std::move(*kv));
+      }
     }
   }
   // 2. Publish before answering: a client that reads GetStatus after its
@@ -453,6 +462,17 @@ absl::Status Executor::RunExclusive(
   }
   work_cv_.notify_one();
   return result.get();
+}
+
+absl::Status Executor::Post(std::function<void(ModelRunner&)> task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return absl::UnavailableError("the executor has stopped");
+    tasks_.push_back(
+        [this, task = std::move(task)]() mutable { task(runner_); });
+  }
+  work_cv_.notify_one();
+  return absl::OkStatus();
 }
 
 void Executor::NotifyCancelled() {

@@ -35,6 +35,7 @@
 #include "worker/runner/model_runner.h"
 #include "worker/server/forward_call.h"
 #include "worker/server/step_planner.h"
+#include "worker/transfer/kv_lease_table.h"
 
 namespace pdworker {
 
@@ -57,8 +58,10 @@ class Executor {
  public:
   // Starts the thread. `runner` and `metrics` (may be null) must outlive
   // the executor; from now on only the executor thread touches `runner`.
+  // `leases` (may be null: hold_for_handoff calls then just keep their
+  // sequence) receives the sequences of hold_for_handoff calls.
   Executor(ModelRunner& runner, const ExecutorOptions& options,
-           WorkerMetrics* metrics);
+           WorkerMetrics* metrics, KvLeaseTable* leases = nullptr);
   // Stop(), then joins.
   ~Executor();
 
@@ -74,6 +77,9 @@ class Executor {
   // Runs `task` on the executor thread between steps (e.g. graph capture)
   // and returns its status; blocks the caller until then.
   absl::Status RunExclusive(std::function<absl::Status(ModelRunner&)> task);
+  // Queues `task` to run between steps and returns at once; UNAVAILABLE
+  // (and the task never runs) once the executor has stopped.
+  absl::Status Post(std::function<void(ModelRunner&)> task);
 
   // A queued call's CallControl changed (cancelled): look at it now rather
   // than at the next step. Cheap; called from gRPC threads.
@@ -125,6 +131,7 @@ class Executor {
   ModelRunner& runner_;
   const ExecutorOptions options_;
   WorkerMetrics* const metrics_;
+  KvLeaseTable* const leases_;
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;  // the executor waits for work

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "dispatcher/cudagraph_mode.h"
 #include "worker/runner/model_runner.h"
 #include "worker/server/request_validation.h"
+#include "worker/transfer/kv_lease_table.h"
 
 namespace pdworker {
 
@@ -45,6 +47,9 @@ struct ForwardOutcome {
   std::vector<SequenceResult> sequences;
   StepSummary last_step;  // the call's last step
   int num_steps = 0;      // > 1 when the call was chunked
+  // Parallel to `sequences` when any sequence was held for handoff (empty
+  // otherwise): the lease that now holds its KV.
+  std::vector<std::optional<KvLeaseInfo>> leases;
 };
 
 struct ForwardCall {

@@ -92,11 +92,11 @@ absl::StatusOr<ForwardCallSpec> ValidateForwardRequest(
           field, ".sequence_id '", in.sequence_id(), "' repeats sequences[",
           it->second, "]: a sequence appears at most once per call"));
     }
-    if (in.hold_for_handoff()) {
-      return absl::UnimplementedError(absl::StrCat(
+    if (in.hold_for_handoff() && in.release_after_step()) {
+      return absl::InvalidArgumentError(absl::StrCat(
           field,
-          ".hold_for_handoff: the KV handoff is not implemented yet "
-          "(reserved field)"));
+          ": hold_for_handoff and release_after_step exclude each other (a "
+          "held sequence is freed by the decode worker's pull or its lease)"));
     }
     if (in.token_ids_size() == 0) {
       return absl::InvalidArgumentError(
@@ -129,7 +129,9 @@ absl::StatusOr<ForwardCallSpec> ValidateForwardRequest(
     spec.total_tokens += in.token_ids_size();
     spec.sequences.push_back(std::move(step));
     spec.after_step.push_back(in.release_after_step() ? AfterStep::kRelease
-                                                      : AfterStep::kKeep);
+                              : in.hold_for_handoff()
+                                  ? AfterStep::kHoldForHandoff
+                                  : AfterStep::kKeep);
   }
   return spec;
 }

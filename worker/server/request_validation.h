@@ -28,8 +28,12 @@ struct RequestLimits {
   int max_model_len = 0;  // tokens per sequence
 };
 
-// Whether the sequence keeps its KV cache after the call's last step.
-enum class AfterStep { kKeep, kRelease };
+// What happens to the sequence's KV cache after the call's last step.
+enum class AfterStep {
+  kKeep,            // stays live for the next call
+  kRelease,         // release_after_step: freed
+  kHoldForHandoff,  // hold_for_handoff: moved into a lease for a decode worker
+};
 
 // A Forward call that passed every stateless check.
 struct ForwardCallSpec {
@@ -46,8 +50,8 @@ struct ForwardCallSpec {
 // outside the vocabulary [0, 256)") for: no sequences, more than
 // max_num_seqs, an empty, oversized or repeated sequence_id, no token_ids, a
 // token outside the vocabulary, more tokens than max_model_len, NaN or
-// out-of-range sampling values. UNIMPLEMENTED for hold_for_handoff (reserved
-// until the KV handoff lands). Checks run in field order; the first failure
+// out-of-range sampling values, hold_for_handoff together with
+// release_after_step. Checks run in field order; the first failure
 // is reported.
 absl::StatusOr<ForwardCallSpec> ValidateForwardRequest(
     const v1::ForwardRequest& request, const RequestLimits& limits);

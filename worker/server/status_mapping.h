@@ -12,6 +12,8 @@ namespace pdworker {
 // Same code (absl and gRPC share the canonical code numbers 0..16) and the
 // same message.
 grpc::Status ToGrpcStatus(const absl::Status& status);
+// The reverse, for statuses a peer worker returned.
+absl::Status FromGrpcStatus(const grpc::Status& status);
 
 }  // namespace pdworker
 

@@ -3,8 +3,10 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -36,6 +38,27 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
   return grpc::SslServerCredentials(options);
 }
 
+// host:port for KvHandle.source_address (see WorkerServerOptions).
+std::string AdvertiseAddress(const std::string& listen_address, int port) {
+  std::string host = listen_address.substr(0, listen_address.rfind(':'));
+  if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::" ||
+      host == "[::0]") {
+    char name[256] = {};
+    host = gethostname(name, sizeof(name) - 1) == 0 ? name : "localhost";
+  }
+  return absl::StrCat(host, ":", port);
+}
+
+PeerTls DefaultPeerTls(const ServerTls& tls) {
+  PeerTls peer;
+  if (tls.cert_chain_pem.empty()) return peer;
+  peer.root_certs_pem =
+      tls.client_ca_pem.empty() ? tls.cert_chain_pem : tls.client_ca_pem;
+  peer.cert_chain_pem = tls.cert_chain_pem;
+  peer.private_key_pem = tls.private_key_pem;
+  return peer;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
@@ -54,19 +77,58 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
         "max_queue must be positive, got ", options.executor.max_queue));
   }
 
+  if (options.kv_lease_ttl.count() <= 0 ||
+      options.importer.pull_timeout.count() <= 0 ||
+      options.importer.num_threads <= 0) {
+    return absl::InvalidArgumentError(
+        "kv_lease_ttl, the pull timeout and the importer threads must be "
+        "positive");
+  }
+
   std::unique_ptr<WorkerServer> s(new WorkerServer());
   s->metrics_ = metrics;
-  s->executor_ = std::make_unique<Executor>(runner, options.executor, metrics);
-  s->service_ = std::make_unique<WorkerService>(runner, *s->executor_, metrics,
-                                                options.device_name);
+  s->kv_lease_ttl_ = options.kv_lease_ttl;
+  WorkerServer* self = s.get();
+  // Lease blocks go back to the pool on the executor thread, between steps.
+  s->leases_ = std::make_unique<KvLeaseTable>(
+      options.kv_lease_ttl,
+      [self](SequenceKv kv) {
+        const absl::Status posted = self->executor_->Post(
+            [kv](ModelRunner& r) mutable { r.FreeDetached(kv); });
+        LOG_IF(WARNING, !posted.ok())
+            << "KV lease blocks not freed (executor stopped): " << posted;
+      },
+      metrics);
+  s->executor_ = std::make_unique<Executor>(runner, options.executor, metrics,
+                                            s->leases_.get());
+  const PeerTls peer_tls = options.peer_tls.root_certs_pem.empty()
+                               ? DefaultPeerTls(options.tls)
+                               : options.peer_tls;
+  s->peers_ = std::make_unique<PeerChannels>(peer_tls,
+                                             options.max_receive_message_bytes);
+  const KvCacheView view = runner.kv_cache_view();
+  const std::string fingerprint = runner.model_config().Fingerprint();
+  s->importer_ = std::make_unique<KvImporter>(*s->executor_, runner.device(),
+                                              view, fingerprint, *s->peers_,
+                                              options.importer, metrics);
+  s->transfer_service_ = std::make_unique<KvTransferService>(
+      *s->leases_, runner.device(), view, fingerprint, options.transfer,
+      metrics);
 
   // Process-wide gRPC switches; both must precede the builder.
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen_address, *credentials, &s->port_);
-  builder.RegisterService(s->service_.get());
+  builder.RegisterService(s->transfer_service_.get());
   builder.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
+  // The advertised address may need the bound port: the service learns it
+  // after BuildAndStart (before it serves any Forward).
+  const std::string& advertise = options.advertise_address;
+  s->service_ = std::make_unique<WorkerService>(
+      runner, *s->executor_, metrics, options.device_name,
+      HandoffParts{s->leases_.get(), s->importer_.get(), advertise});
+  builder.RegisterService(s->service_.get());
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {
     s->server_.reset();
@@ -74,6 +136,10 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
         absl::StrCat("cannot listen on ", options.listen_address,
                      " (address in use, or not a valid host:port)"));
   }
+  s->advertise_address_ =
+      advertise.empty() ? AdvertiseAddress(options.listen_address, s->port_)
+                        : advertise;
+  s->service_->SetAdvertiseAddress(s->advertise_address_);
   // The default health service starts out SERVING for "".
   s->SetHealth(false);
   return s;
@@ -124,6 +190,15 @@ void WorkerServer::Drain() {
   LOG(INFO) << "draining: " << executor_->snapshot().queued_calls
             << " calls in flight";
   executor_->WaitUntilIdle();
+  // Prompts already prefilled are still wanted by decode workers.
+  const auto give_up = std::chrono::steady_clock::now() + kv_lease_ttl_;
+  if (leases_->size() > 0) {
+    LOG(INFO) << "draining: waiting for " << leases_->size()
+              << " KV leases to be pulled";
+  }
+  while (leases_->size() > 0 && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   Shutdown();
   LOG(INFO) << "drained";
 }

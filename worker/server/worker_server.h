@@ -12,6 +12,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -21,6 +22,10 @@
 #include "worker/runtime/capture_session.h"
 #include "worker/server/executor.h"
 #include "worker/server/worker_service.h"
+#include "worker/transfer/kv_importer.h"
+#include "worker/transfer/kv_lease_table.h"
+#include "worker/transfer/kv_transfer_service.h"
+#include "worker/transfer/peer_channels.h"
 
 namespace pdworker {
 
@@ -42,6 +47,21 @@ struct WorkerServerOptions {
   ExecutorOptions executor;
   // GetStatus.device, e.g. "cpu".
   std::string device_name = "cpu";
+
+  // --- KV handoff (DESIGN.md "P/D KV handoff") ---
+  // host:port decode workers use to pull from this worker (KvHandle.
+  // source_address). Empty: the listen address with the bound port, with
+  // the host name in place of a wildcard host (0.0.0.0, [::]).
+  std::string advertise_address;
+  // How long a held lease waits for its decode worker before its blocks are
+  // freed.
+  std::chrono::milliseconds kv_lease_ttl{30000};
+  KvImporterOptions importer;
+  KvTransferServiceOptions transfer;
+  // Credentials for pulling from peers; empty: plaintext. (Start() defaults
+  // them from `tls` when the server uses TLS: root = client CA, or the
+  // server's own chain; client certificate = the server's.)
+  PeerTls peer_tls;
 };
 
 class WorkerServer {
@@ -72,11 +92,15 @@ class WorkerServer {
   // running calls still complete. GetStatus and GetGraphStats keep
   // answering (serving=false) so routers can watch the drain. Non-blocking.
   void BeginDrain();
-  // BeginDrain, wait for every queued call to complete, then stop
-  // listening (other RPCs get a one-second grace) and stop the executor.
+  // BeginDrain, wait for every queued call to complete and for held KV
+  // leases to be pulled (at most the lease TTL: PullKv and ReleaseKv keep
+  // being served while draining), then stop listening (other RPCs get a
+  // one-second grace) and stop the executor.
   void Drain();
 
   Executor& executor() { return *executor_; }
+  KvLeaseTable& leases() { return *leases_; }
+  const std::string& advertise_address() const { return advertise_address_; }
   grpc::Server& grpc_server() { return *server_; }
 
  private:
@@ -87,9 +111,16 @@ class WorkerServer {
   WorkerMetrics* metrics_ = nullptr;
   int port_ = 0;
   bool shut_down_ = false;
+  std::string advertise_address_;
+  std::chrono::milliseconds kv_lease_ttl_{0};
   // Destroyed in reverse: the gRPC server (whose reactors call into the
-  // executor) goes first.
+  // rest) goes first; the importer joins its pulls; the lease table hands
+  // its blocks to the (stopped) executor last.
   std::unique_ptr<Executor> executor_;
+  std::unique_ptr<KvLeaseTable> leases_;
+  std::unique_ptr<PeerChannels> peers_;
+  std::unique_ptr<KvImporter> importer_;
+  std::unique_ptr<KvTransferService> transfer_service_;
   std::unique_ptr<WorkerService> service_;
   std::unique_ptr<grpc::Server> server_;
 };

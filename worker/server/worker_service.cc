@@ -5,8 +5,11 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
 #include "worker/server/forward_call.h"
 #include "worker/server/status_mapping.h"
+#include "worker/transfer/kv_transfer_service.h"
 
 namespace pdworker {
 namespace {
@@ -23,8 +26,15 @@ v1::RuntimeMode ToProto(RuntimeMode mode) {
   return v1::RUNTIME_MODE_UNSPECIFIED;
 }
 
+int64_t UnixMicros(std::chrono::system_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             t.time_since_epoch())
+      .count();
+}
+
 void FillResponse(const v1::ForwardRequest& request,
                   const ForwardOutcome& outcome,
+                  const v1::KvHandle& handle_template,
                   v1::ForwardResponse* response) {
   for (int i = 0; i < request.sequences_size(); ++i) {
     const SequenceResult& r = outcome.sequences[i];
@@ -33,6 +43,16 @@ void FillResponse(const v1::ForwardRequest& request,
     out->set_token_id(r.token_id);
     out->set_logprob(r.logprob);
     out->set_num_tokens(r.num_tokens);
+    if (static_cast<size_t>(i) < outcome.leases.size() &&
+        outcome.leases[i].has_value()) {
+      const KvLeaseInfo& lease = *outcome.leases[i];
+      v1::KvHandle* handle = out->mutable_kv_handle();
+      *handle = handle_template;
+      handle->set_lease_id(lease.lease_id);
+      handle->set_sequence_id(request.sequences(i).sequence_id());
+      handle->set_num_tokens(lease.num_tokens);
+      handle->set_lease_expiry_unix_micros(UnixMicros(lease.expiry));
+    }
   }
   const StepSummary& s = outcome.last_step;
   v1::StepInfo* step = response->mutable_step();
@@ -53,10 +73,12 @@ void FillResponse(const v1::ForwardRequest& request,
 class ForwardReactor final : public grpc::ServerUnaryReactor {
  public:
   ForwardReactor(Executor& executor, WorkerMetrics* metrics,
+                 const v1::KvHandle& handle_template,
                  const v1::ForwardRequest* request,
                  v1::ForwardResponse* response)
       : executor_(executor),
         metrics_(metrics),
+        handle_template_(handle_template),
         request_(request),
         response_(response),
         control_(std::make_shared<CallControl>()),
@@ -65,7 +87,9 @@ class ForwardReactor final : public grpc::ServerUnaryReactor {
   const std::shared_ptr<CallControl>& control() const { return control_; }
 
   void Complete(const absl::StatusOr<ForwardOutcome>& outcome) {
-    if (outcome.ok()) FillResponse(*request_, *outcome, response_);
+    if (outcome.ok()) {
+      FillResponse(*request_, *outcome, handle_template_, response_);
+    }
     if (metrics_ != nullptr) {
       metrics_->ObserveForwardCall(
           outcome.status().code(),
@@ -87,6 +111,7 @@ class ForwardReactor final : public grpc::ServerUnaryReactor {
  private:
   Executor& executor_;
   WorkerMetrics* const metrics_;
+  const v1::KvHandle& handle_template_;
   const v1::ForwardRequest* const request_;
   v1::ForwardResponse* const response_;
   const std::shared_ptr<CallControl> control_;
@@ -119,11 +144,22 @@ class ReleaseReactor final : public grpc::ServerUnaryReactor {
   const std::shared_ptr<CallControl> control_;
 };
 
+v1::KvHandle HandleTemplate(const ModelRunner& runner,
+                            const std::string& advertise_address) {
+  v1::KvHandle h;
+  h.set_source_address(advertise_address);
+  h.set_model_fingerprint(runner.model_config().Fingerprint());
+  *h.mutable_layout() = ToProto(runner.kv_cache_view().layout);
+  h.add_transports(std::string{KvTransportName(KvTransport::kGrpc)});
+  return h;
+}
+
 }  // namespace
 
 WorkerService::WorkerService(const ModelRunner& runner, Executor& executor,
                              WorkerMetrics* metrics,
-                             const std::string& device_name)
+                             const std::string& device_name,
+                             const HandoffParts& handoff)
     : executor_(executor),
       metrics_(metrics),
       graph_stats_(runner.graph_stats()),
@@ -131,7 +167,11 @@ WorkerService::WorkerService(const ModelRunner& runner, Executor& executor,
                     runner.dispatcher().capture_sizes()},
       limits_{runner.options().max_num_seqs,
               static_cast<int>(runner.model_config().vocab_size),
-              runner.max_model_len()} {
+              runner.max_model_len()},
+      handoff_(handoff),
+      handle_template_(HandleTemplate(runner, handoff.advertise_address)),
+      fingerprint_(runner.model_config().Fingerprint()),
+      kv_layout_(runner.kv_cache_view().layout) {
   const ModelRunnerOptions& o = runner.options();
   std::lock_guard<std::mutex> lock(mu_);
   v1::WorkerStatus& s = status_template_;
@@ -149,6 +189,15 @@ WorkerService::WorkerService(const ModelRunner& runner, Executor& executor,
   s.set_vocab_size(static_cast<int32_t>(runner.model_config().vocab_size));
   s.set_model_fingerprint(runner.model_config().Fingerprint());
   s.set_device(device_name);
+  s.set_advertise_address(handoff.advertise_address);
+}
+
+void WorkerService::SetAdvertiseAddress(const std::string& address) {
+  CHECK(state() == ServingState::kStarting);
+  handoff_.advertise_address = address;
+  handle_template_.set_source_address(address);
+  std::lock_guard<std::mutex> lock(mu_);
+  status_template_.set_advertise_address(address);
 }
 
 void WorkerService::SetState(ServingState state) {
@@ -177,7 +226,8 @@ absl::Status WorkerService::CheckServing() const {
 grpc::ServerUnaryReactor* WorkerService::Forward(
     grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
     v1::ForwardResponse* response) {
-  auto* reactor = new ForwardReactor(executor_, metrics_, request, response);
+  auto* reactor = new ForwardReactor(executor_, metrics_, handle_template_,
+                                     request, response);
   if (absl::Status serving = CheckServing(); !serving.ok()) {
     reactor->Complete(serving);
     return reactor;
@@ -237,6 +287,13 @@ grpc::ServerUnaryReactor* WorkerService::GetStatus(
   response->set_kv_blocks_free(snapshot.kv.free_blocks);
   response->set_num_sequences(snapshot.kv.num_sequences);
   response->set_serving(state() == ServingState::kServing);
+  if (handoff_.leases != nullptr) {
+    response->set_kv_leases(static_cast<int32_t>(handoff_.leases->size()));
+  }
+  if (handoff_.importer != nullptr) {
+    response->set_kv_imports(
+        static_cast<int32_t>(handoff_.importer->in_flight()));
+  }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -258,6 +315,50 @@ grpc::ServerUnaryReactor* WorkerService::GetGraphStats(
   response->set_table(RenderGraphStatsTable(table_header_, rows));
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* WorkerService::ImportKv(
+    grpc::CallbackServerContext* context, const v1::ImportKvRequest* request,
+    v1::ImportKvResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::Status refused = CheckServing();
+  if (refused.ok() && handoff_.importer == nullptr) {
+    refused = absl::UnimplementedError("this worker imports no KV");
+  }
+  if (refused.ok() && (request->sequence_id().empty() ||
+                       request->sequence_id().size() > kMaxSequenceIdBytes)) {
+    refused = absl::InvalidArgumentError(
+        absl::StrCat("sequence_id must be 1..", kMaxSequenceIdBytes,
+                     " bytes, got ", request->sequence_id().size()));
+  }
+  if (refused.ok()) {
+    refused = ValidateKvHandle(request->handle(), fingerprint_, kv_layout_,
+                               limits_.max_model_len);
+  }
+  if (!refused.ok()) {
+    reactor->Finish(ToGrpcStatus(refused));
+    return reactor;
+  }
+  KvImportRequest import;
+  import.sequence_id = request->sequence_id();
+  import.handle = request->handle();
+  import.deadline = context->deadline();
+  handoff_.importer->Import(
+      std::move(import),
+      [reactor, response](const absl::StatusOr<KvImportResult>& result) {
+        if (result.ok()) {
+          response->set_num_tokens(result->num_tokens);
+          response->set_transport(
+              std::string{KvTransportName(result->transport)});
+          response->set_transfer_bytes(result->transfer_bytes);
+          response->set_transfer_micros(
+              static_cast<int64_t>(result->transfer_seconds * 1e6));
+          response->set_import_micros(
+              static_cast<int64_t>(result->import_seconds * 1e6));
+        }
+        reactor->Finish(ToGrpcStatus(result.status()));
+      });
   return reactor;
 }
 

@@ -19,6 +19,9 @@
 #include "worker/runner/model_runner.h"
 #include "worker/server/executor.h"
 #include "worker/server/request_validation.h"
+#include "worker/transfer/kv_cache_view.h"
+#include "worker/transfer/kv_importer.h"
+#include "worker/transfer/kv_lease_table.h"
 
 namespace pdworker {
 
@@ -29,14 +32,25 @@ enum class ServingState {
   kDraining,  // shutting down: Forward/Release -> UNAVAILABLE
 };
 
+// The KV handoff's parts, owned by the WorkerServer.
+struct HandoffParts {
+  KvLeaseTable* leases = nullptr;  // prefill side
+  KvImporter* importer = nullptr;  // decode side
+  std::string advertise_address;   // KvHandle.source_address
+};
+
 class WorkerService final : public v1::Worker::CallbackService {
  public:
   // Reads the runner's static configuration now (before serving); from then
   // on only `executor` touches the runner. `metrics` may be null.
   WorkerService(const ModelRunner& runner, Executor& executor,
-                WorkerMetrics* metrics, const std::string& device_name);
+                WorkerMetrics* metrics, const std::string& device_name,
+                const HandoffParts& handoff);
 
   void SetState(ServingState state);
+  // KvHandle.source_address; set before serving (the Forward reactors read
+  // it without a lock once the state is kServing).
+  void SetAdvertiseAddress(const std::string& address);
   ServingState state() const { return state_.load(std::memory_order_acquire); }
   // Reported by GetStatus once capture is done.
   void SetGraphsCaptured(int graphs);
@@ -54,6 +68,9 @@ class WorkerService final : public v1::Worker::CallbackService {
       grpc::CallbackServerContext* context,
       const v1::GetGraphStatsRequest* request,
       v1::GraphStatsResponse* response) override;
+  grpc::ServerUnaryReactor* ImportKv(grpc::CallbackServerContext* context,
+                                     const v1::ImportKvRequest* request,
+                                     v1::ImportKvResponse* response) override;
 
  private:
   // OK while serving; UNAVAILABLE naming why otherwise.
@@ -64,6 +81,11 @@ class WorkerService final : public v1::Worker::CallbackService {
   const GraphStats& graph_stats_;  // thread-safe
   const GraphStatsHeader table_header_;
   const RequestLimits limits_;
+  HandoffParts handoff_;
+  // What every KvHandle this worker issues carries besides the lease.
+  v1::KvHandle handle_template_;
+  const std::string fingerprint_;
+  const KvLayoutInfo kv_layout_;
   std::atomic<ServingState> state_{ServingState::kStarting};
 
   mutable std::mutex mu_;

@@ -1,0 +1,244 @@
+// Failures of the P/D handoff with real worker processes (//worker:pdworker)
+// that are stopped, killed and restarted mid-handoff. Each case ends with the
+// documented status, within its bound, and with zero KV blocks held on every
+// worker that is still alive.
+#include <signal.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/server/server_test_util.h"
+#include "tests/server/subprocess.h"
+
+namespace pdworker {
+namespace {
+
+using server_testing::Input;
+using server_testing::Request;
+using server_testing::RunfilePath;
+using server_testing::StartWorker;
+using server_testing::Subprocess;
+using server_testing::TestWorker;
+using server_testing::TinyModelDir;
+using server_testing::WaitFor;
+using ::testing::HasSubstr;
+
+using Clock = std::chrono::steady_clock;
+
+std::string TmpPath(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  return absl::StrCat(tmp ? tmp : "/tmp", "/", name);
+}
+
+// A pdworker process on a kernel-chosen loopback port.
+struct WorkerProcess {
+  std::unique_ptr<Subprocess> process;
+  int port = 0;
+  std::unique_ptr<v1::Worker::Stub> stub;
+
+  v1::WorkerStatus Status() {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(10));
+    v1::WorkerStatus status;
+    const grpc::Status s =
+        stub->GetStatus(&context, v1::GetStatusRequest(), &status);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return status;
+  }
+};
+
+std::unique_ptr<WorkerProcess> StartProcess(const std::string& role,
+                                            const std::string& log_name,
+                                            std::vector<std::string> extra) {
+  std::vector<std::string> args = {
+      RunfilePath("worker/pdworker"),
+      "--model=" + TinyModelDir(),
+      "--role=" + role,
+      "--host=127.0.0.1",
+      "--port=0",
+      "--metrics_port=-1",
+      "--max_num_seqs=4",
+      "--max_num_batched_tokens=32",
+      "--max_model_len=64",
+      "--kv_cache_bytes=65536",
+      "--block_size=4",
+      "--stats_log_interval=0",
+  };
+  args.insert(args.end(), extra.begin(), extra.end());
+  auto w = std::make_unique<WorkerProcess>();
+  auto process = Subprocess::Start(args, TmpPath(log_name));
+  EXPECT_TRUE(process.ok()) << process.status();
+  if (!process.ok()) return nullptr;
+  w->process = *std::move(process);
+  auto output = w->process->WaitForOutput("listening on ", absl::Seconds(120));
+  EXPECT_TRUE(output.ok()) << output.status();
+  if (!output.ok()) return nullptr;
+  const size_t at = output->find("listening on ") + 13;
+  EXPECT_TRUE(absl::SimpleAtoi(output->substr(at, output->find('\n', at) - at),
+                               &w->port));
+  w->stub = v1::Worker::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", w->port), grpc::InsecureChannelCredentials()));
+  return w;
+}
+
+// start + hold_for_handoff on `prefill`; the handle.
+v1::KvHandle Hold(v1::Worker::Stub& prefill, const std::string& id, int len) {
+  v1::SequenceInput in;
+  in.set_sequence_id(id);
+  for (int i = 0; i < len; ++i) in.add_token_ids((11 * i + id.size()) % 256);
+  in.set_start(true);
+  in.set_hold_for_handoff(true);
+  v1::ForwardResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(60));
+  const grpc::Status s =
+      prefill.Forward(&context, Request({std::move(in)}), &response);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  return response.sequences_size() == 1 ? response.sequences(0).kv_handle()
+                                        : v1::KvHandle();
+}
+
+grpc::Status Import(v1::Worker::Stub& decode, const std::string& id,
+                    const v1::KvHandle& handle) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(60));
+  v1::ImportKvRequest request;
+  request.set_sequence_id(id);
+  *request.mutable_handle() = handle;
+  v1::ImportKvResponse response;
+  return decode.ImportKv(&context, request, &response);
+}
+
+bool Empty(const v1::WorkerStatus& s) {
+  return s.kv_blocks_free() == s.kv_blocks_total() && s.num_sequences() == 0 &&
+         s.kv_leases() == 0 && s.kv_imports() == 0;
+}
+
+// An in-process decode worker whose pulls give up after 2 s.
+std::unique_ptr<TestWorker> StartDecode() {
+  ModelRunnerOptions o = server_testing::SmallRunnerOptions();
+  o.role = Role::kDecode;
+  o.compilation = CompilationConfig{};
+  o.compilation.cudagraph_capture_sizes = std::vector<int>{1, 2, 4};
+  WorkerServerOptions s;
+  s.importer.pull_timeout = std::chrono::milliseconds(2000);
+  return StartWorker(o, s);
+}
+
+// The prefill worker freezes (SIGSTOP) while the decode worker pulls, then
+// dies (SIGKILL): the import fails with UNAVAILABLE soon after the death, and
+// the decode worker frees the blocks it had reserved.
+TEST(KvFaultTest, PrefillKilledDuringPull) {
+  auto prefill = StartProcess("prefill", "killed_prefill.log", {});
+  ASSERT_NE(prefill, nullptr);
+  std::unique_ptr<TestWorker> decode = StartDecode();
+  ASSERT_FALSE(HasFatalFailure());
+  const v1::KvHandle handle = Hold(*prefill->stub, "k", 40);
+  ASSERT_FALSE(handle.lease_id().empty());
+
+  prefill->process->Signal(SIGSTOP);
+  auto import = std::async(std::launch::async,
+                           [&] { return Import(*decode->stub, "k", handle); });
+  // The pull is under way (blocks reserved, stream open, no data).
+  ASSERT_TRUE(WaitFor([&] { return decode->Status().kv_imports() == 1; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const auto killed = Clock::now();
+  prefill->process->Signal(SIGKILL);
+  const grpc::Status s = import.get();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr(handle.source_address()));
+  // Within the pull timeout (2 s) of the kill, with slack for a loaded CI.
+  EXPECT_LT(Clock::now() - killed, std::chrono::seconds(4));
+  ASSERT_TRUE(WaitFor([&] { return Empty(decode->Status()); }))
+      << decode->Status().DebugString();
+}
+
+// A prefill worker that hangs (SIGSTOP) never answers the pull: the import
+// fails with UNAVAILABLE after the pull timeout, not the caller's deadline.
+// Once it resumes, its lease (never pulled) expires and frees the blocks.
+TEST(KvFaultTest, HungPrefillFailsThePullWithinItsTimeout) {
+  auto prefill =
+      StartProcess("prefill", "hung_prefill.log", {"--kv_lease_ttl=3s"});
+  ASSERT_NE(prefill, nullptr);
+  std::unique_ptr<TestWorker> decode = StartDecode();
+  ASSERT_FALSE(HasFatalFailure());
+  const v1::KvHandle handle = Hold(*prefill->stub, "h", 20);
+
+  prefill->process->Signal(SIGSTOP);
+  const auto start = Clock::now();
+  const grpc::Status s = Import(*decode->stub, "h", handle);
+  const auto took = Clock::now() - start;
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  EXPECT_GE(took, std::chrono::milliseconds(1900));
+  EXPECT_LT(took, std::chrono::seconds(6));
+  EXPECT_TRUE(Empty(decode->Status())) << decode->Status().DebugString();
+
+  prefill->process->Signal(SIGCONT);
+  ASSERT_TRUE(WaitFor([&] { return Empty(prefill->Status()); }))
+      << prefill->Status().DebugString();
+}
+
+// The decode worker dies (mid-import and with a sequence it had imported)
+// and comes back on a new port: the prefill worker's leases expire and free
+// every block; the restarted decode worker knows nothing of the old
+// sequence (NOT_FOUND) and imports new handoffs normally.
+TEST(KvFaultTest, DecodeRestartsWhilePrefillHoldsLeases) {
+  auto prefill =
+      StartProcess("prefill", "restart_prefill.log", {"--kv_lease_ttl=2s"});
+  ASSERT_NE(prefill, nullptr);
+  auto decode = StartProcess("decode", "restart_decode_1.log", {});
+  ASSERT_NE(decode, nullptr);
+
+  const v1::KvHandle imported = Hold(*prefill->stub, "a", 12);
+  ASSERT_TRUE(Import(*decode->stub, "a", imported).ok());
+  const v1::KvHandle held1 = Hold(*prefill->stub, "b", 30);
+  const v1::KvHandle held2 = Hold(*prefill->stub, "c", 7);
+  auto racing = std::async(std::launch::async,
+                           [&] { return Import(*decode->stub, "b", held1); });
+  decode->process->Signal(SIGKILL);
+  racing.get();  // whatever it was; the process is gone
+  ASSERT_TRUE(decode->process->Wait(absl::Seconds(10)).ok());
+  decode.reset();
+
+  // Leases nobody released expire (2 s) and free the prefill worker.
+  ASSERT_TRUE(WaitFor([&] { return Empty(prefill->Status()); }))
+      << prefill->Status().DebugString();
+  EXPECT_EQ(Import(*StartDecode()->stub, "c", held2).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+
+  auto restarted = StartProcess("decode", "restart_decode_2.log", {});
+  ASSERT_NE(restarted, nullptr);
+  {
+    v1::ForwardResponse response;
+    grpc::ClientContext context;
+    const grpc::Status s = restarted->stub->Forward(
+        &context, Request({Input("a", {1}, false)}), &response);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+  const v1::KvHandle fresh = Hold(*prefill->stub, "d", 9);
+  ASSERT_TRUE(Import(*restarted->stub, "d", fresh).ok());
+  v1::SequenceInput step = Input("d", {5}, false);
+  step.set_release_after_step(true);
+  v1::ForwardResponse response;
+  grpc::ClientContext context;
+  ASSERT_TRUE(
+      restarted->stub->Forward(&context, Request({step}), &response).ok());
+  EXPECT_EQ(response.sequences(0).num_tokens(), 10);
+  ASSERT_TRUE(WaitFor([&] { return Empty(prefill->Status()); }));
+  ASSERT_TRUE(WaitFor([&] { return Empty(restarted->Status()); }));
+}
+
+}  // namespace
+}  // namespace pdworker

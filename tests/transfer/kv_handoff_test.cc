@@ -1,0 +1,406 @@
+// The P/D KV handoff between in-process workers over real gRPC on loopback:
+// a prefill worker holds a prompt's KV under a lease, a decode worker
+// imports it (PullKv over the gRPC stream transport) and continues the
+// sequence. Tokens must equal one aggregated worker's, and no failure may
+// leave a block allocated on either side.
+#include <chrono>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/server/server_test_util.h"
+#include "tools/make_tiny_model/tiny_model.h"
+
+namespace pdworker {
+namespace {
+
+using server_testing::Forward;
+using server_testing::Input;
+using server_testing::Request;
+using server_testing::StartWorker;
+using server_testing::TestWorker;
+using server_testing::WaitFor;
+using ::testing::HasSubstr;
+
+ModelRunnerOptions Options(Role role) {
+  ModelRunnerOptions o = server_testing::SmallRunnerOptions();
+  o.role = role;
+  o.compilation = CompilationConfig{};  // the role's default graph mode
+  o.compilation.cudagraph_capture_sizes = std::vector<int>{1, 2, 4, 8, 16};
+  return o;
+}
+
+std::vector<int32_t> Prompt(int n, int salt) {
+  std::vector<int32_t> tokens(n);
+  for (int i = 0; i < n; ++i) tokens[i] = (salt * 31 + 7 * i + 3) % 256;
+  return tokens;
+}
+
+WorkerServerOptions ServerOptions(
+    std::chrono::milliseconds lease_ttl = std::chrono::milliseconds(30000)) {
+  WorkerServerOptions o;
+  o.kv_lease_ttl = lease_ttl;
+  o.importer.pull_timeout = std::chrono::milliseconds(5000);
+  return o;
+}
+
+// Forward one sequence; returns the response (ASSERTs OK).
+v1::ForwardResponse Step(TestWorker& w, v1::SequenceInput in) {
+  v1::ForwardResponse response;
+  const grpc::Status s = Forward(*w.stub, Request({std::move(in)}), &response);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  return response;
+}
+
+grpc::Status Import(TestWorker& w, const std::string& id,
+                    const v1::KvHandle& handle,
+                    v1::ImportKvResponse* response = nullptr) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(60));
+  v1::ImportKvRequest request;
+  request.set_sequence_id(id);
+  *request.mutable_handle() = handle;
+  v1::ImportKvResponse ignored;
+  return w.stub->ImportKv(&context, request,
+                          response != nullptr ? response : &ignored);
+}
+
+// The prefill half: start + hold. Returns the first token and the handle.
+std::pair<int32_t, v1::KvHandle> Prefill(TestWorker& prefill,
+                                         const std::string& id,
+                                         const std::vector<int32_t>& prompt,
+                                         const v1::SamplingParams& sampling) {
+  v1::SequenceInput in = Input(id, prompt, true);
+  in.set_hold_for_handoff(true);
+  *in.mutable_sampling() = sampling;
+  v1::ForwardResponse r = Step(prefill, in);
+  if (r.sequences_size() != 1) return {-1, {}};
+  return {r.sequences(0).token_id(), r.sequences(0).kv_handle()};
+}
+
+// `steps` decode steps of `id` on `w` starting from `token`; returns the
+// sampled tokens (releasing the sequence with the last step).
+std::vector<int32_t> Decode(TestWorker& w, const std::string& id, int32_t token,
+                            int steps, const v1::SamplingParams& sampling) {
+  std::vector<int32_t> out;
+  for (int i = 0; i < steps; ++i) {
+    v1::SequenceInput in = Input(id, {token}, false);
+    *in.mutable_sampling() = sampling;
+    in.set_release_after_step(i == steps - 1);
+    v1::ForwardResponse r = Step(w, in);
+    if (r.sequences_size() != 1) return out;
+    token = r.sequences(0).token_id();
+    out.push_back(token);
+  }
+  return out;
+}
+
+void ExpectNothingHeld(TestWorker& w, const std::string& who) {
+  ASSERT_TRUE(WaitFor([&] {
+    const v1::WorkerStatus s = w.Status();
+    return s.kv_blocks_free() == s.kv_blocks_total() && s.kv_leases() == 0 &&
+           s.num_sequences() == 0 && s.kv_imports() == 0;
+  })) << who
+      << ": " << w.Status().DebugString();
+}
+
+class KvHandoffTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    prefill_ = StartWorker(Options(Role::kPrefill), ServerOptions());
+    ASSERT_FALSE(HasFatalFailure());
+    decode_ = StartWorker(Options(Role::kDecode), ServerOptions());
+    ASSERT_FALSE(HasFatalFailure());
+  }
+  void TearDown() override {
+    if (prefill_ != nullptr) ExpectNothingHeld(*prefill_, "prefill");
+    if (decode_ != nullptr) ExpectNothingHeld(*decode_, "decode");
+  }
+
+  std::unique_ptr<TestWorker> prefill_;
+  std::unique_ptr<TestWorker> decode_;
+};
+
+TEST_F(KvHandoffTest, HandleDescribesTheLease) {
+  const auto [token, handle] =
+      Prefill(*prefill_, "p", Prompt(10, 1), v1::SamplingParams());
+  EXPECT_GE(token, 0);
+  EXPECT_EQ(handle.source_address(),
+            "127.0.0.1:" + std::to_string(prefill_->server->port()));
+  EXPECT_EQ(handle.lease_id().size(), 32u);
+  EXPECT_EQ(handle.sequence_id(), "p");
+  EXPECT_EQ(handle.num_tokens(), 10);
+  EXPECT_EQ(handle.model_fingerprint(), prefill_->Status().model_fingerprint());
+  EXPECT_EQ(handle.layout().num_layers(), 2);
+  EXPECT_EQ(handle.layout().dtype(), "float32");
+  const auto now_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                          std::chrono::system_clock::now().time_since_epoch())
+                          .count();
+  EXPECT_GT(handle.lease_expiry_unix_micros(), now_us + 20'000'000);
+  EXPECT_LT(handle.lease_expiry_unix_micros(), now_us + 31'000'000);
+
+  // The id is free again on the prefill worker; the blocks are held.
+  const v1::WorkerStatus held = prefill_->Status();
+  EXPECT_EQ(held.num_sequences(), 0);
+  EXPECT_EQ(held.kv_leases(), 1);
+  EXPECT_EQ(held.kv_blocks_total() - held.kv_blocks_free(), 3);  // 10 / 4
+  Step(*prefill_, Input("p", {1, 2}, true));  // reusing the id is fine
+  v1::ReleaseRequest release;
+  release.add_sequence_ids("p");
+  grpc::ClientContext context;
+  v1::ReleaseResponse released;
+  ASSERT_TRUE(prefill_->stub->Release(&context, release, &released).ok());
+
+  // A router abandoning the handoff frees the lease.
+  v1::KvTransfer::Stub transfer(prefill_->channel);
+  grpc::ClientContext rc;
+  v1::ReleaseKvRequest rk;
+  rk.set_lease_id(handle.lease_id());
+  v1::ReleaseKvResponse rr;
+  ASSERT_TRUE(transfer.ReleaseKv(&rc, rk, &rr).ok());
+  EXPECT_EQ(rr.freed_blocks(), 3);
+}
+
+// Greedy and seeded sampling over prompts that end mid-block, on a block
+// boundary, span many blocks and need chunking (> 64 tokens per step): the
+// P/D tokens equal an aggregated worker's.
+TEST_F(KvHandoffTest, TokensMatchAnAggregatedWorker) {
+  std::unique_ptr<TestWorker> both =
+      StartWorker(Options(Role::kBoth), ServerOptions());
+  ASSERT_FALSE(HasFatalFailure());
+  int salt = 0;
+  for (const int len : {1, 3, 4, 5, 16, 37, 90}) {
+    for (const bool greedy : {true, false}) {
+      ++salt;
+      const std::string id = "s" + std::to_string(salt);
+      v1::SamplingParams sampling;
+      if (!greedy) {
+        sampling.set_temperature(0.8f);
+        sampling.set_top_k(20);
+        sampling.set_seed(1000 + salt);
+      }
+      const std::vector<int32_t> prompt = Prompt(len, salt);
+
+      // Aggregated.
+      v1::SequenceInput in = Input(id, prompt, true);
+      *in.mutable_sampling() = sampling;
+      const int32_t first = Step(*both, in).sequences(0).token_id();
+      std::vector<int32_t> expected = {first};
+      for (int32_t t : Decode(*both, id, first, 6, sampling)) {
+        expected.push_back(t);
+      }
+
+      // Disaggregated.
+      const auto [p_first, handle] = Prefill(*prefill_, id, prompt, sampling);
+      v1::ImportKvResponse imported;
+      const grpc::Status s = Import(*decode_, id, handle, &imported);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      EXPECT_EQ(imported.num_tokens(), len);
+      EXPECT_EQ(imported.transport(), "grpc");
+      // 2 layers x (K + V) x len tokens x 2 KV heads x 8 dims x 4 bytes.
+      EXPECT_EQ(imported.transfer_bytes(), int64_t{2} * 2 * len * 2 * 8 * 4);
+      std::vector<int32_t> got = {p_first};
+      for (int32_t t : Decode(*decode_, id, p_first, 6, sampling)) {
+        got.push_back(t);
+      }
+      EXPECT_EQ(got, expected)
+          << "prompt length " << len << " greedy " << greedy;
+    }
+  }
+  ExpectNothingHeld(*both, "aggregated");
+}
+
+TEST_F(KvHandoffTest, NeverPulledLeaseExpiresAndLatePullIsRefused) {
+  std::unique_ptr<TestWorker> prefill = StartWorker(
+      Options(Role::kPrefill), ServerOptions(std::chrono::milliseconds(300)));
+  ASSERT_FALSE(HasFatalFailure());
+  const auto [token, handle] =
+      Prefill(*prefill, "x", Prompt(9, 3), v1::SamplingParams());
+  EXPECT_EQ(prefill->Status().kv_leases(), 1);
+  // Freed by the sweeper, without any traffic.
+  ExpectNothingHeld(*prefill, "prefill after expiry");
+  const grpc::Status late = Import(*decode_, "x", handle);
+  EXPECT_EQ(late.error_code(), grpc::StatusCode::NOT_FOUND)
+      << late.error_message();
+  EXPECT_THAT(late.error_message(), HasSubstr("expired"));
+}
+
+TEST_F(KvHandoffTest, SecondPullIsRefused) {
+  const auto [token, handle] =
+      Prefill(*prefill_, "a", Prompt(12, 4), v1::SamplingParams());
+  ASSERT_TRUE(Import(*decode_, "a", handle).ok());
+  // The same handle again (another id; the first is live): refused, and
+  // the refused import leaves nothing allocated.
+  const grpc::Status again = Import(*decode_, "a2", handle);
+  EXPECT_EQ(again.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << again.error_message();
+  EXPECT_THAT(again.error_message(), HasSubstr("already"));
+  EXPECT_EQ(decode_->Status().num_sequences(), 1);
+  Decode(*decode_, "a", token, 2, v1::SamplingParams());
+}
+
+// Someone else (a misbehaving router, a second decode worker) pulled the
+// lease in full: the decode worker's import is refused and allocates nothing;
+// ReleaseKv then frees the lease. (A pull that is still running, or that
+// ended early, is covered by the lease table's unit test.)
+TEST_F(KvHandoffTest, ImportOfALeasePulledElsewhereIsRefused) {
+  const auto [token, handle] =
+      Prefill(*prefill_, "d", Prompt(6, 5), v1::SamplingParams());
+  v1::KvTransfer::Stub transfer(prefill_->channel);
+  v1::PullKvRequest request;
+  request.set_lease_id(handle.lease_id());
+  request.set_model_fingerprint(handle.model_fingerprint());
+  *request.mutable_layout() = handle.layout();
+  {
+    grpc::ClientContext context;
+    auto reader = transfer.PullKv(&context, request);
+    v1::KvChunk chunk;
+    int64_t bytes = 0;
+    while (reader->Read(&chunk)) bytes += chunk.data().size();
+    ASSERT_TRUE(reader->Finish().ok());
+    EXPECT_EQ(bytes, 2 * 2 * 6 * 2 * 8 * 4);
+  }
+  const grpc::Status s = Import(*decode_, "d", handle);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("already pulled"));
+  ExpectNothingHeld(*decode_, "decode after a refused import");
+  // A PullKv with another model's fingerprint is refused by the source.
+  {
+    v1::PullKvRequest foreign = request;
+    foreign.set_model_fingerprint("0123456789abcdef");
+    grpc::ClientContext context;
+    auto reader = transfer.PullKv(&context, foreign);
+    v1::KvChunk chunk;
+    EXPECT_FALSE(reader->Read(&chunk));
+    EXPECT_EQ(reader->Finish().error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+  }
+  grpc::ClientContext context;
+  v1::ReleaseKvRequest release;
+  release.set_lease_id(handle.lease_id());
+  v1::ReleaseKvResponse released;
+  ASSERT_TRUE(transfer.ReleaseKv(&context, release, &released).ok());
+  EXPECT_EQ(released.freed_blocks(), 2);
+  grpc::ClientContext again;
+  EXPECT_EQ(transfer.ReleaseKv(&again, release, &released).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+TEST_F(KvHandoffTest, WrongModelOrLayoutIsRefusedWithNothingAllocated) {
+  const auto [token, handle] =
+      Prefill(*prefill_, "m", Prompt(8, 6), v1::SamplingParams());
+
+  // A decode worker serving another model.
+  const std::string other_dir =
+      std::string(std::getenv("TEST_TMPDIR")) + "/other_model";
+  TinyModelOptions other;
+  other.shape = TinyShape::kTied;
+  other.seed = 7;
+  ASSERT_TRUE(WriteTinyModel(other, other_dir).ok());
+  std::unique_ptr<TestWorker> foreign =
+      StartWorker(Options(Role::kDecode), ServerOptions(), true, other_dir);
+  ASSERT_FALSE(HasFatalFailure());
+  grpc::Status s = Import(*foreign, "m", handle);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("model fingerprint"));
+  ExpectNothingHeld(*foreign, "foreign decode worker");
+
+  // A tampered layout (same fingerprint) on the right decode worker.
+  v1::KvHandle tampered = handle;
+  tampered.mutable_layout()->set_dtype("bfloat16");
+  s = Import(*decode_, "m", tampered);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("KV layout"));
+
+  // The lease was not consumed: the right worker still imports it.
+  ASSERT_TRUE(Import(*decode_, "m", handle).ok());
+  Decode(*decode_, "m", token, 1, v1::SamplingParams());
+}
+
+TEST_F(KvHandoffTest, BadImportsAreRefusedWithNothingAllocated) {
+  const auto [token, handle] =
+      Prefill(*prefill_, "b", Prompt(8, 7), v1::SamplingParams());
+  struct Case {
+    std::string name;
+    std::string id;
+    std::function<void(v1::KvHandle*)> mutate;
+    grpc::StatusCode code;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"empty id", "", [](v1::KvHandle*) {}, grpc::StatusCode::INVALID_ARGUMENT,
+       "sequence_id"},
+      {"long id", std::string(129, 'x'), [](v1::KvHandle*) {},
+       grpc::StatusCode::INVALID_ARGUMENT, "sequence_id"},
+      {"no lease", "b", [](v1::KvHandle* h) { h->clear_lease_id(); },
+       grpc::StatusCode::INVALID_ARGUMENT, "lease_id"},
+      {"no source", "b", [](v1::KvHandle* h) { h->clear_source_address(); },
+       grpc::StatusCode::INVALID_ARGUMENT, "source_address"},
+      {"no tokens", "b", [](v1::KvHandle* h) { h->set_num_tokens(0); },
+       grpc::StatusCode::INVALID_ARGUMENT, "num_tokens"},
+      {"too long", "b", [](v1::KvHandle* h) { h->set_num_tokens(129); },
+       grpc::StatusCode::INVALID_ARGUMENT, "max_model_len"},
+      {"unknown lease", "b",
+       [](v1::KvHandle* h) { h->set_lease_id(std::string(32, '0')); },
+       grpc::StatusCode::NOT_FOUND, "unknown KV lease"},
+  };
+  for (const Case& c : cases) {
+    v1::KvHandle h = handle;
+    c.mutate(&h);
+    const grpc::Status s = Import(*decode_, c.id, h);
+    EXPECT_EQ(s.error_code(), c.code) << c.name << ": " << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(c.message)) << c.name;
+    EXPECT_EQ(decode_->Status().kv_blocks_free(),
+              decode_->Status().kv_blocks_total())
+        << c.name;
+  }
+
+  // A live id on the decode worker: ALREADY_EXISTS before pulling, so the
+  // lease survives.
+  Step(*decode_, Input("live", {1, 2, 3}, true));
+  grpc::Status s = Import(*decode_, "live", handle);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS)
+      << s.error_message();
+  ASSERT_TRUE(Import(*decode_, "b", handle).ok());
+  Decode(*decode_, "b", token, 1, v1::SamplingParams());
+  Decode(*decode_, "live", 5, 1, v1::SamplingParams());
+}
+
+TEST_F(KvHandoffTest, UnreachableSourceFailsWithUnavailable) {
+  const auto [token, handle] =
+      Prefill(*prefill_, "u", Prompt(8, 8), v1::SamplingParams());
+  v1::KvHandle h = handle;
+  // A port nothing listens on (bound and closed by the kernel's choice is
+  // racy; port 1 needs root to listen on).
+  h.set_source_address("127.0.0.1:1");
+  const auto start = std::chrono::steady_clock::now();
+  const grpc::Status s = Import(*decode_, "u", h);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(6));
+  // Clean up the real lease.
+  ASSERT_TRUE(Import(*decode_, "u", handle).ok());
+  Decode(*decode_, "u", token, 1, v1::SamplingParams());
+}
+
+// Rolling restart of a prefill worker: held leases are still served while it
+// drains, and the drain waits for them.
+TEST_F(KvHandoffTest, DrainingPrefillWorkerStillServesPulls) {
+  const auto [token, handle] =
+      Prefill(*prefill_, "r", Prompt(20, 9), v1::SamplingParams());
+  prefill_->server->BeginDrain();
+  ASSERT_TRUE(Import(*decode_, "r", handle).ok());
+  ExpectNothingHeld(*prefill_, "draining prefill");
+  prefill_->server->Drain();
+  Decode(*decode_, "r", token, 3, v1::SamplingParams());
+  prefill_.reset();
+}
+
+}  // namespace
+}  // namespace pdworker

@@ -1,0 +1,132 @@
+#include "worker/transfer/grpc_kv_puller.h"
+
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "proto/worker.grpc.pb.h"
+#include "worker/server/status_mapping.h"
+#include "worker/transfer/kv_transfer_service.h"
+
+namespace pdworker {
+namespace {
+
+// Where the next chunk must start: layers in order, K before V, tokens
+// contiguous from 0 to num_tokens.
+struct Cursor {
+  int layer = 0;
+  KvCachePart part = KvCachePart::kKey;
+  int32_t next_token = 0;
+};
+
+absl::Status ApplyChunk(const KvPullParams& p, const v1::KvChunk& chunk,
+                        Cursor& cursor) {
+  const int32_t n = p.handle->num_tokens();
+  const KvCachePart part = chunk.part() == v1::KvChunk::PART_KEY
+                               ? KvCachePart::kKey
+                               : KvCachePart::kValue;
+  if (cursor.layer >= p.view->layout.num_layers ||
+      chunk.layer() != cursor.layer ||
+      chunk.part() == v1::KvChunk::PART_UNSPECIFIED || part != cursor.part ||
+      chunk.first_token() != cursor.next_token || chunk.num_tokens() <= 0 ||
+      chunk.num_tokens() > n - cursor.next_token) {
+    return absl::InternalError(
+        absl::StrCat("malformed KV stream: got layer ", chunk.layer(), " part ",
+                     chunk.part(), " tokens [", chunk.first_token(), ", +",
+                     chunk.num_tokens(), "), expected layer ", cursor.layer,
+                     " part ", cursor.part == KvCachePart::kKey ? "K" : "V",
+                     " from token ", cursor.next_token));
+  }
+  const size_t expected =
+      static_cast<size_t>(chunk.num_tokens()) * p.view->token_bytes;
+  if (chunk.data().size() != expected) {
+    return absl::InternalError(absl::StrCat(
+        "malformed KV stream: chunk of ", chunk.num_tokens(), " tokens has ",
+        chunk.data().size(), " bytes, expected ", expected));
+  }
+  const KvTokenRun run{chunk.layer(), part, chunk.first_token(),
+                       chunk.num_tokens()};
+  const absl::Status written = WriteKvTokens(*p.stream, *p.view, *p.destination,
+                                             run, chunk.data().data());
+  if (!written.ok()) return written;
+  cursor.next_token += chunk.num_tokens();
+  if (cursor.next_token == n) {
+    cursor.next_token = 0;
+    if (cursor.part == KvCachePart::kKey) {
+      cursor.part = KvCachePart::kValue;
+    } else {
+      cursor.part = KvCachePart::kKey;
+      ++cursor.layer;
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& p,
+                            KvPullStats* stats) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::string& source = p.handle->source_address();
+  v1::KvTransfer::Stub stub(channels.Get(source));
+  grpc::ClientContext context;
+  context.set_deadline(std::min(p.call_deadline, p.pull_deadline));
+  v1::PullKvRequest request;
+  request.set_lease_id(p.handle->lease_id());
+  request.set_model_fingerprint(p.model_fingerprint);
+  *request.mutable_layout() = ToProto(p.view->layout);
+
+  int64_t bytes = 0;
+  Cursor cursor;
+  absl::Status applied = absl::OkStatus();
+  std::unique_ptr<grpc::ClientReader<v1::KvChunk>> reader =
+      stub.PullKv(&context, request);
+  v1::KvChunk chunk;
+  while (reader->Read(&chunk)) {
+    bytes += static_cast<int64_t>(chunk.data().size());
+    applied = ApplyChunk(p, chunk, cursor);
+    if (!applied.ok()) {
+      context.TryCancel();
+      break;
+    }
+  }
+  const grpc::Status finished = reader->Finish();
+  if (stats != nullptr) {
+    stats->bytes = bytes;
+    stats->seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+            .count();
+  }
+  if (!applied.ok()) return applied;
+  if (finished.ok()) {
+    if (cursor.layer != p.view->layout.num_layers) {
+      return absl::InternalError(
+          absl::StrCat("KV stream from ", source, " ended early at layer ",
+                       cursor.layer, " token ", cursor.next_token));
+    }
+    // Ordered before the executor's next step reads these blocks.
+    return p.stream->Synchronize();
+  }
+  const std::string what =
+      absl::StrCat("KV pull from prefill worker ", source, " (lease ",
+                   p.handle->lease_id(), ") after ", bytes, " bytes: ");
+  switch (finished.error_code()) {
+    case grpc::StatusCode::NOT_FOUND:
+    case grpc::StatusCode::FAILED_PRECONDITION:
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      return absl::Status(FromGrpcStatus(finished).code(),
+                          absl::StrCat(what, finished.error_message()));
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      if (std::chrono::system_clock::now() >= p.call_deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrCat(what, "the ImportKv deadline passed"));
+      }
+      return absl::UnavailableError(
+          absl::StrCat(what, "no answer within the pull timeout"));
+    default:
+      return absl::UnavailableError(
+          absl::StrCat(what, "source failed (", finished.error_code(),
+                       "): ", finished.error_message()));
+  }
+}
+
+}  // namespace pdworker

@@ -1,0 +1,48 @@
+// GrpcKvPuller: the gRPC streaming transport of the KV handoff, puller side.
+// Opens PullKv on the prefill worker named by the handle and writes each
+// chunk into the blocks reserved for the import, checking that the chunks
+// tile every layer's K and V exactly once, in order.
+#ifndef PDWORKER_WORKER_TRANSFER_GRPC_KV_PULLER_H_
+#define PDWORKER_WORKER_TRANSFER_GRPC_KV_PULLER_H_
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "proto/worker.pb.h"
+#include "worker/kv_cache/kv_cache_manager.h"
+#include "worker/runtime/stream.h"
+#include "worker/transfer/kv_cache_view.h"
+#include "worker/transfer/peer_channels.h"
+
+namespace pdworker {
+
+struct KvPullStats {
+  int64_t bytes = 0;
+  double seconds = 0.0;
+};
+
+struct KvPullParams {
+  const v1::KvHandle* handle = nullptr;
+  std::string model_fingerprint;  // ours, checked by the source as well
+  const KvCacheView* view = nullptr;
+  const SequenceKv* destination = nullptr;  // handle->num_tokens tokens
+  Stream* stream = nullptr;                 // for the copies into the cache
+  // The import's own deadline (the ImportKv caller's) and the bound on the
+  // pull (no progress from a hung source lasts longer than this).
+  std::chrono::system_clock::time_point call_deadline;
+  std::chrono::system_clock::time_point pull_deadline;
+};
+
+// Errors: the source's NOT_FOUND / FAILED_PRECONDITION (expired, already
+// pulled, other model) with its message; UNAVAILABLE when the source cannot
+// be reached, dies or stalls past pull_deadline; DEADLINE_EXCEEDED when
+// call_deadline passed; INTERNAL for a malformed stream. `stats` (may be
+// null) gets the bytes received either way.
+absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& params,
+                            KvPullStats* stats);
+
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_TRANSFER_GRPC_KV_PULLER_H_

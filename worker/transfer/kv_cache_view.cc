@@ -1,0 +1,83 @@
+#include "worker/transfer/kv_cache_view.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace pdworker {
+namespace {
+
+absl::Status CheckRun(const KvCacheView& view, const SequenceKv& seq,
+                      const KvTokenRun& run) {
+  if (run.layer < 0 || run.layer >= view.layout.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer ", run.layer, " outside [0, ", view.layout.num_layers, ")"));
+  }
+  if (run.first_token < 0 || run.num_tokens <= 0 ||
+      run.first_token > seq.num_tokens - run.num_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokens [", run.first_token, ", ",
+                     int64_t{run.first_token} + run.num_tokens,
+                     ") outside the sequence's ", seq.num_tokens));
+  }
+  return absl::OkStatus();
+}
+
+// Calls copy(block_slice, byte_offset_in_host, bytes) for each piece of the
+// run that is contiguous in the cache (at most one block).
+template <typename Copy>
+absl::Status ForEachBlockPiece(const KvCacheView& view, const SequenceKv& seq,
+                               const KvTokenRun& run, Copy copy) {
+  const DeviceBuffer& buffer = view.Buffer(run.layer, run.part);
+  int32_t token = run.first_token;
+  const int32_t end = run.first_token + run.num_tokens;
+  size_t host_offset = 0;
+  while (token < end) {
+    const int32_t within = token % view.block_size;
+    const int32_t count = std::min(view.block_size - within, end - token);
+    const size_t slot =
+        static_cast<size_t>(seq.blocks[token / view.block_size]) *
+            view.block_size +
+        within;
+    const size_t bytes = static_cast<size_t>(count) * view.token_bytes;
+    const absl::Status copied =
+        copy(buffer.Slice(slot * view.token_bytes, bytes), host_offset, bytes);
+    if (!copied.ok()) return copied;
+    host_offset += bytes;
+    token += count;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string KvLayoutInfo::ToString() const {
+  return absl::StrCat(num_layers, " layers x ", num_kv_heads, " KV heads x ",
+                      head_dim, " (", dtype, ")");
+}
+
+absl::Status ReadKvTokens(Stream& stream, const KvCacheView& view,
+                          const SequenceKv& seq, const KvTokenRun& run,
+                          void* dst) {
+  const absl::Status valid = CheckRun(view, seq, run);
+  if (!valid.ok()) return valid;
+  char* out = static_cast<char*>(dst);
+  return ForEachBlockPiece(
+      view, seq, run, [&](DeviceBuffer piece, size_t offset, size_t bytes) {
+        return stream.CopyToHost(out + offset, piece, bytes);
+      });
+}
+
+absl::Status WriteKvTokens(Stream& stream, const KvCacheView& view,
+                           const SequenceKv& seq, const KvTokenRun& run,
+                           const void* src) {
+  const absl::Status valid = CheckRun(view, seq, run);
+  if (!valid.ok()) return valid;
+  const char* in = static_cast<const char*>(src);
+  return ForEachBlockPiece(
+      view, seq, run, [&](DeviceBuffer piece, size_t offset, size_t bytes) {
+        return stream.CopyToDevice(piece, in + offset, bytes);
+      });
+}
+
+}  // namespace pdworker

@@ -1,0 +1,203 @@
+#include "worker/transfer/kv_importer.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+#include "proto/worker.grpc.pb.h"
+#include "worker/transfer/grpc_kv_puller.h"
+#include "worker/transfer/kv_transfer_service.h"
+
+namespace pdworker {
+
+absl::Status ValidateKvHandle(const v1::KvHandle& handle,
+                              const std::string& model_fingerprint,
+                              const KvLayoutInfo& layout, int max_model_len) {
+  if (handle.source_address().empty()) {
+    return absl::InvalidArgumentError("handle.source_address is empty");
+  }
+  if (handle.lease_id().empty()) {
+    return absl::InvalidArgumentError("handle.lease_id is empty");
+  }
+  if (handle.num_tokens() <= 0 || handle.num_tokens() > max_model_len) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("handle.num_tokens=", handle.num_tokens(),
+                     " outside [1, max_model_len=", max_model_len, "]"));
+  }
+  return CheckCompatible("the KV handle", handle.model_fingerprint(),
+                         FromProto(handle.layout()), model_fingerprint, layout);
+}
+
+KvImporter::KvImporter(Executor& executor, Device& device, KvCacheView view,
+                       std::string model_fingerprint, PeerChannels& peers,
+                       const KvImporterOptions& options, WorkerMetrics* metrics)
+    : executor_(executor),
+      device_(device),
+      view_(std::move(view)),
+      fingerprint_(std::move(model_fingerprint)),
+      peers_(peers),
+      options_(options),
+      metrics_(metrics) {
+  CHECK_GT(options.num_threads, 0);
+  for (int i = 0; i < options.num_threads; ++i) {
+    threads_.emplace_back([this] { Work(); });
+  }
+}
+
+KvImporter::~KvImporter() {
+  std::deque<Job> refused;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    refused.swap(queue_);
+  }
+  cv_.notify_all();
+  for (Job& job : refused) {
+    job.done(absl::UnavailableError("the worker is shutting down"));
+  }
+  for (std::thread& t : threads_) t.join();
+}
+
+void KvImporter::Import(KvImportRequest request, Done done) {
+  absl::Status refused = absl::OkStatus();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) {
+      refused = absl::UnavailableError("the worker is shutting down");
+    } else if (static_cast<int64_t>(queue_.size()) >= options_.max_pending) {
+      refused = absl::ResourceExhaustedError(
+          absl::StrCat("too many KV imports queued (", queue_.size(), ")"));
+    } else if (importing_.contains(request.sequence_id)) {
+      refused = absl::AlreadyExistsError(absl::StrCat(
+          "sequence '", request.sequence_id, "' is being imported already"));
+    } else {
+      importing_.insert(request.sequence_id);
+      ++in_flight_;
+      queue_.push_back(Job{std::move(request), std::move(done)});
+    }
+  }
+  if (!refused.ok()) {
+    done(refused);
+    return;
+  }
+  cv_.notify_one();
+}
+
+int64_t KvImporter::in_flight() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return in_flight_;
+}
+
+void KvImporter::Work() {
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping
+      job = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    absl::StatusOr<KvImportResult> result = RunJob(job.request);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      importing_.erase(job.request.sequence_id);
+      --in_flight_;
+    }
+    job.done(result);
+    // After answering: the sequence is usable now; the release only frees
+    // the source's blocks early.
+    if (result.ok()) ReleaseLease(job.request.handle);
+  }
+}
+
+absl::StatusOr<KvImportResult> KvImporter::RunJob(
+    const KvImportRequest& request) {
+  const auto start = std::chrono::steady_clock::now();
+  if (std::chrono::system_clock::now() >= request.deadline) {
+    return absl::DeadlineExceededError(
+        "the ImportKv deadline passed before the import started");
+  }
+  const std::string& id = request.sequence_id;
+  const int32_t num_tokens = request.handle.num_tokens();
+
+  // 1. Reserve, between steps.
+  SequenceKv kv;
+  absl::Status reserved = executor_.RunExclusive([&](ModelRunner& runner) {
+    if (runner.kv_cache().Find(id) != nullptr) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("sequence '", id, "' already exists"));
+    }
+    absl::StatusOr<SequenceKv> blocks = runner.AllocateDetached(num_tokens);
+    if (!blocks.ok()) return blocks.status();
+    kv = std::move(*blocks);
+    return absl::OkStatus();
+  });
+  if (!reserved.ok()) return reserved;
+
+  // 2. Pull, on this thread.
+  KvPullStats pull;
+  absl::Status pulled = absl::OkStatus();
+  absl::StatusOr<std::unique_ptr<Stream>> stream = device_.CreateStream();
+  if (!stream.ok()) {
+    pulled = stream.status();
+  } else {
+    KvPullParams params;
+    params.handle = &request.handle;
+    params.model_fingerprint = fingerprint_;
+    params.view = &view_;
+    params.destination = &kv;
+    params.stream = stream->get();
+    params.call_deadline = request.deadline;
+    params.pull_deadline =
+        std::chrono::system_clock::now() + options_.pull_timeout;
+    pulled = PullKvOverGrpc(peers_, params, &pull);
+  }
+  if (metrics_ != nullptr) {
+    metrics_->ObserveKvTransfer(KvTransport::kGrpc,
+                                KvTransferDirection::kReceive, pulled.ok(),
+                                pull.bytes, pull.seconds);
+  }
+
+  // 3. Install (or give back), between steps.
+  absl::Status installed = executor_.RunExclusive([&](ModelRunner& runner) {
+    if (!pulled.ok()) {
+      runner.FreeDetached(kv);
+      return pulled;
+    }
+    absl::Status attached = runner.Attach(id, kv);
+    if (!attached.ok()) runner.FreeDetached(kv);
+    return attached;
+  });
+  if (!installed.ok()) {
+    LOG(WARNING) << "KV import of '" << id << "' from "
+                 << request.handle.source_address() << " failed: " << installed;
+    return installed;
+  }
+  KvImportResult result;
+  result.num_tokens = num_tokens;
+  result.transport = KvTransport::kGrpc;
+  result.transfer_bytes = pull.bytes;
+  result.transfer_seconds = pull.seconds;
+  result.import_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
+  return result;
+}
+
+void KvImporter::ReleaseLease(const v1::KvHandle& handle) {
+  v1::KvTransfer::Stub stub(peers_.Get(handle.source_address()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(2));
+  v1::ReleaseKvRequest request;
+  request.set_lease_id(handle.lease_id());
+  v1::ReleaseKvResponse response;
+  const grpc::Status status = stub.ReleaseKv(&context, request, &response);
+  LOG_IF(WARNING, !status.ok())
+      << "ReleaseKv of lease " << handle.lease_id() << " on "
+      << handle.source_address()
+      << " failed (the lease will expire): " << status.error_message();
+}
+
+}  // namespace pdworker

@@ -1,0 +1,121 @@
+// KvImporter: the decode side of the KV handoff (Worker.ImportKv).
+//
+//   ImportKv ─▶ queue ─▶ importer thread:
+//       1. reserve detached blocks        (executor task, between steps)
+//       2. pull the KV into them          (this thread; steps go on)
+//       3. attach them as the sequence    (executor task, between steps)
+//       4. answer, then ReleaseKv on the source (the lease TTL is the
+//          backstop if that call is lost)
+//   Any failure after 1 frees the reserved blocks (executor task), so a
+//   failed import leaves nothing allocated.
+//
+// The pull runs on the importer's own threads, never the executor's, so a
+// slow or dead prefill worker delays only the sequence being imported.
+#ifndef PDWORKER_WORKER_TRANSFER_KV_IMPORTER_H_
+#define PDWORKER_WORKER_TRANSFER_KV_IMPORTER_H_
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "metrics/worker_metrics.h"
+#include "proto/worker.pb.h"
+#include "worker/runtime/device.h"
+#include "worker/server/executor.h"
+#include "worker/transfer/kv_cache_view.h"
+#include "worker/transfer/peer_channels.h"
+
+namespace pdworker {
+
+struct KvImporterOptions {
+  int num_threads = 4;    // concurrent pulls
+  int max_pending = 256;  // queued imports; beyond: RESOURCE_EXHAUSTED
+  std::chrono::milliseconds pull_timeout{10000};  // bound on one pull
+};
+
+struct KvImportResult {
+  int32_t num_tokens = 0;
+  KvTransport transport = KvTransport::kGrpc;
+  int64_t transfer_bytes = 0;
+  double transfer_seconds = 0.0;
+  double import_seconds = 0.0;
+};
+
+struct KvImportRequest {
+  std::string sequence_id;  // validated: 1..128 bytes
+  v1::KvHandle handle;      // validated: see ValidateKvHandle
+  std::chrono::system_clock::time_point deadline =
+      std::chrono::system_clock::time_point::max();
+};
+
+class KvImporter {
+ public:
+  using Done = std::function<void(const absl::StatusOr<KvImportResult>&)>;
+
+  // Everything must outlive the importer; `metrics` may be null.
+  KvImporter(Executor& executor, Device& device, KvCacheView view,
+             std::string model_fingerprint, PeerChannels& peers,
+             const KvImporterOptions& options, WorkerMetrics* metrics);
+  // Fails queued imports with UNAVAILABLE, lets running pulls finish (each
+  // is bounded by pull_timeout) and joins.
+  ~KvImporter();
+
+  KvImporter(const KvImporter&) = delete;
+  KvImporter& operator=(const KvImporter&) = delete;
+
+  // Checks what needs no state (the handle matches this worker's model and
+  // layout, the id is not being imported already), then queues. `done` is
+  // called exactly once, inline when refused, else from an importer thread.
+  void Import(KvImportRequest request, Done done);
+
+  // Imports queued or running.
+  int64_t in_flight() const;
+
+ private:
+  struct Job {
+    KvImportRequest request;
+    Done done;
+  };
+
+  void Work();
+  absl::StatusOr<KvImportResult> RunJob(const KvImportRequest& request);
+  void ReleaseLease(const v1::KvHandle& handle);
+
+  Executor& executor_;
+  Device& device_;
+  const KvCacheView view_;
+  const std::string fingerprint_;
+  PeerChannels& peers_;
+  const KvImporterOptions options_;
+  WorkerMetrics* const metrics_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> queue_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> importing_ ABSL_GUARDED_BY(mu_);
+  int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+
+  std::vector<std::thread> threads_;  // last: start after everything above
+};
+
+// INVALID_ARGUMENT for a handle missing what a pull needs (source address,
+// lease id, num_tokens in [1, max_model_len]); FAILED_PRECONDITION for
+// another model's or another KV layout's handle.
+absl::Status ValidateKvHandle(const v1::KvHandle& handle,
+                              const std::string& model_fingerprint,
+                              const KvLayoutInfo& layout, int max_model_len);
+
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_TRANSFER_KV_IMPORTER_H_

@@ -1,0 +1,214 @@
+#include "worker/transfer/kv_transfer_service.h"
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+#include "worker/runtime/stream.h"
+#include "worker/server/status_mapping.h"
+
+namespace pdworker {
+namespace {
+
+// One PullKv stream. Walks (layer, K then V, token runs) and writes one
+// chunk at a time; gRPC deletes it in OnDone, which ends the pull.
+class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
+ public:
+  PullReactor(KvLeaseTable& leases, Device& device, const KvCacheView& view,
+              size_t max_chunk_bytes, WorkerMetrics* metrics)
+      : leases_(leases),
+        device_(device),
+        view_(view),
+        metrics_(metrics),
+        start_(std::chrono::steady_clock::now()) {
+    // Whole blocks per chunk, at least one.
+    const size_t block_bytes = view.token_bytes * view.block_size;
+    tokens_per_chunk_ =
+        view.block_size *
+        static_cast<int32_t>(std::max<size_t>(
+            1, max_chunk_bytes / std::max<size_t>(1, block_bytes)));
+  }
+
+  // Starts the pull, or finishes at once with the reason it is refused.
+  void Start(const absl::Status& compatible, const std::string& lease_id) {
+    if (!compatible.ok()) {
+      Finish(ToGrpcStatus(compatible));
+      return;
+    }
+    absl::StatusOr<KvPullGrant> grant = leases_.BeginPull(lease_id);
+    if (!grant.ok()) {
+      Finish(ToGrpcStatus(grant.status()));
+      return;
+    }
+    lease_id_ = lease_id;
+    grant_ = std::move(*grant);
+    absl::StatusOr<std::unique_ptr<Stream>> stream = device_.CreateStream();
+    if (!stream.ok()) {
+      FinishPull(stream.status());
+      return;
+    }
+    stream_ = std::move(*stream);
+    NextWrite();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {  // the puller went away (cancelled, deadline, connection)
+      FinishPull(absl::CancelledError("the puller went away mid-stream"));
+      return;
+    }
+    bytes_ += static_cast<int64_t>(chunk_.data().size());
+    NextWrite();
+  }
+
+  void OnDone() override {
+    if (!lease_id_.empty()) {
+      leases_.EndPull(lease_id_, sent_all_);
+      if (metrics_ != nullptr) {
+        metrics_->ObserveKvTransfer(
+            KvTransport::kGrpc, KvTransferDirection::kSend, sent_all_, bytes_,
+            std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                          start_)
+                .count());
+      }
+    }
+    delete this;
+  }
+
+ private:
+  void NextWrite() {
+    const int32_t n = grant_.kv.num_tokens;
+    if (layer_ == view_.layout.num_layers) {
+      sent_all_ = true;
+      FinishPull(absl::OkStatus());
+      return;
+    }
+    KvTokenRun run{layer_, part_, next_token_,
+                   std::min(tokens_per_chunk_, n - next_token_)};
+    chunk_.Clear();
+    chunk_.set_layer(run.layer);
+    chunk_.set_part(run.part == KvCachePart::kKey ? v1::KvChunk::PART_KEY
+                                                  : v1::KvChunk::PART_VALUE);
+    chunk_.set_first_token(run.first_token);
+    chunk_.set_num_tokens(run.num_tokens);
+    std::string* data = chunk_.mutable_data();
+    data->resize(static_cast<size_t>(run.num_tokens) * view_.token_bytes);
+    const absl::Status read =
+        ReadKvTokens(*stream_, view_, grant_.kv, run, data->data());
+    if (!read.ok()) {
+      FinishPull(
+          absl::InternalError(absl::StrCat("reading KV: ", read.message())));
+      return;
+    }
+    // Advance the cursor: tokens, then V after K, then the next layer.
+    next_token_ += run.num_tokens;
+    if (next_token_ == n) {
+      next_token_ = 0;
+      if (part_ == KvCachePart::kKey) {
+        part_ = KvCachePart::kValue;
+      } else {
+        part_ = KvCachePart::kKey;
+        ++layer_;
+      }
+    }
+    StartWrite(&chunk_);
+  }
+
+  void FinishPull(const absl::Status& status) {
+    if (!status.ok()) {
+      LOG(WARNING) << "KV pull of lease " << lease_id_ << " failed after "
+                   << bytes_ << " bytes: " << status;
+    }
+    Finish(ToGrpcStatus(status));
+  }
+
+  KvLeaseTable& leases_;
+  Device& device_;
+  const KvCacheView& view_;
+  WorkerMetrics* const metrics_;
+  const std::chrono::steady_clock::time_point start_;
+  int32_t tokens_per_chunk_ = 0;
+
+  std::string lease_id_;  // set once BeginPull succeeded
+  KvPullGrant grant_;
+  std::unique_ptr<Stream> stream_;
+  v1::KvChunk chunk_;
+  int layer_ = 0;
+  KvCachePart part_ = KvCachePart::kKey;
+  int32_t next_token_ = 0;
+  int64_t bytes_ = 0;
+  bool sent_all_ = false;
+};
+
+}  // namespace
+
+v1::KvLayout ToProto(const KvLayoutInfo& layout) {
+  v1::KvLayout out;
+  out.set_num_layers(layout.num_layers);
+  out.set_num_kv_heads(layout.num_kv_heads);
+  out.set_head_dim(layout.head_dim);
+  out.set_dtype(layout.dtype);
+  return out;
+}
+
+KvLayoutInfo FromProto(const v1::KvLayout& layout) {
+  return KvLayoutInfo{layout.num_layers(), layout.num_kv_heads(),
+                      layout.head_dim(), layout.dtype()};
+}
+
+absl::Status CheckCompatible(absl::string_view what,
+                             const std::string& their_fingerprint,
+                             const KvLayoutInfo& their_layout,
+                             const std::string& our_fingerprint,
+                             const KvLayoutInfo& our_layout) {
+  if (their_fingerprint != our_fingerprint) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, " is for model fingerprint '", their_fingerprint,
+        "', this worker serves '", our_fingerprint,
+        "': KV caches of different models are not interchangeable"));
+  }
+  if (!(their_layout == our_layout)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " has KV layout ", their_layout.ToString(),
+                     ", this worker's is ", our_layout.ToString()));
+  }
+  return absl::OkStatus();
+}
+
+KvTransferService::KvTransferService(KvLeaseTable& leases, Device& device,
+                                     KvCacheView view,
+                                     std::string model_fingerprint,
+                                     const KvTransferServiceOptions& options,
+                                     WorkerMetrics* metrics)
+    : leases_(leases),
+      device_(device),
+      view_(std::move(view)),
+      fingerprint_(std::move(model_fingerprint)),
+      options_(options),
+      metrics_(metrics) {}
+
+grpc::ServerWriteReactor<v1::KvChunk>* KvTransferService::PullKv(
+    grpc::CallbackServerContext* /*context*/,
+    const v1::PullKvRequest* request) {
+  auto* reactor = new PullReactor(leases_, device_, view_,
+                                  options_.max_chunk_bytes, metrics_);
+  reactor->Start(
+      CheckCompatible("the pull", request->model_fingerprint(),
+                      FromProto(request->layout()), fingerprint_, view_.layout),
+      request->lease_id());
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* KvTransferService::ReleaseKv(
+    grpc::CallbackServerContext* context, const v1::ReleaseKvRequest* request,
+    v1::ReleaseKvResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<int32_t> freed = leases_.Release(request->lease_id());
+  if (freed.ok()) response->set_freed_blocks(*freed);
+  reactor->Finish(ToGrpcStatus(freed.status()));
+  return reactor;
+}
+
+}  // namespace pdworker

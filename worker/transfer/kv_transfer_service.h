@@ -1,0 +1,70 @@
+// KvTransferService: the source side of the KV handoff (pdworker.v1.
+// KvTransfer). PullKv streams a held lease's K/V, layer by layer, in chunks
+// of whole source blocks with one chunk in flight (gRPC flow control paces
+// it to the puller); ReleaseKv frees a lease.
+//
+// Pulls read the lease's blocks on gRPC threads through their own stream:
+// leased blocks belong to no sequence, so no model step touches them.
+// Pulls keep being served while the worker drains, so a rolling restart of
+// prefill workers does not strand prompts already prefilled.
+#ifndef PDWORKER_WORKER_TRANSFER_KV_TRANSFER_SERVICE_H_
+#define PDWORKER_WORKER_TRANSFER_KV_TRANSFER_SERVICE_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstddef>
+#include <string>
+
+#include "metrics/worker_metrics.h"
+#include "proto/worker.grpc.pb.h"
+#include "worker/runtime/device.h"
+#include "worker/transfer/kv_cache_view.h"
+#include "worker/transfer/kv_lease_table.h"
+
+namespace pdworker {
+
+struct KvTransferServiceOptions {
+  // Upper bound on one KvChunk's payload; chunks hold whole source blocks
+  // (at least one), so a chunk may exceed it when one block is larger.
+  size_t max_chunk_bytes = 256 << 10;
+};
+
+class KvTransferService final : public v1::KvTransfer::CallbackService {
+ public:
+  // All references must outlive the service; `metrics` may be null.
+  KvTransferService(KvLeaseTable& leases, Device& device, KvCacheView view,
+                    std::string model_fingerprint,
+                    const KvTransferServiceOptions& options,
+                    WorkerMetrics* metrics);
+
+  grpc::ServerWriteReactor<v1::KvChunk>* PullKv(
+      grpc::CallbackServerContext* context,
+      const v1::PullKvRequest* request) override;
+  grpc::ServerUnaryReactor* ReleaseKv(grpc::CallbackServerContext* context,
+                                      const v1::ReleaseKvRequest* request,
+                                      v1::ReleaseKvResponse* response) override;
+
+ private:
+  KvLeaseTable& leases_;
+  Device& device_;
+  const KvCacheView view_;
+  const std::string fingerprint_;
+  const KvTransferServiceOptions options_;
+  WorkerMetrics* const metrics_;
+};
+
+// v1::KvLayout <-> KvLayoutInfo.
+v1::KvLayout ToProto(const KvLayoutInfo& layout);
+KvLayoutInfo FromProto(const v1::KvLayout& layout);
+
+// FAILED_PRECONDITION naming both sides when a peer's model or KV layout
+// differs from ours; `what` says who the peer is ("the KV handle", ...).
+absl::Status CheckCompatible(absl::string_view what,
+                             const std::string& their_fingerprint,
+                             const KvLayoutInfo& their_layout,
+                             const std::string& our_fingerprint,
+                             const KvLayoutInfo& our_layout);
+
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_TRANSFER_KV_TRANSFER_SERVICE_H_
