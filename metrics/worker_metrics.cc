@@ -90,6 +90,30 @@ absl::string_view KvTransferDirectionName(KvTransferDirection direction) {
   return "unknown";
 }
 
+absl::string_view KvTransferOutcomeName(KvTransferOutcome outcome) {
+  switch (outcome) {
+    case KvTransferOutcome::kOk:
+      return "ok";
+    case KvTransferOutcome::kSourceUnavailable:
+      return "source_unavailable";
+    case KvTransferOutcome::kDeadline:
+      return "deadline";
+    case KvTransferOutcome::kLeaseNotFound:
+      return "lease_not_found";
+    case KvTransferOutcome::kAlreadyPulled:
+      return "already_pulled";
+    case KvTransferOutcome::kModelMismatch:
+      return "model_mismatch";
+    case KvTransferOutcome::kMalformedStream:
+      return "malformed_stream";
+    case KvTransferOutcome::kCancelled:
+      return "cancelled";
+    case KvTransferOutcome::kInternal:
+      return "internal";
+  }
+  return "internal";
+}
+
 absl::string_view StatusCodeLabel(absl::StatusCode code) {
   return kStatusCodeNames[StatusCodeIndex(code)];
 }
@@ -241,7 +265,7 @@ WorkerMetrics::WorkerMetrics(const WorkerInfo& info,
                         .Register(r);
   auto& failures = prometheus::BuildCounter()
                        .Name("pdworker_kv_transfer_failures_total")
-                       .Help("KV transfer attempts that failed.")
+                       .Help("KV transfer attempts that failed, by reason.")
                        .Register(r);
   auto& bytes = prometheus::BuildCounter()
                     .Name("pdworker_kv_transfer_bytes_total")
@@ -258,7 +282,12 @@ WorkerMetrics::WorkerMetrics(const WorkerInfo& info,
           {"direction",
            Str(KvTransferDirectionName(static_cast<KvTransferDirection>(d)))}};
       kv_transfers_[t][d] = &transfers.Add(labels);
-      kv_transfer_failures_[t][d] = &failures.Add(labels);
+      for (int o = 1; o < kNumKvTransferOutcomes; ++o) {
+        prometheus::Labels with_reason = labels;
+        with_reason["reason"] =
+            Str(KvTransferOutcomeName(static_cast<KvTransferOutcome>(o)));
+        kv_transfer_failures_[t][d][o] = &failures.Add(with_reason);
+      }
       kv_transfer_bytes_[t][d] = &bytes.Add(labels);
       kv_transfer_duration_[t][d] =
           &transfer_duration.Add(labels, RequestBuckets());
@@ -337,16 +366,20 @@ void WorkerMetrics::SetCaptureSummary(const CaptureSummary& summary,
 }
 
 void WorkerMetrics::ObserveKvTransfer(KvTransport transport,
-                                      KvTransferDirection direction, bool ok,
-                                      int64_t bytes, double seconds) {
+                                      KvTransferDirection direction,
+                                      KvTransferOutcome outcome, int64_t bytes,
+                                      double seconds) {
   const int t = static_cast<int>(transport);
   const int d = static_cast<int>(direction);
+  const int o = static_cast<int>(outcome);
   if (t < 0 || t >= kNumKvTransports || d < 0 ||
-      d >= kNumKvTransferDirections) {
+      d >= kNumKvTransferDirections || o < 0 || o >= kNumKvTransferOutcomes) {
     return;
   }
   kv_transfers_[t][d]->Increment();
-  if (!ok) kv_transfer_failures_[t][d]->Increment();
+  if (outcome != KvTransferOutcome::kOk) {
+    kv_transfer_failures_[t][d][o]->Increment();
+  }
   if (bytes > 0)
     kv_transfer_bytes_[t][d]->Increment(static_cast<double>(bytes));
   kv_transfer_duration_[t][d]->Observe(seconds);

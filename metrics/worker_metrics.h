@@ -67,6 +67,25 @@ inline constexpr int kNumKvTransferDirections = 2;
 // "receive", "send".
 absl::string_view KvTransferDirectionName(KvTransferDirection direction);
 
+// How a KV transfer attempt ended; every value but kOk is a failure reason
+// (the `reason` label of pdworker_kv_transfer_failures_total).
+enum class KvTransferOutcome : uint8_t {
+  kOk,
+  kSourceUnavailable,  // the source could not be reached, died or stalled
+  kDeadline,           // the caller's (ImportKv) deadline passed
+  kLeaseNotFound,      // unknown or expired lease
+  kAlreadyPulled,      // the lease was pulled (or is being pulled) already
+  kModelMismatch,      // another model's fingerprint or KV layout
+  kMalformedStream,    // chunks out of order, wrong sizes, stream cut short
+  kCancelled,          // send side: the puller went away mid-stream
+  kInternal,           // anything else (a device copy failed, ...)
+};
+inline constexpr int kNumKvTransferOutcomes = 9;
+// "ok", "source_unavailable", "deadline", "lease_not_found",
+// "already_pulled", "model_mismatch", "malformed_stream", "cancelled",
+// "internal".
+absl::string_view KvTransferOutcomeName(KvTransferOutcome outcome);
+
 // gRPC code name ("OK", "INVALID_ARGUMENT", ...); "UNKNOWN" for values
 // outside the 17 canonical codes.
 absl::string_view StatusCodeLabel(absl::StatusCode code);
@@ -114,10 +133,11 @@ class WorkerMetrics {
 
   // --- KV handoff (issue 8) ---
 
-  // One finished KV transfer attempt: `bytes` actually moved (also for
-  // failures), its duration, and whether it succeeded.
+  // One finished KV transfer attempt: how it ended, the `bytes` actually
+  // moved (also for failures) and its duration.
   void ObserveKvTransfer(KvTransport transport, KvTransferDirection direction,
-                         bool ok, int64_t bytes, double seconds);
+                         KvTransferOutcome outcome, int64_t bytes,
+                         double seconds);
   // A prefill-side lease expired before the decode side released it.
   void IncrementKvLeaseExpiries();
   // Leases currently held (prefill side).
@@ -150,8 +170,11 @@ class WorkerMetrics {
   std::array<std::array<prometheus::Counter*, kNumKvTransferDirections>,
              kNumKvTransports>
       kv_transfers_{};
-  std::array<std::array<prometheus::Counter*, kNumKvTransferDirections>,
-             kNumKvTransports>
+  // [transport][direction][outcome]; the kOk entries stay null.
+  std::array<
+      std::array<std::array<prometheus::Counter*, kNumKvTransferOutcomes>,
+                 kNumKvTransferDirections>,
+      kNumKvTransports>
       kv_transfer_failures_{};
   std::array<std::array<prometheus::Counter*, kNumKvTransferDirections>,
              kNumKvTransports>

@@ -56,7 +56,9 @@ TEST(PromtoolCheckTest, ScrapedWorkerMetricsAreLintClean) {
   summary.modes.push_back({RuntimeMode::kFull, 3, 3, 0.2, 2048});
   metrics.SetCaptureSummary(summary, 9);
   metrics.ObserveKvTransfer(KvTransport::kGrpc, KvTransferDirection::kReceive,
-                            true, 65536, 0.003);
+                            KvTransferOutcome::kOk, 65536, 0.003);
+  metrics.ObserveKvTransfer(KvTransport::kGrpc, KvTransferDirection::kSend,
+                            KvTransferOutcome::kCancelled, 100, 0.003);
   metrics.IncrementKvLeaseExpiries();
   metrics.SetKvLeases(1);
 

@@ -397,11 +397,11 @@ TEST(WorkerMetricsTest, CaptureSummaryPerModeAndResetOnRecapture) {
 TEST(WorkerMetricsTest, KvTransfersAndLeases) {
   WorkerMetrics metrics(DecodeInfo(), nullptr, Header());
   metrics.ObserveKvTransfer(KvTransport::kGrpc, KvTransferDirection::kReceive,
-                            /*ok=*/true, 1000, 0.01);
+                            KvTransferOutcome::kOk, 1000, 0.01);
   metrics.ObserveKvTransfer(KvTransport::kGrpc, KvTransferDirection::kReceive,
-                            /*ok=*/false, 200, 0.5);
+                            KvTransferOutcome::kSourceUnavailable, 200, 0.5);
   metrics.ObserveKvTransfer(KvTransport::kNccl, KvTransferDirection::kSend,
-                            /*ok=*/true, 4096, 0.002);
+                            KvTransferOutcome::kOk, 4096, 0.002);
   metrics.IncrementKvLeaseExpiries();
   metrics.IncrementKvLeaseExpiries();
   metrics.SetKvLeases(3);
@@ -416,12 +416,18 @@ TEST(WorkerMetricsTest, KvTransfersAndLeases) {
                                   "\"send\",transport=\"nccl\"} 1"));
   EXPECT_THAT(transfers, Contains("pdworker_kv_transfers_total{direction="
                                   "\"send\",transport=\"cuda_ipc\"} 0"));
-  EXPECT_THAT(Samples(text, "pdworker_kv_transfer_failures_total"),
-              Contains("pdworker_kv_transfer_failures_total{direction="
-                       "\"receive\",transport=\"grpc\"} 1"));
-  EXPECT_THAT(Samples(text, "pdworker_kv_transfer_failures_total"),
-              Contains("pdworker_kv_transfer_failures_total{direction="
-                       "\"send\",transport=\"nccl\"} 0"));
+  const std::vector<std::string> failures =
+      Samples(text, "pdworker_kv_transfer_failures_total");
+  EXPECT_EQ(failures.size(), 48u);  // x 8 reasons
+  EXPECT_THAT(failures, Contains("pdworker_kv_transfer_failures_total{"
+                                 "direction=\"receive\",reason=\"source_"
+                                 "unavailable\",transport=\"grpc\"} 1"));
+  EXPECT_THAT(failures, Contains("pdworker_kv_transfer_failures_total{"
+                                 "direction=\"receive\",reason=\"lease_not_"
+                                 "found\",transport=\"grpc\"} 0"));
+  EXPECT_THAT(failures, Contains("pdworker_kv_transfer_failures_total{"
+                                 "direction=\"send\",reason=\"cancelled\","
+                                 "transport=\"nccl\"} 0"));
   EXPECT_THAT(Samples(text, "pdworker_kv_transfer_bytes_total"),
               Contains("pdworker_kv_transfer_bytes_total{direction="
                        "\"receive\",transport=\"grpc\"} 1200"));

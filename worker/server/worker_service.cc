@@ -335,6 +335,12 @@ grpc::ServerUnaryReactor* WorkerService::ImportKv(
   if (refused.ok()) {
     refused = ValidateKvHandle(request->handle(), fingerprint_, kv_layout_,
                                limits_.max_model_len);
+    if (refused.code() == absl::StatusCode::kFailedPrecondition &&
+        metrics_ != nullptr) {
+      metrics_->ObserveKvTransfer(KvTransport::kGrpc,
+                                  KvTransferDirection::kReceive,
+                                  KvTransferOutcome::kModelMismatch, 0, 0.0);
+    }
   }
   if (!refused.ok()) {
     reactor->Finish(ToGrpcStatus(refused));

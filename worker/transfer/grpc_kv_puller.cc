@@ -2,6 +2,7 @@
 
 #include <memory>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "proto/worker.grpc.pb.h"
 #include "worker/server/status_mapping.h"
@@ -19,7 +20,8 @@ struct Cursor {
 };
 
 absl::Status ApplyChunk(const KvPullParams& p, const v1::KvChunk& chunk,
-                        Cursor& cursor) {
+                        Cursor& cursor, KvTransferOutcome* outcome) {
+  *outcome = KvTransferOutcome::kMalformedStream;
   const int32_t n = p.handle->num_tokens();
   const KvCachePart part = chunk.part() == v1::KvChunk::PART_KEY
                                ? KvCachePart::kKey
@@ -61,6 +63,58 @@ absl::Status ApplyChunk(const KvPullParams& p, const v1::KvChunk& chunk,
   return absl::OkStatus();
 }
 
+// The import's status for how the stream ended, and the metrics outcome.
+absl::Status Classify(const KvPullParams& p, const grpc::Status& finished,
+                      const Cursor& cursor, int64_t bytes,
+                      KvTransferOutcome* outcome) {
+  const std::string& source = p.handle->source_address();
+  if (finished.ok()) {
+    if (cursor.layer != p.view->layout.num_layers) {
+      *outcome = KvTransferOutcome::kMalformedStream;
+      return absl::InternalError(
+          absl::StrCat("KV stream from ", source, " ended early at layer ",
+                       cursor.layer, " token ", cursor.next_token));
+    }
+    *outcome = KvTransferOutcome::kOk;
+    return absl::OkStatus();
+  }
+  const std::string what =
+      absl::StrCat("KV pull from prefill worker ", source, " (lease ",
+                   p.handle->lease_id(), ") after ", bytes, " bytes: ");
+  switch (finished.error_code()) {
+    case grpc::StatusCode::NOT_FOUND:
+      *outcome = KvTransferOutcome::kLeaseNotFound;
+      break;
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      // The source's two refusals (see KvTransferService / CheckCompatible).
+      *outcome =
+          absl::StrContains(finished.error_message(), "fingerprint") ||
+                  absl::StrContains(finished.error_message(), "KV layout")
+              ? KvTransferOutcome::kModelMismatch
+              : KvTransferOutcome::kAlreadyPulled;
+      break;
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      *outcome = KvTransferOutcome::kInternal;
+      break;
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      if (std::chrono::system_clock::now() >= p.call_deadline) {
+        *outcome = KvTransferOutcome::kDeadline;
+        return absl::DeadlineExceededError(
+            absl::StrCat(what, "the ImportKv deadline passed"));
+      }
+      *outcome = KvTransferOutcome::kSourceUnavailable;
+      return absl::UnavailableError(
+          absl::StrCat(what, "no answer within the pull timeout"));
+    default:
+      *outcome = KvTransferOutcome::kSourceUnavailable;
+      return absl::UnavailableError(
+          absl::StrCat(what, "source failed (", finished.error_code(),
+                       "): ", finished.error_message()));
+  }
+  return absl::Status(FromGrpcStatus(finished).code(),
+                      absl::StrCat(what, finished.error_message()));
+}
+
 }  // namespace
 
 absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& p,
@@ -78,55 +132,34 @@ absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& p,
   int64_t bytes = 0;
   Cursor cursor;
   absl::Status applied = absl::OkStatus();
+  KvTransferOutcome outcome = KvTransferOutcome::kOk;
   std::unique_ptr<grpc::ClientReader<v1::KvChunk>> reader =
       stub.PullKv(&context, request);
   v1::KvChunk chunk;
   while (reader->Read(&chunk)) {
     bytes += static_cast<int64_t>(chunk.data().size());
-    applied = ApplyChunk(p, chunk, cursor);
+    applied = ApplyChunk(p, chunk, cursor, &outcome);
     if (!applied.ok()) {
       context.TryCancel();
       break;
     }
   }
   const grpc::Status finished = reader->Finish();
+  absl::Status result = applied;
+  if (result.ok()) result = Classify(p, finished, cursor, bytes, &outcome);
+  if (result.ok()) {
+    // Ordered before the executor's next step reads these blocks.
+    result = p.stream->Synchronize();
+    if (!result.ok()) outcome = KvTransferOutcome::kInternal;
+  }
   if (stats != nullptr) {
     stats->bytes = bytes;
     stats->seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
             .count();
+    stats->outcome = outcome;
   }
-  if (!applied.ok()) return applied;
-  if (finished.ok()) {
-    if (cursor.layer != p.view->layout.num_layers) {
-      return absl::InternalError(
-          absl::StrCat("KV stream from ", source, " ended early at layer ",
-                       cursor.layer, " token ", cursor.next_token));
-    }
-    // Ordered before the executor's next step reads these blocks.
-    return p.stream->Synchronize();
-  }
-  const std::string what =
-      absl::StrCat("KV pull from prefill worker ", source, " (lease ",
-                   p.handle->lease_id(), ") after ", bytes, " bytes: ");
-  switch (finished.error_code()) {
-    case grpc::StatusCode::NOT_FOUND:
-    case grpc::StatusCode::FAILED_PRECONDITION:
-    case grpc::StatusCode::INVALID_ARGUMENT:
-      return absl::Status(FromGrpcStatus(finished).code(),
-                          absl::StrCat(what, finished.error_message()));
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-      if (std::chrono::system_clock::now() >= p.call_deadline) {
-        return absl::DeadlineExceededError(
-            absl::StrCat(what, "the ImportKv deadline passed"));
-      }
-      return absl::UnavailableError(
-          absl::StrCat(what, "no answer within the pull timeout"));
-    default:
-      return absl::UnavailableError(
-          absl::StrCat(what, "source failed (", finished.error_code(),
-                       "): ", finished.error_message()));
-  }
+  return result;
 }
 
 }  // namespace pdworker

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "metrics/worker_metrics.h"
 #include "proto/worker.pb.h"
 #include "worker/kv_cache/kv_cache_manager.h"
 #include "worker/runtime/stream.h"
@@ -21,6 +22,7 @@ namespace pdworker {
 struct KvPullStats {
   int64_t bytes = 0;
   double seconds = 0.0;
+  KvTransferOutcome outcome = KvTransferOutcome::kOk;
 };
 
 struct KvPullParams {
@@ -39,7 +41,7 @@ struct KvPullParams {
 // pulled, other model) with its message; UNAVAILABLE when the source cannot
 // be reached, dies or stalls past pull_deadline; DEADLINE_EXCEEDED when
 // call_deadline passed; INTERNAL for a malformed stream. `stats` (may be
-// null) gets the bytes received either way.
+// null) gets the bytes received and the outcome (for metrics) either way.
 absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& params,
                             KvPullStats* stats);
 

@@ -154,9 +154,12 @@ absl::StatusOr<KvImportResult> KvImporter::RunJob(
     pulled = PullKvOverGrpc(peers_, params, &pull);
   }
   if (metrics_ != nullptr) {
-    metrics_->ObserveKvTransfer(KvTransport::kGrpc,
-                                KvTransferDirection::kReceive, pulled.ok(),
-                                pull.bytes, pull.seconds);
+    metrics_->ObserveKvTransfer(
+        KvTransport::kGrpc, KvTransferDirection::kReceive,
+        pulled.ok()                              ? KvTransferOutcome::kOk
+        : pull.outcome == KvTransferOutcome::kOk ? KvTransferOutcome::kInternal
+                                                 : pull.outcome,
+        pull.bytes, pull.seconds);
   }
 
   // 3. Install (or give back), between steps.

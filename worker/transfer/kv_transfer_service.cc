@@ -35,11 +35,15 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
   // Starts the pull, or finishes at once with the reason it is refused.
   void Start(const absl::Status& compatible, const std::string& lease_id) {
     if (!compatible.ok()) {
+      outcome_ = KvTransferOutcome::kModelMismatch;
       Finish(ToGrpcStatus(compatible));
       return;
     }
     absl::StatusOr<KvPullGrant> grant = leases_.BeginPull(lease_id);
     if (!grant.ok()) {
+      outcome_ = grant.status().code() == absl::StatusCode::kNotFound
+                     ? KvTransferOutcome::kLeaseNotFound
+                     : KvTransferOutcome::kAlreadyPulled;
       Finish(ToGrpcStatus(grant.status()));
       return;
     }
@@ -47,6 +51,7 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
     grant_ = std::move(*grant);
     absl::StatusOr<std::unique_ptr<Stream>> stream = device_.CreateStream();
     if (!stream.ok()) {
+      outcome_ = KvTransferOutcome::kInternal;
       FinishPull(stream.status());
       return;
     }
@@ -56,6 +61,7 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
 
   void OnWriteDone(bool ok) override {
     if (!ok) {  // the puller went away (cancelled, deadline, connection)
+      outcome_ = KvTransferOutcome::kCancelled;
       FinishPull(absl::CancelledError("the puller went away mid-stream"));
       return;
     }
@@ -64,15 +70,13 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
   }
 
   void OnDone() override {
-    if (!lease_id_.empty()) {
-      leases_.EndPull(lease_id_, sent_all_);
-      if (metrics_ != nullptr) {
-        metrics_->ObserveKvTransfer(
-            KvTransport::kGrpc, KvTransferDirection::kSend, sent_all_, bytes_,
-            std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                          start_)
-                .count());
-      }
+    if (!lease_id_.empty()) leases_.EndPull(lease_id_, sent_all_);
+    if (metrics_ != nullptr) {
+      metrics_->ObserveKvTransfer(KvTransport::kGrpc,
+                                  KvTransferDirection::kSend, outcome_, bytes_,
+                                  std::chrono::duration<double>(
+                                      std::chrono::steady_clock::now() - start_)
+                                      .count());
     }
     delete this;
   }
@@ -98,6 +102,7 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
     const absl::Status read =
         ReadKvTokens(*stream_, view_, grant_.kv, run, data->data());
     if (!read.ok()) {
+      outcome_ = KvTransferOutcome::kInternal;
       FinishPull(
           absl::InternalError(absl::StrCat("reading KV: ", read.message())));
       return;
@@ -140,6 +145,7 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
   int32_t next_token_ = 0;
   int64_t bytes_ = 0;
   bool sent_all_ = false;
+  KvTransferOutcome outcome_ = KvTransferOutcome::kOk;
 };
 
 }  // namespace
