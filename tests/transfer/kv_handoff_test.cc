@@ -138,6 +138,9 @@ TEST_F(KvHandoffTest, HandleDescribesTheLease) {
   EXPECT_EQ(handle.model_fingerprint(), prefill_->Status().model_fingerprint());
   EXPECT_EQ(handle.layout().num_layers(), 2);
   EXPECT_EQ(handle.layout().dtype(), "float32");
+  // A CPU worker offers only the gRPC stream (CUDA IPC needs GPU memory).
+  EXPECT_THAT(handle.transports(), ::testing::ElementsAre("grpc"));
+  EXPECT_FALSE(handle.source_host_id().empty());
   const auto now_us = std::chrono::duration_cast<std::chrono::microseconds>(
                           std::chrono::system_clock::now().time_since_epoch())
                           .count();
@@ -270,6 +273,16 @@ TEST_F(KvHandoffTest, ImportOfALeasePulledElsewhereIsRefused) {
       << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr("already pulled"));
   ExpectNothingHeld(*decode_, "decode after a refused import");
+  // Asking a CPU worker for a CUDA IPC export: it offers none.
+  {
+    v1::PullKvRequest ipc = request;
+    ipc.set_transport("cuda_ipc");
+    grpc::ClientContext context;
+    auto reader = transfer.PullKv(&context, ipc);
+    v1::KvChunk chunk;
+    EXPECT_FALSE(reader->Read(&chunk));
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  }
   // A PullKv with another model's fingerprint is refused by the source.
   {
     v1::PullKvRequest foreign = request;

@@ -99,6 +99,8 @@ class LlamaForward {
   }
   size_t activation_bytes() const { return activation_arena_->used_bytes(); }
   size_t kv_cache_bytes() const { return kv_arena_->used_bytes(); }
+  // The one allocation holding every layer's K and V cache.
+  DeviceBuffer kv_cache_allocation() const { return kv_arena_->allocation(); }
   // Per-layer K and V caches, [num_blocks, block_size, kv_heads, head_dim]
   // of dtype().
   const std::vector<DeviceBuffer>& key_caches() const { return key_cache_; }

@@ -347,6 +347,7 @@ KvCacheView ModelRunner::kv_cache_view() const {
       static_cast<size_t>(config_.kv_size()) * DTypeSize(forward_->dtype());
   view.keys = forward_->key_caches();
   view.values = forward_->value_caches();
+  view.allocation = forward_->kv_cache_allocation();
   return view;
 }
 

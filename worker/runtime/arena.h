@@ -47,6 +47,8 @@ class Arena {
   // Bytes handed out so far, alignment padding included.
   size_t used_bytes() const { return used_bytes_; }
   size_t capacity_bytes() const { return memory_.size_bytes(); }
+  // The whole underlying allocation (e.g. to export it over CUDA IPC).
+  DeviceBuffer allocation() const { return memory_.buffer(); }
   size_t free_bytes() const { return capacity_bytes() - used_bytes_; }
   const std::string& name() const { return options_.name; }
 

@@ -9,6 +9,7 @@
 #include "glog/logging.h"
 #include "worker/server/forward_call.h"
 #include "worker/server/status_mapping.h"
+#include "worker/transfer/cuda_ipc.h"
 #include "worker/transfer/kv_transfer_service.h"
 
 namespace pdworker {
@@ -145,12 +146,17 @@ class ReleaseReactor final : public grpc::ServerUnaryReactor {
 };
 
 v1::KvHandle HandleTemplate(const ModelRunner& runner,
-                            const std::string& advertise_address) {
+                            const HandoffParts& handoff) {
   v1::KvHandle h;
-  h.set_source_address(advertise_address);
+  h.set_source_address(handoff.advertise_address);
   h.set_model_fingerprint(runner.model_config().Fingerprint());
   *h.mutable_layout() = ToProto(runner.kv_cache_view().layout);
+  // Best first: pullers take the first one they can use.
+  if (handoff.offers_cuda_ipc) {
+    h.add_transports(std::string{KvTransportName(KvTransport::kCudaIpc)});
+  }
   h.add_transports(std::string{KvTransportName(KvTransport::kGrpc)});
+  h.set_source_host_id(HostId());
   return h;
 }
 
@@ -169,7 +175,7 @@ WorkerService::WorkerService(const ModelRunner& runner, Executor& executor,
               static_cast<int>(runner.model_config().vocab_size),
               runner.max_model_len()},
       handoff_(handoff),
-      handle_template_(HandleTemplate(runner, handoff.advertise_address)),
+      handle_template_(HandleTemplate(runner, handoff)),
       fingerprint_(runner.model_config().Fingerprint()),
       kv_layout_(runner.kv_cache_view().layout) {
   const ModelRunnerOptions& o = runner.options();

@@ -37,6 +37,7 @@ struct HandoffParts {
   KvLeaseTable* leases = nullptr;  // prefill side
   KvImporter* importer = nullptr;  // decode side
   std::string advertise_address;   // KvHandle.source_address
+  bool offers_cuda_ipc = false;    // KvHandle.transports lists cuda_ipc
 };
 
 class WorkerService final : public v1::Worker::CallbackService {

@@ -63,17 +63,17 @@ absl::Status ApplyChunk(const KvPullParams& p, const v1::KvChunk& chunk,
   return absl::OkStatus();
 }
 
-// The import's status for how the stream ended, and the metrics outcome.
-absl::Status Classify(const KvPullParams& p, const grpc::Status& finished,
-                      const Cursor& cursor, int64_t bytes,
-                      KvTransferOutcome* outcome) {
+}  // namespace
+
+absl::Status ClassifyPullEnd(const KvPullParams& p,
+                             const grpc::Status& finished, bool complete,
+                             int64_t bytes, KvTransferOutcome* outcome) {
   const std::string& source = p.handle->source_address();
   if (finished.ok()) {
-    if (cursor.layer != p.view->layout.num_layers) {
+    if (!complete) {
       *outcome = KvTransferOutcome::kMalformedStream;
-      return absl::InternalError(
-          absl::StrCat("KV stream from ", source, " ended early at layer ",
-                       cursor.layer, " token ", cursor.next_token));
+      return absl::InternalError(absl::StrCat(
+          "KV stream from ", source, " ended before all of the lease's KV"));
     }
     *outcome = KvTransferOutcome::kOk;
     return absl::OkStatus();
@@ -115,8 +115,6 @@ absl::Status Classify(const KvPullParams& p, const grpc::Status& finished,
                       absl::StrCat(what, finished.error_message()));
 }
 
-}  // namespace
-
 absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& p,
                             KvPullStats* stats) {
   const auto start = std::chrono::steady_clock::now();
@@ -146,7 +144,11 @@ absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& p,
   }
   const grpc::Status finished = reader->Finish();
   absl::Status result = applied;
-  if (result.ok()) result = Classify(p, finished, cursor, bytes, &outcome);
+  if (result.ok()) {
+    result =
+        ClassifyPullEnd(p, finished, cursor.layer == p.view->layout.num_layers,
+                        bytes, &outcome);
+  }
   if (result.ok()) {
     // Ordered before the executor's next step reads these blocks.
     result = p.stream->Synchronize();

@@ -5,6 +5,8 @@
 #ifndef PDWORKER_WORKER_TRANSFER_GRPC_KV_PULLER_H_
 #define PDWORKER_WORKER_TRANSFER_GRPC_KV_PULLER_H_
 
+#include <grpcpp/grpcpp.h>
+
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -44,6 +46,12 @@ struct KvPullParams {
 // null) gets the bytes received and the outcome (for metrics) either way.
 absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& params,
                             KvPullStats* stats);
+
+// How a PullKv stream ended, for any transport: the import's status and the
+// metrics outcome. `complete`: the puller got everything it expected.
+absl::Status ClassifyPullEnd(const KvPullParams& params,
+                             const grpc::Status& finished, bool complete,
+                             int64_t bytes, KvTransferOutcome* outcome);
 
 }  // namespace pdworker
 

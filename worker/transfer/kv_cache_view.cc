@@ -80,4 +80,50 @@ absl::Status WriteKvTokens(Stream& stream, const KvCacheView& view,
       });
 }
 
+absl::Status CopyKvTokens(Stream& stream, const KvCacheView& src,
+                          const SequenceKv& src_seq, const KvCacheView& dst,
+                          const SequenceKv& dst_seq, int32_t num_tokens) {
+  if (!(src.layout == dst.layout) || src.token_bytes != dst.token_bytes) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("KV layouts differ: ", src.layout.ToString(), " vs ",
+                     dst.layout.ToString()));
+  }
+  if (num_tokens <= 0 || num_tokens > src_seq.num_tokens ||
+      num_tokens > dst_seq.num_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot copy ", num_tokens, " tokens from ",
+                     src_seq.num_tokens, " into ", dst_seq.num_tokens));
+  }
+  for (int layer = 0; layer < src.layout.num_layers; ++layer) {
+    for (const KvCachePart part : {KvCachePart::kKey, KvCachePart::kValue}) {
+      const DeviceBuffer& from = src.Buffer(layer, part);
+      const DeviceBuffer& to = dst.Buffer(layer, part);
+      int32_t token = 0;
+      // Runs contiguous on both sides: bounded by either side's block end.
+      while (token < num_tokens) {
+        const int32_t src_within = token % src.block_size;
+        const int32_t dst_within = token % dst.block_size;
+        const int32_t count =
+            std::min({src.block_size - src_within, dst.block_size - dst_within,
+                      num_tokens - token});
+        const size_t src_slot =
+            static_cast<size_t>(src_seq.blocks[token / src.block_size]) *
+                src.block_size +
+            src_within;
+        const size_t dst_slot =
+            static_cast<size_t>(dst_seq.blocks[token / dst.block_size]) *
+                dst.block_size +
+            dst_within;
+        const size_t bytes = static_cast<size_t>(count) * src.token_bytes;
+        const absl::Status copied = stream.CopyOnDevice(
+            to.Slice(dst_slot * dst.token_bytes, bytes),
+            from.Slice(src_slot * src.token_bytes, bytes), bytes);
+        if (!copied.ok()) return copied;
+        token += count;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace pdworker

@@ -44,6 +44,8 @@ struct KvCacheView {
   size_t token_bytes = 0;            // one token's K (or V) row of one layer
   std::vector<DeviceBuffer> keys;    // [num_layers]
   std::vector<DeviceBuffer> values;  // [num_layers]
+  // The allocation all of the above live in (CUDA IPC exports it whole).
+  DeviceBuffer allocation;
 
   const DeviceBuffer& Buffer(int layer, KvCachePart part) const {
     return part == KvCachePart::kKey ? keys[layer] : values[layer];
@@ -65,6 +67,13 @@ struct KvTokenRun {
 absl::Status ReadKvTokens(Stream& stream, const KvCacheView& view,
                           const SequenceKv& seq, const KvTokenRun& run,
                           void* dst);
+// Copies the first `num_tokens` tokens of every layer's K and V from one
+// cache to another on `stream` (device to device; the caches may differ in
+// block size). Both views must have the same layout and token_bytes.
+absl::Status CopyKvTokens(Stream& stream, const KvCacheView& src,
+                          const SequenceKv& src_seq, const KvCacheView& dst,
+                          const SequenceKv& dst_seq, int32_t num_tokens);
+
 // Copies host bytes `src` into a run of `seq`'s blocks on `stream` (the copy
 // is complete, or at least ordered before later work on `stream`, when this
 // returns; call stream.Synchronize() before other streams read it).

@@ -1,10 +1,12 @@
 #include "worker/transfer/kv_importer.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "proto/worker.grpc.pb.h"
+#include "worker/transfer/cuda_ipc_puller.h"
 #include "worker/transfer/grpc_kv_puller.h"
 #include "worker/transfer/kv_transfer_service.h"
 
@@ -37,7 +39,8 @@ KvImporter::KvImporter(Executor& executor, Device& device, KvCacheView view,
       fingerprint_(std::move(model_fingerprint)),
       peers_(peers),
       options_(options),
-      metrics_(metrics) {
+      metrics_(metrics),
+      host_id_(HostId()) {
   CHECK_GT(options.num_threads, 0);
   for (int i = 0; i < options.num_threads; ++i) {
     threads_.emplace_back([this] { Work(); });
@@ -137,6 +140,7 @@ absl::StatusOr<KvImportResult> KvImporter::RunJob(
 
   // 2. Pull, on this thread.
   KvPullStats pull;
+  KvTransport transport = KvTransport::kGrpc;
   absl::Status pulled = absl::OkStatus();
   absl::StatusOr<std::unique_ptr<Stream>> stream = device_.CreateStream();
   if (!stream.ok()) {
@@ -151,15 +155,7 @@ absl::StatusOr<KvImportResult> KvImporter::RunJob(
     params.call_deadline = request.deadline;
     params.pull_deadline =
         std::chrono::system_clock::now() + options_.pull_timeout;
-    pulled = PullKvOverGrpc(peers_, params, &pull);
-  }
-  if (metrics_ != nullptr) {
-    metrics_->ObserveKvTransfer(
-        KvTransport::kGrpc, KvTransferDirection::kReceive,
-        pulled.ok()                              ? KvTransferOutcome::kOk
-        : pull.outcome == KvTransferOutcome::kOk ? KvTransferOutcome::kInternal
-                                                 : pull.outcome,
-        pull.bytes, pull.seconds);
+    pulled = Pull(params, &transport, &pull);
   }
 
   // 3. Install (or give back), between steps.
@@ -179,13 +175,48 @@ absl::StatusOr<KvImportResult> KvImporter::RunJob(
   }
   KvImportResult result;
   result.num_tokens = num_tokens;
-  result.transport = KvTransport::kGrpc;
+  result.transport = transport;
   result.transfer_bytes = pull.bytes;
   result.transfer_seconds = pull.seconds;
   result.import_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
           .count();
   return result;
+}
+
+absl::Status KvImporter::Pull(const KvPullParams& params, KvTransport* used,
+                              KvPullStats* stats) {
+  auto record = [&](KvTransport transport, const absl::Status& status) {
+    if (metrics_ == nullptr) return;
+    metrics_->ObserveKvTransfer(transport, KvTransferDirection::kReceive,
+                                status.ok() ? KvTransferOutcome::kOk
+                                : stats->outcome == KvTransferOutcome::kOk
+                                    ? KvTransferOutcome::kInternal
+                                    : stats->outcome,
+                                stats->bytes, stats->seconds);
+  };
+  const v1::KvHandle& handle = *params.handle;
+  const bool offered =
+      std::find(handle.transports().begin(), handle.transports().end(),
+                "cuda_ipc") != handle.transports().end();
+  if (offered && device_.kind() == DeviceKind::kCuda && !host_id_.empty() &&
+      handle.source_host_id() == host_id_) {
+    *used = KvTransport::kCudaIpc;
+    absl::Status status =
+        PullKvOverCudaIpc(peers_, ipc_mappings_, params, stats);
+    record(KvTransport::kCudaIpc, status);
+    if (status.ok() || stats->outcome != KvTransferOutcome::kInternal) {
+      return status;
+    }
+    LOG(WARNING) << "CUDA IPC pull from " << handle.source_address()
+                 << " failed locally, falling back to the gRPC stream: "
+                 << status;
+    *stats = KvPullStats();
+  }
+  *used = KvTransport::kGrpc;
+  absl::Status status = PullKvOverGrpc(peers_, params, stats);
+  record(KvTransport::kGrpc, status);
+  return status;
 }
 
 void KvImporter::ReleaseLease(const v1::KvHandle& handle) {

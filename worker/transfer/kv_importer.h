@@ -32,6 +32,8 @@
 #include "proto/worker.pb.h"
 #include "worker/runtime/device.h"
 #include "worker/server/executor.h"
+#include "worker/transfer/cuda_ipc.h"
+#include "worker/transfer/grpc_kv_puller.h"
 #include "worker/transfer/kv_cache_view.h"
 #include "worker/transfer/peer_channels.h"
 
@@ -89,6 +91,11 @@ class KvImporter {
 
   void Work();
   absl::StatusOr<KvImportResult> RunJob(const KvImportRequest& request);
+  // Step 2 of RunJob: the best transport the handle allows (CUDA IPC on the
+  // same host between CUDA workers, falling back to the gRPC stream when the
+  // mapping fails locally), recording metrics.
+  absl::Status Pull(const KvPullParams& params, KvTransport* used,
+                    KvPullStats* stats);
   void ReleaseLease(const v1::KvHandle& handle);
 
   Executor& executor_;
@@ -98,6 +105,8 @@ class KvImporter {
   PeerChannels& peers_;
   const KvImporterOptions options_;
   WorkerMetrics* const metrics_;
+  const std::string host_id_;
+  CudaIpcMappings ipc_mappings_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -9,6 +9,7 @@
 #include "glog/logging.h"
 #include "worker/runtime/stream.h"
 #include "worker/server/status_mapping.h"
+#include "worker/transfer/cuda_ipc.h"
 
 namespace pdworker {
 namespace {
@@ -31,6 +32,14 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
         static_cast<int32_t>(std::max<size_t>(
             1, max_chunk_bytes / std::max<size_t>(1, block_bytes)));
   }
+
+  void Refuse(const absl::Status& status) {
+    outcome_ = KvTransferOutcome::kInternal;
+    Finish(ToGrpcStatus(status));
+  }
+
+  // Serve the lease as one CUDA IPC export instead of its bytes.
+  void UseCudaIpc(const std::string& handle) { ipc_handle_ = handle; }
 
   // Starts the pull, or finishes at once with the reason it is refused.
   void Start(const absl::Status& compatible, const std::string& lease_id) {
@@ -56,10 +65,18 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
       return;
     }
     stream_ = std::move(*stream);
+    if (!ipc_handle_.empty()) {
+      WriteIpcExport();
+      return;
+    }
     NextWrite();
   }
 
   void OnWriteDone(bool ok) override {
+    if (ok && ipc_export_sent_) {
+      FinishPull(absl::OkStatus());  // sent_all_ stays false: still pullable
+      return;
+    }
     if (!ok) {  // the puller went away (cancelled, deadline, connection)
       outcome_ = KvTransferOutcome::kCancelled;
       FinishPull(absl::CancelledError("the puller went away mid-stream"));
@@ -121,6 +138,28 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
     StartWrite(&chunk_);
   }
 
+  // One chunk saying where the lease lives. The lease stays pullable (see
+  // PullKvRequest.transport): the puller releases it after copying.
+  void WriteIpcExport() {
+    ipc_export_sent_ = true;
+    v1::CudaIpcExport* e = chunk_.mutable_cuda_ipc();
+    e->set_mem_handle(ipc_handle_);
+    e->set_allocation_bytes(
+        static_cast<int64_t>(view_.allocation.size_bytes()));
+    const char* base = static_cast<const char*>(view_.allocation.data());
+    for (int l = 0; l < view_.layout.num_layers; ++l) {
+      e->add_key_offsets(static_cast<const char*>(view_.keys[l].data()) - base);
+      e->add_value_offsets(static_cast<const char*>(view_.values[l].data()) -
+                           base);
+    }
+    e->set_cache_bytes_per_layer(static_cast<int64_t>(
+        view_.keys.empty() ? 0 : view_.keys[0].size_bytes()));
+    e->set_block_size(view_.block_size);
+    for (const int32_t b : grant_.kv.blocks) e->add_blocks(b);
+    e->set_num_tokens(grant_.kv.num_tokens);
+    StartWrite(&chunk_);
+  }
+
   void FinishPull(const absl::Status& status) {
     if (!status.ok()) {
       LOG(WARNING) << "KV pull of lease " << lease_id_ << " failed after "
@@ -146,6 +185,8 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
   int64_t bytes_ = 0;
   bool sent_all_ = false;
   KvTransferOutcome outcome_ = KvTransferOutcome::kOk;
+  std::string ipc_handle_;  // non-empty: serve a CUDA IPC export
+  bool ipc_export_sent_ = false;
 };
 
 }  // namespace
@@ -193,17 +234,34 @@ KvTransferService::KvTransferService(KvLeaseTable& leases, Device& device,
       view_(std::move(view)),
       fingerprint_(std::move(model_fingerprint)),
       options_(options),
-      metrics_(metrics) {}
+      metrics_(metrics) {
+  if (device.kind() == DeviceKind::kCuda && !view_.allocation.empty()) {
+    absl::StatusOr<std::string> handle = ExportCudaIpcHandle(view_.allocation);
+    if (handle.ok()) {
+      ipc_handle_ = *std::move(handle);
+    } else {
+      LOG(WARNING) << "KV handoff without CUDA IPC: " << handle.status();
+    }
+  }
+}
 
 grpc::ServerWriteReactor<v1::KvChunk>* KvTransferService::PullKv(
     grpc::CallbackServerContext* /*context*/,
     const v1::PullKvRequest* request) {
   auto* reactor = new PullReactor(leases_, device_, view_,
                                   options_.max_chunk_bytes, metrics_);
-  reactor->Start(
+  absl::Status allowed =
       CheckCompatible("the pull", request->model_fingerprint(),
-                      FromProto(request->layout()), fingerprint_, view_.layout),
-      request->lease_id());
+                      FromProto(request->layout()), fingerprint_, view_.layout);
+  const std::string& transport = request->transport();
+  if (allowed.ok() && transport != "" && transport != "grpc" &&
+      !(transport == "cuda_ipc" && offers_cuda_ipc())) {
+    reactor->Refuse(absl::UnimplementedError(
+        absl::StrCat("this worker offers no KV transport '", transport, "'")));
+    return reactor;
+  }
+  if (transport == "cuda_ipc") reactor->UseCudaIpc(ipc_handle_);
+  reactor->Start(allowed, request->lease_id());
   return reactor;
 }
 

@@ -44,6 +44,10 @@ class KvTransferService final : public v1::KvTransfer::CallbackService {
                                       const v1::ReleaseKvRequest* request,
                                       v1::ReleaseKvResponse* response) override;
 
+  // Whether pullers on this host may map our KV (CUDA device and the
+  // allocation exported); KvHandle.transports lists "cuda_ipc" then.
+  bool offers_cuda_ipc() const { return !ipc_handle_.empty(); }
+
  private:
   KvLeaseTable& leases_;
   Device& device_;
@@ -51,6 +55,8 @@ class KvTransferService final : public v1::KvTransfer::CallbackService {
   const std::string fingerprint_;
   const KvTransferServiceOptions options_;
   WorkerMetrics* const metrics_;
+  // The KV allocation's cudaIpcMemHandle_t bytes; empty: no CUDA IPC.
+  std::string ipc_handle_;
 };
 
 // v1::KvLayout <-> KvLayoutInfo.
