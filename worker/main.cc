@@ -89,6 +89,13 @@ ABSL_FLAG(std::string, kv_pull_timeout, "10s",
           "Decode side: bound on one KV pull; a prefill worker that dies or "
           "hangs mid-pull fails the import with UNAVAILABLE within it.");
 ABSL_FLAG(int, kv_import_threads, 4, "Decode side: concurrent KV pulls.");
+ABSL_FLAG(std::string, kv_peer_ca, "",
+          "With TLS: PEM CA that signed the prefill workers' certificates, "
+          "for KV pulls. Default: --tls_client_ca, else the system's roots.");
+ABSL_FLAG(std::string, kv_peer_tls_server_name, "",
+          "With TLS: the name prefill workers' certificates are checked "
+          "against on KV pulls (they are dialled by --advertise_address, "
+          "usually a pod IP). Default: the address's host.");
 // A string, not an absl::Duration flag: reading Duration flags compiles to an
 // atomic_thread_fence that GCC refuses under -fsanitize=thread.
 ABSL_FLAG(std::string, stats_log_interval, "60s",
@@ -249,6 +256,23 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
     if (out->count() == 0) *out = std::chrono::milliseconds(1);
   }
   c.server.importer.num_threads = absl::GetFlag(FLAGS_kv_import_threads);
+  pem = ReadPemFile("kv_peer_ca", absl::GetFlag(FLAGS_kv_peer_ca));
+  if (!pem.ok()) return pem.status();
+  if (!pem->empty() && tls.cert_chain_pem.empty()) {
+    return FlagError("kv_peer_ca", "needs --tls_cert and --tls_key");
+  }
+  if (!pem->empty()) {
+    c.server.peer_tls.enabled = true;
+    c.server.peer_tls.root_certs_pem = *pem;
+    c.server.peer_tls.cert_chain_pem = tls.cert_chain_pem;
+    c.server.peer_tls.private_key_pem = tls.private_key_pem;
+  }
+  const std::string peer_name = absl::GetFlag(FLAGS_kv_peer_tls_server_name);
+  if (!peer_name.empty() && tls.cert_chain_pem.empty()) {
+    return FlagError("kv_peer_tls_server_name",
+                     "needs --tls_cert and --tls_key");
+  }
+  c.server.peer_tls.server_name_override = peer_name;
   if (absl::Status s =
           CheckPositive("kv_import_threads", c.server.importer.num_threads);
       !s.ok()) {

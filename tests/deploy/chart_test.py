@@ -169,6 +169,27 @@ class ManifestChecks:
             unknown = set(flag_values(container(dep)["args"])) - known
             self.assertEqual(set(), unknown, f"{role}: flags pdworker does not define")
 
+    def test_arg_variables_are_defined_in_the_env(self):
+        # Kubelet expands $(VAR) in args only for variables of the
+        # container's env; an undefined one stays literally "$(VAR)".
+        for role, dep in self.deployments.items():
+            c = container(dep)
+            env = {e["name"] for e in c["env"]}
+            used = {v for a in c["args"] for v in re.findall(r"\$\((\w+)\)", a)}
+            self.assertTrue(used, f"{role}: args use $(POD_IP) and the compilation config")
+            self.assertEqual(used - env, set(), f"{role}: $(VAR) without an env entry")
+
+    def test_kv_handoff_flags_come_from_the_values(self):
+        for role, dep in self.deployments.items():
+            flags = flag_values(container(dep)["args"])
+            self.assertEqual(flags["kv_lease_ttl"], self.values["worker"]["kvLeaseTtl"], role)
+            self.assertEqual(flags["kv_pull_timeout"], self.values["worker"]["kvPullTimeout"],
+                             role)
+            for name in ("kv_lease_ttl", "kv_pull_timeout"):
+                # A positive duration the worker's absl::ParseDuration takes.
+                self.assertRegex(flags[name], r"^([0-9]+(ms|s|m|h))+$", f"{role} --{name}")
+                self.assertRegex(flags[name], r"[1-9]", f"{role} --{name} must be > 0")
+
     def test_numbers_are_plain_integers(self):
         # Helm decodes values as float64; a template that forgets `int64`
         # renders 268435456 as 2.68435456e+08, which the worker rejects.
@@ -189,6 +210,14 @@ class ManifestChecks:
                                      "metrics": int(flags["metrics_port"])},
                              f"{role}: container ports vs --port/--metrics_port")
             self.assertEqual(flags["host"], "0.0.0.0", "must listen on the pod IP")
+            # KV handles carry --advertise_address: decode pods pull from the
+            # prefill pod's IP (the worker adds its --port, brackets IPv6).
+            self.assertEqual(flags["advertise_address"], "$(POD_IP)",
+                             f"{role}: --advertise_address is the pod IP")
+            env = {e["name"]: e for e in c["env"]}
+            self.assertEqual(env["POD_IP"].get("valueFrom"),
+                             {"fieldRef": {"fieldPath": "status.podIP"}},
+                             f"{role}: POD_IP from the downward API")
             pod_labels = dep["spec"]["template"]["metadata"]["labels"]
             svc = [s for s in services if selects(s["spec"]["selector"], pod_labels)]
             self.assertEqual(len(svc), 1, f"{role}: one Service selects its pods")
@@ -365,6 +394,10 @@ class ProductionValuesTest(ManifestChecks, unittest.TestCase):
         flags = flag_values(container(self.deployments["decode"])["args"])
         self.assertEqual(flags["max_num_seqs"], "256")
         self.assertEqual(flags["kv_cache_bytes"], "53687091200")
+        for role in EXPECTED_MODE:
+            flags = flag_values(container(self.deployments[role])["args"])
+            self.assertEqual(flags["kv_lease_ttl"], "1m", role)
+            self.assertEqual(flags["kv_pull_timeout"], "20s", role)
         configmap = named(self.docs, "ConfigMap", "llm-pdworker-compilation-config")
         decode = json.loads(configmap["data"]["decode.json"])
         self.assertEqual(decode["cudagraph_capture_sizes"][-1], 256)
@@ -398,6 +431,32 @@ class ValuesHandlingTest(unittest.TestCase):
                          normalized_rules(plain["groups"]),
                          "deploy/prometheus/alerts.yaml and the chart's PrometheusRule "
                          "(default thresholds) must stay the same rules")
+
+    def test_kv_alert_thresholds_come_from_the_values(self):
+        docs, _, _ = render([write_values("kv-rules.yaml", {"prometheusRule": {
+            "enabled": True, "rules": {
+                "kvLeaseExpiries": {"maxExpiries": 3, "for": "10m", "severity": "critical"},
+                "kvTransferFailuresHigh": {"maxRatio": 0.2}}}})])
+        (rule,) = by_kind(docs, "PrometheusRule")
+        rules = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+        expiries = rules["PdworkerKvLeaseExpiries"]
+        self.assertRegex(expiries["expr"], r"> 3\s*$")
+        self.assertEqual((expiries["for"], expiries["labels"]["severity"]), ("10m", "critical"))
+        self.assertIn("(threshold: 3)", expiries["annotations"]["description"])
+        failures = rules["PdworkerKvTransferFailuresHigh"]
+        self.assertRegex(failures["expr"], r"> 0\.2\s*$")
+        self.assertIn('direction="receive"', failures["expr"])
+        self.assertIn("(threshold: 0.2)", failures["annotations"]["description"])
+        # Alert templates reach Prometheus unrendered.
+        self.assertIn("{{ $labels.instance }}", failures["annotations"]["summary"])
+
+        docs, _, _ = render([write_values("kv-rules-off.yaml", {"prometheusRule": {
+            "enabled": True, "rules": {"kvLeaseExpiries": {"enabled": False},
+                                       "kvTransferFailuresHigh": {"enabled": False}}}})])
+        (rule,) = by_kind(docs, "PrometheusRule")
+        names = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
+        self.assertFalse(names & {"PdworkerKvLeaseExpiries", "PdworkerKvTransferFailuresHigh"})
+        self.assertIn("PdworkerForwardErrorRateHigh", names)
 
     def test_missing_value_fails_the_render(self):
         chart = os.path.join(tempfile.mkdtemp(dir=tmpdir()), "pdworker")
@@ -473,6 +532,11 @@ class ValuesHandlingTest(unittest.TestCase):
             "port out of range": ("ports", "grpc", 70000),
             "unknown model source": ("model", "source", "s3"),
             "ratio above 1": ("prometheusRule", "rules", "kvCacheNearlyFull", "maxUsage", 95),
+            "zero lease TTL": ("worker", "kvLeaseTtl", "0s"),
+            "lease TTL without a unit": ("worker", "kvLeaseTtl", "30"),
+            "fractional pull timeout": ("worker", "kvPullTimeout", "1.5s"),
+            "fractional expiry count": ("prometheusRule", "rules", "kvLeaseExpiries", "maxExpiries", 0.5),
+            "transfer failure ratio above 1": ("prometheusRule", "rules", "kvTransferFailuresHigh", "maxRatio", 5),
         }
         for what, path in cases.items():
             bad = copy.deepcopy(values)

@@ -8,12 +8,17 @@ evaluated by a real Prometheus server against two real pdworker workers.
 1. Renders the chart (default values + --test_values, which only shrinks the
    workers for a CPU run) and starts a prefill and a decode worker with the
    exact args of the rendered Deployments, except what only a cluster has:
-   --model (a tiny checkpoint), --host=127.0.0.1, free --port/--metrics_port
+   --model (a tiny checkpoint), --host=127.0.0.1, free --port/--metrics_port,
+   --advertise_address=127.0.0.1 (the chart's $(POD_IP); the worker adds its port)
    and --device=cpu. So the chart's flags are also proven to start the real
    binary in the right mode.
 2. Starts /usr/bin/prometheus on 127.0.0.1 (1 s scrapes, the alert rules
-   loaded), one job per worker, and drives Forward traffic through Python
-   grpcio: graph steps, eager steps, padding, an error per worker.
+   loaded), one job per worker, and drives traffic through Python grpcio:
+   graph steps, eager steps, padding, an error per worker, and P/D handoffs
+   (prompts held on the prefill worker, imported by the decode worker with
+   ImportKv, decoded, released; per round also one import of an unknown
+   lease that fails on both sides and one held prompt never imported, whose
+   lease expires).
 3. Evaluates through /api/v1/query:
    - every dashboard target and template-variable query, with Grafana's
      variables substituted (all roles, then each role): non-empty result,
@@ -21,10 +26,12 @@ evaluated by a real Prometheus server against two real pdworker workers.
    - every alert expression with its threshold comparison turned into a
      `bool` comparison ("X > 0.95" -> "X > bool 0.95"): the result then has
      one 0/1 sample per series the alert watches, so it is non-empty exactly
-     when every metric and label the alert relies on exists. (The alerts
-     themselves must not fire on a healthy test run, so evaluating them as
-     written would prove nothing.) Their firing logic is covered by
-     `promtool test rules` (alerts_rules_test);
+     when every metric and label the alert relies on exists. As written,
+     an alert returns samples only for what the traffic provokes on purpose
+     (EXPECTED_FIRING: the expiring leases, the failing imports), and the
+     KV transfer failure ratio equals the injected one. The full firing
+     logic (`for`, thresholds, texts) is covered by `promtool test rules`
+     (promtool_rules_test);
    - the rules as Prometheus's rule manager evaluates them: health "ok".
 4. `promtool check rules` on the rules file and `promtool check metrics` on
    each worker's /metrics.
@@ -57,6 +64,16 @@ PROMETHEUS = "/usr/bin/prometheus"
 PROMTOOL = "/usr/bin/promtool"
 ROLES = ("prefill", "decode")
 EXPECTED_MODE = {"prefill": "PIECEWISE", "decode": "FULL_DECODE_ONLY"}
+# P/D handoffs per round: prompts held on the prefill worker and imported by
+# the decode worker; then one import of a lease that does not exist.
+HANDOFFS = 4
+# Alerts this traffic fires on purpose (instant evaluation, before `for`),
+# and for which role: abandoned leases expire on the prefill worker; one
+# import in HANDOFFS + 1 fails on the decode worker (above 5%).
+EXPECTED_FIRING = {
+    "PdworkerKvLeaseExpiries": {"prefill"},
+    "PdworkerKvTransferFailuresHigh": {"decode"},
+}
 
 # What Grafana substitutes before sending a query. $__rate_interval is at
 # least 4 scrape intervals in Grafana; 1m covers the whole test run.
@@ -140,6 +157,9 @@ class Cluster:
         self.processes = []
         self.workers = {}  # role -> {"grpc": port, "metrics": port, "args": [...]}
         self.ok_calls = {role: 0 for role in ROLES}
+        self.kv_transfers = 0  # pulls: decode receive == prefill send
+        self.kv_failures = 0   # of which lease_not_found (both sides)
+        self.kv_expiries = 0   # leases held and never pulled
 
     def stop(self):
         for p in reversed(self.processes):
@@ -178,11 +198,17 @@ class Cluster:
         local = {"model": model, "host": "127.0.0.1", "device": "cpu"}
         for role, args in self.chart_args().items():
             grpc_port, metrics_port = free_port(), free_port()
-            override = dict(local, port=str(grpc_port), metrics_port=str(metrics_port))
+            # In the cluster KV handles carry the pod IP (downward API); here
+            # the loopback address with the worker's own port.
+            override = dict(local, port=str(grpc_port), metrics_port=str(metrics_port),
+                            advertise_address="127.0.0.1")  # the worker adds its port
+            assert "--advertise_address=$(POD_IP)" in args, args
             cmd = [ARGS.pdworker]
             for a in args:
                 name = a[2:].split("=", 1)[0]
                 cmd.append(f"--{name}={override[name]}" if name in override else a)
+            unexpanded = [a for a in cmd if "$(" in a]
+            assert not unexpanded, f"{role}: a kubelet variable left in {unexpanded}"
             self.workers[role] = {"grpc": grpc_port, "metrics": metrics_port, "cmd": cmd}
             self.processes.append(Process("worker_" + role, cmd, self.tmp))
         for p in self.processes:
@@ -266,9 +292,9 @@ class Cluster:
         import worker_pb2 as pb
         import worker_pb2_grpc
 
-        def seq(sid, tokens, start=False, release=False):
+        def seq(sid, tokens, start=False, release=False, hold=False):
             return pb.SequenceInput(sequence_id=sid, token_ids=tokens, start=start,
-                                    release_after_step=release)
+                                    release_after_step=release, hold_for_handoff=hold)
 
         def one_round(n, role, stub):
             def forward(*sequences):
@@ -306,6 +332,56 @@ class Cluster:
                 assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT,
                                     grpc.StatusCode.NOT_FOUND), e
 
+        def handoff(n, prefill, decode):
+            """The P/D handoff as a router runs it: HANDOFFS prompts held on
+            the prefill worker (one call), each imported by the decode worker
+            (ImportKv pulls the KV over KvTransfer.PullKv), two uniform
+            decode steps of all of them (FULL graph of 4), released."""
+            source = f"127.0.0.1:{self.workers['prefill']['grpc']}"
+            r = prefill.Forward(pb.ForwardRequest(sequences=[
+                seq(f"h{n}.{i}", [5 + i] * (12 + 3 * i), start=True, hold=True)
+                for i in range(HANDOFFS)]), timeout=60)
+            self.ok_calls["prefill"] += 1
+            tokens, handles = {}, []
+            for out in r.sequences:
+                h = out.kv_handle
+                assert h.lease_id and h.source_address == source, out
+                assert h.num_tokens == out.num_tokens, out
+                imported = decode.ImportKv(pb.ImportKvRequest(
+                    sequence_id=out.sequence_id, handle=h), timeout=60)
+                self.kv_transfers += 1
+                assert imported.num_tokens == h.num_tokens, imported
+                assert imported.transfer_bytes > 0, imported
+                tokens[out.sequence_id] = out.token_id
+                handles.append(h)
+            for step in range(2):
+                r = decode.Forward(pb.ForwardRequest(sequences=[
+                    seq(sid, [t], release=step == 1) for sid, t in sorted(tokens.items())]),
+                    timeout=60)
+                self.ok_calls["decode"] += 1
+                assert r.step.runtime_mode == pb.RUNTIME_MODE_FULL, r.step
+                tokens = {o.sequence_id: o.token_id for o in r.sequences}
+            # A lease the prefill worker never granted: NOT_FOUND, counted as
+            # lease_not_found on both sides (receive and send).
+            bogus = pb.KvHandle()
+            bogus.CopyFrom(handles[0])
+            bogus.lease_id = "0" * 32
+            try:
+                decode.ImportKv(pb.ImportKvRequest(sequence_id=f"bogus{n}", handle=bogus),
+                                timeout=60)
+                raise AssertionError("ImportKv of an unknown lease succeeded")
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.NOT_FOUND, e
+            self.kv_transfers += 1
+            self.kv_failures += 1
+            # Held and never imported: the lease expires after --kv_lease_ttl
+            # (testdata/values-promql.yaml), which frees its blocks.
+            held = prefill.Forward(pb.ForwardRequest(sequences=[
+                seq(f"abandoned{n}", [11] * 20, start=True, hold=True)]), timeout=60)
+            assert held.sequences[0].kv_handle.lease_id, held
+            self.ok_calls["prefill"] += 1
+            self.kv_expiries += 1
+
         channels = {role: grpc.insecure_channel(f"127.0.0.1:{self.workers[role]['grpc']}")
                     for role in ROLES}
         try:
@@ -316,10 +392,18 @@ class Cluster:
                 status = stubs[role].GetStatus(pb.GetStatusRequest(), timeout=30)
                 assert status.role == role and status.serving, status
                 assert status.resolved_mode == EXPECTED_MODE[role], status
+                assert status.advertise_address == f"127.0.0.1:{self.workers[role]['grpc']}", \
+                    status
             for n in range(rounds):
                 for role in ROLES:
                     one_round(n, role, stubs[role])
+                handoff(n, stubs["prefill"], stubs["decode"])
                 self.wait_for_scrape()
+            # The abandoned leases: expired (bounded by their TTL) and scraped.
+            self.wait_for_counts(
+                {'sum(pdworker_kv_lease_expiries_total{job="pdworker-prefill"})': self.kv_expiries,
+                 'sum(pdworker_kv_leases{job="pdworker-prefill"})': 0},
+                timeout=60)
         finally:
             for ch in channels.values():
                 ch.close()
@@ -327,12 +411,24 @@ class Cluster:
         time.sleep(2.5)
 
     def wait_for_scrape(self):
-        """Until Prometheus stores the OK call counts made so far."""
+        """Until Prometheus stores the OK call and KV transfer counts made so
+        far."""
+        expected = {}
         for role in ROLES:
-            expr = f'sum(pdworker_forward_requests_total{{code="OK", job="pdworker-{role}"}})'
-            wait_until(f"Prometheus to see {self.ok_calls[role]} OK calls on {role}",
+            expected[f'sum(pdworker_forward_requests_total{{code="OK", job="pdworker-{role}"}})'] \
+                = self.ok_calls[role]
+        for role, direction in (("decode", "receive"), ("prefill", "send")):
+            sel = f'job="pdworker-{role}", direction="{direction}"'
+            expected[f"sum(pdworker_kv_transfers_total{{{sel}}})"] = self.kv_transfers
+            expected[f"sum(pdworker_kv_transfer_failures_total{{{sel}}})"] = self.kv_failures
+        self.wait_for_counts(expected, timeout=30)
+
+    def wait_for_counts(self, expected, timeout):
+        """Until every `sum(...)` query in `expected` returns its value."""
+        for expr, value in expected.items():
+            wait_until(f"Prometheus to see {expr} == {value}",
                        lambda: [s for s in self.query(expr)
-                                if float(s["value"][1]) == self.ok_calls[role]], timeout=30)
+                                if float(s["value"][1]) == value], timeout=timeout)
 
 
 def dashboard_queries(dashboard, variables=True):
@@ -446,14 +542,54 @@ class PromqlTest(unittest.TestCase):
         (decode_full,) = [float(s["value"][1]) for s in waste
                           if s["metric"]["role"] == "decode" and s["metric"]["mode"] == "FULL"]
         # Per round: 5 steps of 3 sequences padded to 4, 2 steps of 1 (no
-        # padding): 17 real tokens of 22 executed.
-        self.assertAlmostEqual(decode_full, 1 - 17 / 22, places=6, msg=str(waste))
+        # padding), 2 steps of the 4 imported sequences (no padding): 25
+        # real tokens of 30 executed.
+        self.assertAlmostEqual(decode_full, 1 - 25 / 30, places=6, msg=str(waste))
         errors = self.query(substitute(self._target("Forward errors by code", "A"), ".*"))
         nonzero = {(s["metric"]["role"], s["metric"]["code"]) for s in errors
                    if float(s["value"][1]) > 0}
         self.assertEqual(nonzero, {("prefill", "INVALID_ARGUMENT"), ("decode", "NOT_FOUND")})
         usage = self.query(substitute(self._target("KV cache usage", "A"), ".*"))
         self.assertTrue(any(float(s["value"][1]) > 0 for s in usage), usage)
+
+    def test_kv_handoff_panels_reflect_the_traffic(self):
+        def by(title, ref, *labels):
+            return {tuple(s["metric"][l] for l in labels): float(s["value"][1])
+                    for s in self.query(substitute(self._target(title, ref), ".*"))}
+        # Bytes: decode workers receive, prefill workers send, and (in the
+        # counters; the two jobs' rates are extrapolated from different
+        # scrape times) the decode worker received what the prefill sent.
+        throughput = by("KV transfer throughput", "A", "role", "direction")
+        self.assertGreater(throughput[("decode", "receive")], 0, throughput)
+        self.assertGreater(throughput[("prefill", "send")], 0, throughput)
+        self.assertEqual(throughput[("decode", "send")], 0, throughput)
+        self.assertEqual(throughput[("prefill", "receive")], 0, throughput)
+        totals = {}
+        for role, direction in (("decode", "receive"), ("prefill", "send")):
+            (total,) = self.query(f'sum(pdworker_kv_transfer_bytes_total'
+                                  f'{{job="pdworker-{role}", direction="{direction}"}})')
+            totals[role] = float(total["value"][1])
+        self.assertEqual(totals["decode"], totals["prefill"], totals)
+        # Latency: each side has finite quantiles for its own direction only.
+        for ref in ("A", "B"):
+            latency = by("KV transfer latency (p50, p99)", ref, "role", "direction")
+            finite_keys = {k for k, v in latency.items() if math.isfinite(v)}
+            self.assertEqual(finite_keys, {("decode", "receive"), ("prefill", "send")},
+                             f"{ref}: {latency}")
+            for k in finite_keys:
+                self.assertGreater(latency[k], 0, f"{ref} {k}")
+        # Failures: the unknown lease, on both sides, and nothing else.
+        failures = by("KV transfer failures by reason", "A", "role", "direction", "reason")
+        nonzero = {k for k, v in failures.items() if v > 0}
+        self.assertEqual(nonzero, {("decode", "receive", "lease_not_found"),
+                                   ("prefill", "send", "lease_not_found")})
+        self.assertEqual(len(failures), 2 * 2 * 8, "every reason pre-initialised per direction")
+        # Leases: all released or expired; the abandoned ones expired.
+        held = by("KV leases held and lease expiries", "A", "role")
+        self.assertEqual(held, {("prefill",): 0, ("decode",): 0})
+        expiries = by("KV leases held and lease expiries", "B", "role")
+        self.assertGreater(expiries[("prefill",)], 0, expiries)
+        self.assertEqual(expiries[("decode",)], 0, expiries)
 
     def test_step_counts_agree(self):
         # The hit rate counts steps with the step histogram, the padded-size
@@ -486,12 +622,27 @@ class PromqlTest(unittest.TestCase):
                 for s in samples:
                     self.assertIn(s["value"][1], ("0", "1"), f"{name}: {s}")
                     self.assertIn(s["metric"].get("role"), ROLES, f"{name}: role label {s}")
-                # And nothing fires on this healthy run, except the decode
-                # graph hit rate: without the P/D handoff (issue 7) the
-                # decode worker runs its own prompts eagerly, 1 step in 8.
+                # As written: only what the traffic provokes on purpose
+                # fires (EXPECTED_FIRING), on the role it provokes it on.
+                # The decode graph hit rate may fire or not: the decode
+                # worker also runs prompts of its own eagerly, 1 step in 10
+                # (threshold 0.9).
                 firing = self.query(expr)
-                if rule.get("labels", {}).get("role") != "decode":
-                    self.assertEqual(firing, [], f"{name} fires on a healthy run")
+                if rule.get("labels", {}).get("role") == "decode":
+                    continue
+                self.assertEqual({s["metric"]["role"] for s in firing},
+                                 EXPECTED_FIRING.get(rule["alert"], set()),
+                                 f"{name}: fires for\n{firing}")
+
+    def test_kv_transfer_failure_alert_value(self):
+        # The alert's ratio is exactly the injected one: per round one
+        # failed import of HANDOFFS + 1 on the decode worker; the prefill
+        # worker pulls nothing (0/0: no sample above the threshold).
+        (rule,) = [r for r in alert_rules(ARGS.alerts)
+                   if r["alert"] == "PdworkerKvTransferFailuresHigh"]
+        (sample,) = self.query(rule["expr"])
+        self.assertEqual(sample["metric"]["role"], "decode")
+        self.assertAlmostEqual(float(sample["value"][1]), 1 / (HANDOFFS + 1), places=6)
 
     def test_rule_manager_evaluates_every_rule(self):
         def evaluated():

@@ -5,6 +5,7 @@
 #include <grpcpp/security/server_credentials.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 #include <utility>
@@ -49,11 +50,29 @@ std::string AdvertiseAddress(const std::string& listen_address, int port) {
   return absl::StrCat(host, ":", port);
 }
 
+}  // namespace
+
+std::string CompleteAdvertiseAddress(const std::string& address, int port) {
+  if (address.empty()) return address;
+  if (address.front() == '[') {  // [v6] or [v6]:port
+    return address.back() == ']' ? absl::StrCat(address, ":", port) : address;
+  }
+  const size_t colons = std::count(address.begin(), address.end(), ':');
+  if (colons == 0) return absl::StrCat(address, ":", port);  // host, v4
+  if (colons == 1) return address;                           // host:port
+  return absl::StrCat("[", address, "]:", port);             // bare v6
+}
+
+namespace {
+
 PeerTls DefaultPeerTls(const ServerTls& tls) {
   PeerTls peer;
   if (tls.cert_chain_pem.empty()) return peer;
-  peer.root_certs_pem =
-      tls.client_ca_pem.empty() ? tls.cert_chain_pem : tls.client_ca_pem;
+  // A TLS worker's peers are TLS workers of the same deployment: trust the
+  // CA its own clients are checked against (mutual TLS), else the system's
+  // roots, and present its own certificate when a peer asks for one.
+  peer.enabled = true;
+  peer.root_certs_pem = tls.client_ca_pem;
   peer.cert_chain_pem = tls.cert_chain_pem;
   peer.private_key_pem = tls.private_key_pem;
   return peer;
@@ -101,9 +120,9 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
       metrics);
   s->executor_ = std::make_unique<Executor>(runner, options.executor, metrics,
                                             s->leases_.get());
-  const PeerTls peer_tls = options.peer_tls.root_certs_pem.empty()
-                               ? DefaultPeerTls(options.tls)
-                               : options.peer_tls;
+  PeerTls peer_tls =
+      options.peer_tls.enabled ? options.peer_tls : DefaultPeerTls(options.tls);
+  peer_tls.server_name_override = options.peer_tls.server_name_override;
   s->peers_ = std::make_unique<PeerChannels>(peer_tls,
                                              options.max_receive_message_bytes);
   const KvCacheView view = runner.kv_cache_view();
@@ -139,7 +158,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   }
   s->advertise_address_ =
       advertise.empty() ? AdvertiseAddress(options.listen_address, s->port_)
-                        : advertise;
+                        : CompleteAdvertiseAddress(advertise, s->port_);
   s->service_->SetAdvertiseAddress(s->advertise_address_);
   // The default health service starts out SERVING for "".
   s->SetHealth(false);

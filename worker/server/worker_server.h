@@ -49,18 +49,20 @@ struct WorkerServerOptions {
   std::string device_name = "cpu";
 
   // --- KV handoff (DESIGN.md "P/D KV handoff") ---
-  // host:port decode workers use to pull from this worker (KvHandle.
-  // source_address). Empty: the listen address with the bound port, with
-  // the host name in place of a wildcard host (0.0.0.0, [::]).
+  // Where decode workers pull from this worker (KvHandle.source_address):
+  // host:port, or a bare host (IPv4, IPv6 or name; e.g. a pod IP) to which
+  // the bound port is added (IPv6 bracketed). Empty: the listen address
+  // with the bound port, with the host name in place of a wildcard host
+  // (0.0.0.0, [::]).
   std::string advertise_address;
   // How long a held lease waits for its decode worker before its blocks are
   // freed.
   std::chrono::milliseconds kv_lease_ttl{30000};
   KvImporterOptions importer;
   KvTransferServiceOptions transfer;
-  // Credentials for pulling from peers; empty: plaintext. (Start() defaults
-  // them from `tls` when the server uses TLS: root = client CA, or the
-  // server's own chain; client certificate = the server's.)
+  // How KV pulls connect to peers. Not enabled: derived from `tls` (a TLS
+  // worker talks TLS: root = the client CA, else the system's roots; client
+  // certificate = the server's). server_name_override applies either way.
   PeerTls peer_tls;
 };
 
@@ -124,6 +126,11 @@ class WorkerServer {
   std::unique_ptr<WorkerService> service_;
   std::unique_ptr<grpc::Server> server_;
 };
+
+// `address` as host:port: unchanged when it has a port, else `port` added
+// (an IPv6 literal bracketed). "10.0.0.7" -> "10.0.0.7:50051",
+// "fd00::7" -> "[fd00::7]:50051", "w:1" -> "w:1".
+std::string CompleteAdvertiseAddress(const std::string& address, int port);
 
 }  // namespace pdworker
 

@@ -3,7 +3,7 @@
 namespace pdworker {
 
 PeerChannels::PeerChannels(const PeerTls& tls, int max_receive_message_bytes) {
-  if (tls.root_certs_pem.empty()) {
+  if (!tls.enabled) {
     credentials_ = grpc::InsecureChannelCredentials();
   } else {
     grpc::SslCredentialsOptions options;
@@ -13,6 +13,9 @@ PeerChannels::PeerChannels(const PeerTls& tls, int max_receive_message_bytes) {
     credentials_ = grpc::SslCredentials(options);
   }
   args_.SetMaxReceiveMessageSize(max_receive_message_bytes);
+  if (tls.enabled && !tls.server_name_override.empty()) {
+    args_.SetSslTargetNameOverride(tls.server_name_override);
+  }
 }
 
 std::shared_ptr<grpc::Channel> PeerChannels::Get(absl::string_view address) {

@@ -17,11 +17,17 @@
 
 namespace pdworker {
 
-// How this worker authenticates to peers. Empty root: plaintext.
+// How this worker connects to peers.
 struct PeerTls {
-  std::string root_certs_pem;   // CA that signed the peers' certificates
+  bool enabled = false;         // false: plaintext
+  std::string root_certs_pem;   // CA of the peers' certificates; empty: the
+                                // system's roots
   std::string cert_chain_pem;   // our client certificate (mutual TLS) ...
   std::string private_key_pem;  // ... and its key; both empty: none
+  // The name peers' certificates are checked against instead of the host
+  // in their address (pods are dialled by IP; certificates rarely carry
+  // pod IPs). Empty: the address's host.
+  std::string server_name_override;
 };
 
 class PeerChannels {
