@@ -3,8 +3,14 @@
 // imports it (PullKv over the gRPC stream transport) and continues the
 // sequence. Tokens must equal one aggregated worker's, and no failure may
 // leave a block allocated on either side.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdlib>
+#include <future>
 #include <map>
 #include <memory>
 #include <string>
@@ -400,6 +406,54 @@ TEST_F(KvHandoffTest, UnreachableSourceFailsWithUnavailable) {
   // Clean up the real lease.
   ASSERT_TRUE(Import(*decode_, "u", handle).ok());
   Decode(*decode_, "u", token, 1, v1::SamplingParams());
+}
+
+// A decode worker told to drain while an import waits on a silent source
+// (a socket that accepts connections and never answers): the drain waits
+// for the import, which ends with UNAVAILABLE at the pull timeout and frees
+// its blocks, instead of cutting the call off.
+TEST_F(KvHandoffTest, DecodeDrainWaitsForImportsInFlight) {
+  const int silent = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(silent, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(
+      bind(silent, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  ASSERT_EQ(listen(silent, 4), 0);
+  socklen_t length = sizeof(address);
+  ASSERT_EQ(getsockname(silent, reinterpret_cast<sockaddr*>(&address), &length),
+            0);
+  const auto [token, handle] =
+      Prefill(*prefill_, "q", Prompt(8, 10), v1::SamplingParams());
+  v1::KvHandle h = handle;
+  h.set_source_address("127.0.0.1:" + std::to_string(ntohs(address.sin_port)));
+
+  auto import =
+      std::async(std::launch::async, [&] { return Import(*decode_, "q", h); });
+  ASSERT_TRUE(WaitFor([&] { return decode_->Status().kv_imports() == 1; }));
+  const auto start = std::chrono::steady_clock::now();
+  decode_->server->Drain();
+  const grpc::Status s = import.get();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("pull timeout"));
+  EXPECT_GE(std::chrono::steady_clock::now() - start,
+            std::chrono::milliseconds(500));
+  close(silent);
+  // Drained (no RPCs any more, executor stopped): the runner itself shows
+  // the reserved blocks were given back.
+  const KvCacheStats kv = decode_->runner.runner->kv_cache().Stats();
+  EXPECT_EQ(kv.free_blocks, kv.total_blocks);
+  EXPECT_EQ(kv.detached_blocks, 0);
+  decode_.reset();
+
+  // The real lease is untouched; give it back.
+  v1::KvTransfer::Stub transfer(prefill_->channel);
+  grpc::ClientContext context;
+  v1::ReleaseKvRequest release;
+  release.set_lease_id(handle.lease_id());
+  v1::ReleaseKvResponse released;
+  ASSERT_TRUE(transfer.ReleaseKv(&context, release, &released).ok());
 }
 
 // Rolling restart of a prefill worker: held leases are still served while it

@@ -210,6 +210,11 @@ void WorkerServer::Drain() {
   LOG(INFO) << "draining: " << executor_->snapshot().queued_calls
             << " calls in flight";
   executor_->WaitUntilIdle();
+  // Accepted imports finish (each is bounded by the pull timeout): they need
+  // the executor to install or give back their blocks.
+  while (importer_->in_flight() > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
   // Prompts already prefilled are still wanted by decode workers.
   const auto give_up = std::chrono::steady_clock::now() + kv_lease_ttl_;
   if (leases_->size() > 0) {

@@ -94,8 +94,8 @@ class WorkerServer {
   // running calls still complete. GetStatus and GetGraphStats keep
   // answering (serving=false) so routers can watch the drain. Non-blocking.
   void BeginDrain();
-  // BeginDrain, wait for every queued call to complete and for held KV
-  // leases to be pulled (at most the lease TTL: PullKv and ReleaseKv keep
+  // BeginDrain, wait for every queued call and KV import to complete, for held
+  // KV leases to be pulled (at most the lease TTL: PullKv and ReleaseKv keep
   // being served while draining), then stop listening (other RPCs get a
   // one-second grace) and stop the executor.
   void Drain();
