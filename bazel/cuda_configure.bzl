@@ -38,6 +38,26 @@ cc_library(
 )
 """
 
+# NCCL: its own define, so a CUDA toolkit without NCCL still builds the CUDA
+# backend (PDW_HAVE_CUDA=1) and only the NCCL transport goes away.
+_NCCL_LIB = """
+cc_library(
+    name = "nccl",
+    linkopts = ["-L{libdir}", "-Wl,-rpath,{libdir}", "-lnccl"],
+    defines = ["PDW_HAVE_NCCL=1"],
+    deps = [":cudart"],
+    visibility = ["//visibility:public"],
+)
+"""
+
+_NO_NCCL = """
+cc_library(
+    name = "nccl",
+    defines = ["PDW_HAVE_NCCL=0"],
+    visibility = ["//visibility:public"],
+)
+"""
+
 def _cuda_configure_impl(rctx):
     cuda_home = rctx.os.environ.get("CUDA_HOME", "/usr/local/cuda")
     root = rctx.path(cuda_home)
@@ -48,8 +68,9 @@ def _cuda_configure_impl(rctx):
     build = ['package(default_visibility = ["//visibility:public"])\n']
     if not available:
         build.append(_EMPTY_LIB.format(name = "cuda_headers"))
-        for name in ["cudart", "cublas", "nccl"]:
+        for name in ["cudart", "cublas"]:
             build.append(_EMPTY_LIB.format(name = name))
+        build.append(_NO_NCCL)
         rctx.file("defs.bzl", "\n".join([
             "CUDA_AVAILABLE = False",
             "NCCL_AVAILABLE = False",
@@ -77,9 +98,9 @@ cc_library(
     build.append(_LIB.format(name = "cudart", libdir = cudart_dir, libs = '["-lcudart"]'))
     build.append(_LIB.format(name = "cublas", libdir = cublas_dir, libs = '["-lcublas", "-lcublasLt"]'))
     if nccl_dir:
-        build.append(_LIB.format(name = "nccl", libdir = nccl_dir, libs = '["-lnccl"]'))
+        build.append(_NCCL_LIB.format(libdir = nccl_dir))
     else:
-        build.append(_EMPTY_LIB.format(name = "nccl"))
+        build.append(_NO_NCCL)
     rctx.file("defs.bzl", "\n".join([
         "CUDA_AVAILABLE = True",
         "NCCL_AVAILABLE = %s" % ("True" if nccl_dir else "False"),

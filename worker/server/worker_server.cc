@@ -147,7 +147,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   s->service_ = std::make_unique<WorkerService>(
       runner, *s->executor_, metrics, options.device_name,
       HandoffParts{s->leases_.get(), s->importer_.get(), advertise,
-                   s->transfer_service_->offers_cuda_ipc()});
+                   s->transfer_service_->offers_cuda_ipc(),
+                   s->transfer_service_->offers_nccl()});
   builder.RegisterService(s->service_.get());
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {

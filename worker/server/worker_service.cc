@@ -155,6 +155,9 @@ v1::KvHandle HandleTemplate(const ModelRunner& runner,
   if (handoff.offers_cuda_ipc) {
     h.add_transports(std::string{KvTransportName(KvTransport::kCudaIpc)});
   }
+  if (handoff.offers_nccl) {
+    h.add_transports(std::string{KvTransportName(KvTransport::kNccl)});
+  }
   h.add_transports(std::string{KvTransportName(KvTransport::kGrpc)});
   h.set_source_host_id(HostId());
   return h;

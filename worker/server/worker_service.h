@@ -38,6 +38,7 @@ struct HandoffParts {
   KvImporter* importer = nullptr;  // decode side
   std::string advertise_address;   // KvHandle.source_address
   bool offers_cuda_ipc = false;    // KvHandle.transports lists cuda_ipc
+  bool offers_nccl = false;        // ... and nccl
 };
 
 class WorkerService final : public v1::Worker::CallbackService {

@@ -9,6 +9,8 @@
 #include "worker/transfer/cuda_ipc_puller.h"
 #include "worker/transfer/grpc_kv_puller.h"
 #include "worker/transfer/kv_transfer_service.h"
+#include "worker/transfer/nccl_kv_puller.h"
+#include "worker/transfer/nccl_transfer.h"
 
 namespace pdworker {
 
@@ -184,6 +186,16 @@ absl::StatusOr<KvImportResult> KvImporter::RunJob(
   return result;
 }
 
+namespace {
+
+bool Offers(const v1::KvHandle& handle, KvTransport transport) {
+  const absl::string_view name = KvTransportName(transport);
+  return std::find(handle.transports().begin(), handle.transports().end(),
+                   name) != handle.transports().end();
+}
+
+}  // namespace
+
 absl::Status KvImporter::Pull(const KvPullParams& params, KvTransport* used,
                               KvPullStats* stats) {
   auto record = [&](KvTransport transport, const absl::Status& status) {
@@ -196,10 +208,8 @@ absl::Status KvImporter::Pull(const KvPullParams& params, KvTransport* used,
                                 stats->bytes, stats->seconds);
   };
   const v1::KvHandle& handle = *params.handle;
-  const bool offered =
-      std::find(handle.transports().begin(), handle.transports().end(),
-                "cuda_ipc") != handle.transports().end();
-  if (offered && device_.kind() == DeviceKind::kCuda && !host_id_.empty() &&
+  if (Offers(handle, KvTransport::kCudaIpc) &&
+      device_.kind() == DeviceKind::kCuda && !host_id_.empty() &&
       handle.source_host_id() == host_id_) {
     *used = KvTransport::kCudaIpc;
     absl::Status status =
@@ -210,6 +220,18 @@ absl::Status KvImporter::Pull(const KvPullParams& params, KvTransport* used,
     }
     LOG(WARNING) << "CUDA IPC pull from " << handle.source_address()
                  << " failed locally, falling back to the gRPC stream: "
+                 << status;
+    *stats = KvPullStats();
+  } else if (Offers(handle, KvTransport::kNccl) &&
+             NcclTransportAvailable(device_)) {
+    *used = KvTransport::kNccl;
+    absl::Status status = PullKvOverNccl(peers_, device_, params, stats);
+    record(KvTransport::kNccl, status);
+    if (status.ok() || stats->outcome != KvTransferOutcome::kInternal) {
+      return status;
+    }
+    LOG(WARNING) << "NCCL pull from " << handle.source_address()
+                 << " not possible, falling back to the gRPC stream: "
                  << status;
     *stats = KvPullStats();
   }

@@ -2,7 +2,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -10,8 +15,55 @@
 #include "worker/runtime/stream.h"
 #include "worker/server/status_mapping.h"
 #include "worker/transfer/cuda_ipc.h"
+#include "worker/transfer/nccl_transfer.h"
 
 namespace pdworker {
+
+// Runs NCCL sends one after another on its own thread: joining a
+// communicator and sending block for up to the puller's deadline, which no
+// gRPC callback thread may do. Jobs still queued at destruction run first
+// (each is bounded by its deadline), so every pull gets its answer.
+class NcclSender {
+ public:
+  NcclSender() : thread_([this] { Run(); }) {}
+  ~NcclSender() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  void Submit(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      jobs_.push_back(std::move(job));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void Run() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      job();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
 namespace {
 
 // One PullKv stream. Walks (layer, K then V, token runs) and writes one
@@ -40,6 +92,13 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
 
   // Serve the lease as one CUDA IPC export instead of its bytes.
   void UseCudaIpc(const std::string& handle) { ipc_handle_ = handle; }
+  // Serve the lease over NCCL (rank 1 of `unique_id`), sends on `sender`.
+  void UseNccl(const std::string& unique_id, NcclSender* sender,
+               std::chrono::steady_clock::time_point deadline) {
+    nccl_id_ = unique_id;
+    nccl_sender_ = sender;
+    nccl_deadline_ = deadline;
+  }
 
   // Starts the pull, or finishes at once with the reason it is refused.
   void Start(const absl::Status& compatible, const std::string& lease_id) {
@@ -69,12 +128,22 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
       WriteIpcExport();
       return;
     }
+    if (!nccl_id_.empty()) {
+      nccl_ready_sent_ = true;
+      chunk_.set_nccl_ready(true);
+      StartWrite(&chunk_);
+      return;
+    }
     NextWrite();
   }
 
   void OnWriteDone(bool ok) override {
     if (ok && ipc_export_sent_) {
       FinishPull(absl::OkStatus());  // sent_all_ stays false: still pullable
+      return;
+    }
+    if (ok && nccl_ready_sent_) {
+      nccl_sender_->Submit([this] { SendOverNccl(); });
       return;
     }
     if (!ok) {  // the puller went away (cancelled, deadline, connection)
@@ -160,6 +229,29 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
     StartWrite(&chunk_);
   }
 
+  // On the NcclSender's thread; the last use of `this` is Finish.
+  void SendOverNccl() {
+    NcclKvParams params;
+    params.device = &device_;
+    params.view = &view_;
+    params.seq = &grant_.kv;
+    params.num_tokens = grant_.kv.num_tokens;
+    params.unique_id = nccl_id_;
+    params.deadline = nccl_deadline_;
+    const absl::Status sent = NcclSendKv(params);
+    if (sent.ok()) {
+      sent_all_ = true;
+      bytes_ = static_cast<int64_t>(grant_.kv.num_tokens) * 2 *
+               view_.layout.num_layers *
+               static_cast<int64_t>(view_.token_bytes);
+    } else {
+      outcome_ = sent.code() == absl::StatusCode::kUnavailable
+                     ? KvTransferOutcome::kCancelled
+                     : KvTransferOutcome::kInternal;
+    }
+    FinishPull(sent);
+  }
+
   void FinishPull(const absl::Status& status) {
     if (!status.ok()) {
       LOG(WARNING) << "KV pull of lease " << lease_id_ << " failed after "
@@ -187,6 +279,10 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
   KvTransferOutcome outcome_ = KvTransferOutcome::kOk;
   std::string ipc_handle_;  // non-empty: serve a CUDA IPC export
   bool ipc_export_sent_ = false;
+  std::string nccl_id_;  // non-empty: serve over NCCL
+  NcclSender* nccl_sender_ = nullptr;
+  std::chrono::steady_clock::time_point nccl_deadline_;
+  bool nccl_ready_sent_ = false;
 };
 
 }  // namespace
@@ -235,6 +331,9 @@ KvTransferService::KvTransferService(KvLeaseTable& leases, Device& device,
       fingerprint_(std::move(model_fingerprint)),
       options_(options),
       metrics_(metrics) {
+  if (NcclTransportAvailable(device)) {
+    nccl_sender_ = std::make_unique<NcclSender>();
+  }
   if (device.kind() == DeviceKind::kCuda && !view_.allocation.empty()) {
     absl::StatusOr<std::string> handle = ExportCudaIpcHandle(view_.allocation);
     if (handle.ok()) {
@@ -245,9 +344,10 @@ KvTransferService::KvTransferService(KvLeaseTable& leases, Device& device,
   }
 }
 
+KvTransferService::~KvTransferService() = default;
+
 grpc::ServerWriteReactor<v1::KvChunk>* KvTransferService::PullKv(
-    grpc::CallbackServerContext* /*context*/,
-    const v1::PullKvRequest* request) {
+    grpc::CallbackServerContext* context, const v1::PullKvRequest* request) {
   auto* reactor = new PullReactor(leases_, device_, view_,
                                   options_.max_chunk_bytes, metrics_);
   absl::Status allowed =
@@ -255,12 +355,21 @@ grpc::ServerWriteReactor<v1::KvChunk>* KvTransferService::PullKv(
                       FromProto(request->layout()), fingerprint_, view_.layout);
   const std::string& transport = request->transport();
   if (allowed.ok() && transport != "" && transport != "grpc" &&
-      !(transport == "cuda_ipc" && offers_cuda_ipc())) {
+      !(transport == "cuda_ipc" && offers_cuda_ipc()) &&
+      !(transport == "nccl" && offers_nccl())) {
     reactor->Refuse(absl::UnimplementedError(
         absl::StrCat("this worker offers no KV transport '", transport, "'")));
     return reactor;
   }
   if (transport == "cuda_ipc") reactor->UseCudaIpc(ipc_handle_);
+  if (transport == "nccl") {
+    // The puller's deadline bounds the join and the send; none: a minute.
+    const auto now = std::chrono::system_clock::now();
+    const auto left = std::min<std::chrono::system_clock::duration>(
+        context->deadline() - now, std::chrono::seconds(60));
+    reactor->UseNccl(request->nccl_unique_id(), nccl_sender_.get(),
+                     std::chrono::steady_clock::now() + left);
+  }
   reactor->Start(allowed, request->lease_id());
   return reactor;
 }

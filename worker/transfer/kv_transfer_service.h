@@ -13,6 +13,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cstddef>
+#include <memory>
 #include <string>
 
 #include "metrics/worker_metrics.h"
@@ -29,6 +30,8 @@ struct KvTransferServiceOptions {
   size_t max_chunk_bytes = 256 << 10;
 };
 
+class NcclSender;
+
 class KvTransferService final : public v1::KvTransfer::CallbackService {
  public:
   // All references must outlive the service; `metrics` may be null.
@@ -36,6 +39,7 @@ class KvTransferService final : public v1::KvTransfer::CallbackService {
                     std::string model_fingerprint,
                     const KvTransferServiceOptions& options,
                     WorkerMetrics* metrics);
+  ~KvTransferService() override;
 
   grpc::ServerWriteReactor<v1::KvChunk>* PullKv(
       grpc::CallbackServerContext* context,
@@ -47,6 +51,8 @@ class KvTransferService final : public v1::KvTransfer::CallbackService {
   // Whether pullers on this host may map our KV (CUDA device and the
   // allocation exported); KvHandle.transports lists "cuda_ipc" then.
   bool offers_cuda_ipc() const { return !ipc_handle_.empty(); }
+  // Whether this worker serves pulls over NCCL (CUDA device, NCCL built).
+  bool offers_nccl() const { return nccl_sender_ != nullptr; }
 
  private:
   KvLeaseTable& leases_;
@@ -57,6 +63,7 @@ class KvTransferService final : public v1::KvTransfer::CallbackService {
   WorkerMetrics* const metrics_;
   // The KV allocation's cudaIpcMemHandle_t bytes; empty: no CUDA IPC.
   std::string ipc_handle_;
+  std::unique_ptr<NcclSender> nccl_sender_;  // null: no NCCL
 };
 
 // v1::KvLayout <-> KvLayoutInfo.

@@ -1,0 +1,179 @@
+#include "worker/transfer/nccl_transfer.h"
+
+#if PDW_HAVE_NCCL
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "worker/runtime/cuda_stream.h"
+#include "worker/runtime/stream.h"
+#endif
+
+namespace pdworker {
+
+#if PDW_HAVE_NCCL
+namespace {
+
+absl::Status NcclError(ncclResult_t result, const char* what) {
+  return absl::UnavailableError(
+      absl::StrCat(what, " failed: ", ncclGetErrorString(result)));
+}
+
+// Waits until `comm`'s pending non-blocking work (init, a group) is done;
+// aborts the communicator and returns UNAVAILABLE past `deadline`.
+absl::Status WaitForComm(ncclComm_t comm,
+                         std::chrono::steady_clock::time_point deadline,
+                         const char* what) {
+  for (;;) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t got = ncclCommGetAsyncError(comm, &state);
+    if (got != ncclSuccess) return NcclError(got, "ncclCommGetAsyncError");
+    if (state == ncclSuccess) return absl::OkStatus();
+    if (state != ncclInProgress) return NcclError(state, what);
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return absl::UnavailableError(
+          absl::StrCat(what, ": the peer did not answer in time"));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+// The lease's tokens as one contiguous cache of a single block:
+// keys[l] = [num_tokens, token_bytes] at (2l) * part_bytes, values at
+// (2l + 1) * part_bytes.
+KvCacheView PackedView(const KvCacheView& like, DeviceBuffer staging,
+                       int32_t num_tokens) {
+  KvCacheView packed;
+  packed.layout = like.layout;
+  packed.block_size = num_tokens;
+  packed.token_bytes = like.token_bytes;
+  packed.allocation = staging;
+  const size_t part = static_cast<size_t>(num_tokens) * like.token_bytes;
+  for (int l = 0; l < like.layout.num_layers; ++l) {
+    packed.keys.push_back(staging.Slice(2 * l * part, part));
+    packed.values.push_back(staging.Slice((2 * l + 1) * part, part));
+  }
+  return packed;
+}
+
+enum class Rank { kPuller = 0, kSource = 1 };
+
+absl::Status Transfer(const NcclKvParams& p, Rank rank) {
+  if (p.unique_id.size() != sizeof(ncclUniqueId)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("an NCCL unique id is ", sizeof(ncclUniqueId),
+                     " bytes, got ", p.unique_id.size()));
+  }
+  absl::StatusOr<std::unique_ptr<Stream>> stream = p.device->CreateStream();
+  if (!stream.ok()) return stream.status();
+  auto* cuda = dynamic_cast<CudaStream*>(stream->get());
+  if (cuda == nullptr) {
+    return absl::FailedPreconditionError("NCCL needs a CUDA device");
+  }
+  const size_t bytes = static_cast<size_t>(p.num_tokens) * p.view->token_bytes *
+                       2 * p.view->layout.num_layers;
+  absl::StatusOr<DeviceMemory> staging = p.device->Allocate(bytes);
+  if (!staging.ok()) return staging.status();
+  const KvCacheView packed =
+      PackedView(*p.view, staging->buffer(), p.num_tokens);
+  SequenceKv packed_seq;
+  packed_seq.blocks = {0};
+  packed_seq.num_tokens = p.num_tokens;
+
+  if (rank == Rank::kSource) {
+    absl::Status copied = CopyKvTokens(**stream, *p.view, *p.seq, packed,
+                                       packed_seq, p.num_tokens);
+    if (!copied.ok()) return copied;
+  }
+
+  ncclUniqueId id;
+  std::memcpy(&id, p.unique_id.data(), sizeof(id));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  ncclResult_t r =
+      ncclCommInitRankConfig(&comm, 2, id, static_cast<int>(rank), &config);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    return NcclError(r, "ncclCommInitRankConfig");
+  }
+  absl::Status status = WaitForComm(comm, p.deadline, "joining the NCCL pair");
+  if (status.ok()) {
+    r = ncclGroupStart();
+    if (r == ncclSuccess) {
+      r = rank == Rank::kSource ? ncclSend(staging->data(), bytes, ncclUint8, 0,
+                                           comm, cuda->native())
+                                : ncclRecv(staging->data(), bytes, ncclUint8, 1,
+                                           comm, cuda->native());
+    }
+    const ncclResult_t ended = ncclGroupEnd();
+    if (r == ncclSuccess) r = ended;
+    if (r != ncclSuccess && r != ncclInProgress) {
+      status = NcclError(r, "ncclSend/ncclRecv");
+    } else {
+      status = WaitForComm(comm, p.deadline, "the NCCL transfer");
+    }
+  }
+  if (status.ok()) {
+    // The transfer is enqueued on the stream; wait for it (bounded: a peer
+    // that died mid-transfer shows up as an async error above first).
+    status = (*stream)->Synchronize();
+  }
+  if (status.ok()) {
+    ncclCommDestroy(comm);
+  } else {
+    ncclCommAbort(comm);
+    return status;
+  }
+  if (rank == Rank::kPuller) {
+    absl::Status copied = CopyKvTokens(**stream, packed, packed_seq, *p.view,
+                                       *p.seq, p.num_tokens);
+    if (copied.ok()) copied = (*stream)->Synchronize();
+    return copied;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool NcclTransportAvailable(const Device& device) {
+  return device.kind() == DeviceKind::kCuda;
+}
+
+absl::StatusOr<std::string> NewNcclUniqueId() {
+  ncclUniqueId id;
+  const ncclResult_t r = ncclGetUniqueId(&id);
+  if (r != ncclSuccess) return NcclError(r, "ncclGetUniqueId");
+  return std::string(reinterpret_cast<const char*>(&id), sizeof(id));
+}
+
+absl::Status NcclSendKv(const NcclKvParams& params) {
+  return Transfer(params, Rank::kSource);
+}
+
+absl::Status NcclRecvKv(const NcclKvParams& params) {
+  return Transfer(params, Rank::kPuller);
+}
+
+#else  // !PDW_HAVE_NCCL
+
+bool NcclTransportAvailable(const Device& /*device*/) { return false; }
+
+absl::StatusOr<std::string> NewNcclUniqueId() {
+  return absl::UnimplementedError("built without NCCL");
+}
+
+absl::Status NcclSendKv(const NcclKvParams& /*params*/) {
+  return absl::UnimplementedError("built without NCCL");
+}
+
+absl::Status NcclRecvKv(const NcclKvParams& /*params*/) {
+  return absl::UnimplementedError("built without NCCL");
+}
+
+#endif  // PDW_HAVE_NCCL
+
+}  // namespace pdworker
