@@ -47,8 +47,8 @@ absl::Status ApplyChunk(const KvPullParams& p, const v1::KvChunk& chunk,
   }
   const KvTokenRun run{chunk.layer(), part, chunk.first_token(),
                        chunk.num_tokens()};
-  const absl::Status written = WriteKvTokens(*p.stream, *p.view, *p.destination,
-                                             run, chunk.data().data());
+  absl::Status written = WriteKvTokens(*p.stream, *p.view, *p.destination, run,
+                                       chunk.data().data());
   if (!written.ok()) return written;
   cursor.next_token += chunk.num_tokens();
   if (cursor.next_token == n) {

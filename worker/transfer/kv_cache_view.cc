@@ -40,7 +40,7 @@ absl::Status ForEachBlockPiece(const KvCacheView& view, const SequenceKv& seq,
             view.block_size +
         within;
     const size_t bytes = static_cast<size_t>(count) * view.token_bytes;
-    const absl::Status copied =
+    absl::Status copied =
         copy(buffer.Slice(slot * view.token_bytes, bytes), host_offset, bytes);
     if (!copied.ok()) return copied;
     host_offset += bytes;
@@ -59,7 +59,7 @@ std::string KvLayoutInfo::ToString() const {
 absl::Status ReadKvTokens(Stream& stream, const KvCacheView& view,
                           const SequenceKv& seq, const KvTokenRun& run,
                           void* dst) {
-  const absl::Status valid = CheckRun(view, seq, run);
+  absl::Status valid = CheckRun(view, seq, run);
   if (!valid.ok()) return valid;
   char* out = static_cast<char*>(dst);
   return ForEachBlockPiece(
@@ -71,7 +71,7 @@ absl::Status ReadKvTokens(Stream& stream, const KvCacheView& view,
 absl::Status WriteKvTokens(Stream& stream, const KvCacheView& view,
                            const SequenceKv& seq, const KvTokenRun& run,
                            const void* src) {
-  const absl::Status valid = CheckRun(view, seq, run);
+  absl::Status valid = CheckRun(view, seq, run);
   if (!valid.ok()) return valid;
   const char* in = static_cast<const char*>(src);
   return ForEachBlockPiece(
@@ -115,7 +115,7 @@ absl::Status CopyKvTokens(Stream& stream, const KvCacheView& src,
                 dst.block_size +
             dst_within;
         const size_t bytes = static_cast<size_t>(count) * src.token_bytes;
-        const absl::Status copied = stream.CopyOnDevice(
+        absl::Status copied = stream.CopyOnDevice(
             to.Slice(dst_slot * dst.token_bytes, bytes),
             from.Slice(src_slot * src.token_bytes, bytes), bytes);
         if (!copied.ok()) return copied;

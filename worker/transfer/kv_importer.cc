@@ -75,17 +75,19 @@ void KvImporter::Import(KvImportRequest request, Done done) {
     } else if (importing_.contains(request.sequence_id)) {
       refused = absl::AlreadyExistsError(absl::StrCat(
           "sequence '", request.sequence_id, "' is being imported already"));
-    } else {
+    }
+    if (refused.ok()) {
       importing_.insert(request.sequence_id);
       ++in_flight_;
       queue_.push_back(Job{std::move(request), std::move(done)});
     }
   }
-  if (!refused.ok()) {
-    done(refused);
-    return;
+  if (refused.ok()) {
+    cv_.notify_one();
+  } else {
+    // Moved only when queued (refused.ok()), so still ours here.
+    done(refused);  // NOLINT(bugprone-use-after-move)
   }
-  cv_.notify_one();
 }
 
 int64_t KvImporter::in_flight() const {

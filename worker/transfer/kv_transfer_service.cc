@@ -354,7 +354,7 @@ grpc::ServerWriteReactor<v1::KvChunk>* KvTransferService::PullKv(
       CheckCompatible("the pull", request->model_fingerprint(),
                       FromProto(request->layout()), fingerprint_, view_.layout);
   const std::string& transport = request->transport();
-  if (allowed.ok() && transport != "" && transport != "grpc" &&
+  if (allowed.ok() && !transport.empty() && transport != "grpc" &&
       !(transport == "cuda_ipc" && offers_cuda_ipc()) &&
       !(transport == "nccl" && offers_nccl())) {
     reactor->Refuse(absl::UnimplementedError(
