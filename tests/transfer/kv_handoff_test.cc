@@ -274,10 +274,16 @@ TEST_F(KvHandoffTest, ImportOfALeasePulledElsewhereIsRefused) {
     ASSERT_TRUE(reader->Finish().ok());
     EXPECT_EQ(bytes, 2 * 2 * 6 * 2 * 8 * 4);
   }
-  const grpc::Status s = Import(*decode_, "d", handle);
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
-      << s.error_message();
-  EXPECT_THAT(s.error_message(), HasSubstr("already pulled"));
+  // The source ends the pull (OnDone) a moment after the client saw the
+  // stream's end; until then the lease is "being pulled". Both refusals are
+  // FAILED_PRECONDITION and allocate nothing.
+  grpc::Status s;
+  ASSERT_TRUE(WaitFor([&] {
+    s = Import(*decode_, "d", handle);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+        << s.error_message();
+    return s.error_message().find("already pulled") != std::string::npos;
+  })) << s.error_message();
   ExpectNothingHeld(*decode_, "decode after a refused import");
   // Asking a CPU worker for a CUDA IPC export: it offers none.
   {
