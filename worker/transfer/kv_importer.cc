@@ -244,14 +244,24 @@ absl::Status KvImporter::Pull(const KvPullParams& params, KvTransport* used,
 }
 
 void KvImporter::ReleaseLease(const v1::KvHandle& handle) {
+  // A lost release only delays the source's free until the lease expires,
+  // but on a busy source that is up to a TTL of blocks held for nothing:
+  // retry once on a transport error (not on NOT_FOUND etc.: already gone).
   v1::KvTransfer::Stub stub(peers_.Get(handle.source_address()));
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() +
-                       std::chrono::seconds(2));
   v1::ReleaseKvRequest request;
   request.set_lease_id(handle.lease_id());
-  v1::ReleaseKvResponse response;
-  const grpc::Status status = stub.ReleaseKv(&context, request, &response);
+  grpc::Status status;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(5));
+    v1::ReleaseKvResponse response;
+    status = stub.ReleaseKv(&context, request, &response);
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE &&
+        status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+      break;
+    }
+  }
   LOG_IF(WARNING, !status.ok())
       << "ReleaseKv of lease " << handle.lease_id() << " on "
       << handle.source_address()
