@@ -18,10 +18,12 @@
 #include "gtest/gtest.h"
 #include "tests/server/server_test_util.h"
 #include "tests/server/subprocess.h"
+#include "tests/transfer/handoff_test_util.h"
 
 namespace pdworker {
 namespace {
 
+using handoff_testing::Import;
 using server_testing::Input;
 using server_testing::Request;
 using server_testing::RunfilePath;
@@ -92,38 +94,15 @@ std::unique_ptr<WorkerProcess> StartProcess(const std::string& role,
 }
 
 // start + hold_for_handoff on `prefill`; the handle.
+// start + hold_for_handoff of a `len`-token prompt; the handle.
 v1::KvHandle Hold(v1::Worker::Stub& prefill, const std::string& id, int len) {
-  v1::SequenceInput in;
-  in.set_sequence_id(id);
-  for (int i = 0; i < len; ++i) in.add_token_ids((11 * i + id.size()) % 256);
-  in.set_start(true);
-  in.set_hold_for_handoff(true);
-  v1::ForwardResponse response;
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() +
-                       std::chrono::seconds(60));
-  const grpc::Status s =
-      prefill.Forward(&context, Request({std::move(in)}), &response);
-  EXPECT_TRUE(s.ok()) << s.error_message();
-  return response.sequences_size() == 1 ? response.sequences(0).kv_handle()
-                                        : v1::KvHandle();
-}
-
-grpc::Status Import(v1::Worker::Stub& decode, const std::string& id,
-                    const v1::KvHandle& handle) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() +
-                       std::chrono::seconds(60));
-  v1::ImportKvRequest request;
-  request.set_sequence_id(id);
-  *request.mutable_handle() = handle;
-  v1::ImportKvResponse response;
-  return decode.ImportKv(&context, request, &response);
+  std::vector<int32_t> prompt(len);
+  for (int i = 0; i < len; ++i) prompt[i] = (11 * i + id.size()) % 256;
+  return handoff_testing::HandleOf(handoff_testing::Hold(prefill, id, prompt));
 }
 
 bool Empty(const v1::WorkerStatus& s) {
-  return s.kv_blocks_free() == s.kv_blocks_total() && s.num_sequences() == 0 &&
-         s.kv_leases() == 0 && s.kv_imports() == 0;
+  return handoff_testing::HoldsNothing(s);
 }
 
 // An in-process decode worker whose pulls give up after 2 s.

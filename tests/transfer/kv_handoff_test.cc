@@ -19,11 +19,13 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/server/server_test_util.h"
+#include "tests/transfer/handoff_test_util.h"
 #include "tools/make_tiny_model/tiny_model.h"
 
 namespace pdworker {
 namespace {
 
+using handoff_testing::Import;
 using server_testing::Forward;
 using server_testing::Input;
 using server_testing::Request;
@@ -62,29 +64,13 @@ v1::ForwardResponse Step(TestWorker& w, v1::SequenceInput in) {
   return response;
 }
 
-grpc::Status Import(TestWorker& w, const std::string& id,
-                    const v1::KvHandle& handle,
-                    v1::ImportKvResponse* response = nullptr) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() +
-                       std::chrono::seconds(60));
-  v1::ImportKvRequest request;
-  request.set_sequence_id(id);
-  *request.mutable_handle() = handle;
-  v1::ImportKvResponse ignored;
-  return w.stub->ImportKv(&context, request,
-                          response != nullptr ? response : &ignored);
-}
-
 // The prefill half: start + hold. Returns the first token and the handle.
 std::pair<int32_t, v1::KvHandle> Prefill(TestWorker& prefill,
                                          const std::string& id,
                                          const std::vector<int32_t>& prompt,
                                          const v1::SamplingParams& sampling) {
-  v1::SequenceInput in = Input(id, prompt, true);
-  in.set_hold_for_handoff(true);
-  *in.mutable_sampling() = sampling;
-  v1::ForwardResponse r = Step(prefill, in);
+  const v1::ForwardResponse r =
+      handoff_testing::Hold(*prefill.stub, id, prompt, sampling);
   if (r.sequences_size() != 1) return {-1, {}};
   return {r.sequences(0).token_id(), r.sequences(0).kv_handle()};
 }
@@ -108,9 +94,7 @@ std::vector<int32_t> Decode(TestWorker& w, const std::string& id, int32_t token,
 
 void ExpectNothingHeld(TestWorker& w, const std::string& who) {
   ASSERT_TRUE(WaitFor([&] {
-    const v1::WorkerStatus s = w.Status();
-    return s.kv_blocks_free() == s.kv_blocks_total() && s.kv_leases() == 0 &&
-           s.num_sequences() == 0 && s.kv_imports() == 0;
+    return handoff_testing::HoldsNothing(w.Status());
   })) << who
       << ": " << w.Status().DebugString();
 }
@@ -207,7 +191,7 @@ TEST_F(KvHandoffTest, TokensMatchAnAggregatedWorker) {
       // Disaggregated.
       const auto [p_first, handle] = Prefill(*prefill_, id, prompt, sampling);
       v1::ImportKvResponse imported;
-      const grpc::Status s = Import(*decode_, id, handle, &imported);
+      const grpc::Status s = Import(*decode_->stub, id, handle, &imported);
       ASSERT_TRUE(s.ok()) << s.error_message();
       EXPECT_EQ(imported.num_tokens(), len);
       EXPECT_EQ(imported.transport(), "grpc");
@@ -233,7 +217,7 @@ TEST_F(KvHandoffTest, NeverPulledLeaseExpiresAndLatePullIsRefused) {
   EXPECT_EQ(prefill->Status().kv_leases(), 1);
   // Freed by the sweeper, without any traffic.
   ExpectNothingHeld(*prefill, "prefill after expiry");
-  const grpc::Status late = Import(*decode_, "x", handle);
+  const grpc::Status late = Import(*decode_->stub, "x", handle);
   EXPECT_EQ(late.error_code(), grpc::StatusCode::NOT_FOUND)
       << late.error_message();
   EXPECT_THAT(late.error_message(), HasSubstr("expired"));
@@ -242,10 +226,10 @@ TEST_F(KvHandoffTest, NeverPulledLeaseExpiresAndLatePullIsRefused) {
 TEST_F(KvHandoffTest, SecondPullIsRefused) {
   const auto [token, handle] =
       Prefill(*prefill_, "a", Prompt(12, 4), v1::SamplingParams());
-  ASSERT_TRUE(Import(*decode_, "a", handle).ok());
+  ASSERT_TRUE(Import(*decode_->stub, "a", handle).ok());
   // The same handle again (another id; the first is live): refused, and
   // the refused import leaves nothing allocated.
-  const grpc::Status again = Import(*decode_, "a2", handle);
+  const grpc::Status again = Import(*decode_->stub, "a2", handle);
   EXPECT_EQ(again.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
       << again.error_message();
   EXPECT_THAT(again.error_message(), HasSubstr("already"));
@@ -279,7 +263,7 @@ TEST_F(KvHandoffTest, ImportOfALeasePulledElsewhereIsRefused) {
   // FAILED_PRECONDITION and allocate nothing.
   grpc::Status s;
   ASSERT_TRUE(WaitFor([&] {
-    s = Import(*decode_, "d", handle);
+    s = Import(*decode_->stub, "d", handle);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
         << s.error_message();
     return s.error_message().find("already pulled") != std::string::npos;
@@ -331,7 +315,7 @@ TEST_F(KvHandoffTest, WrongModelOrLayoutIsRefusedWithNothingAllocated) {
   std::unique_ptr<TestWorker> foreign =
       StartWorker(Options(Role::kDecode), ServerOptions(), true, other_dir);
   ASSERT_FALSE(HasFatalFailure());
-  grpc::Status s = Import(*foreign, "m", handle);
+  grpc::Status s = Import(*foreign->stub, "m", handle);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
       << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr("model fingerprint"));
@@ -340,12 +324,12 @@ TEST_F(KvHandoffTest, WrongModelOrLayoutIsRefusedWithNothingAllocated) {
   // A tampered layout (same fingerprint) on the right decode worker.
   v1::KvHandle tampered = handle;
   tampered.mutable_layout()->set_dtype("bfloat16");
-  s = Import(*decode_, "m", tampered);
+  s = Import(*decode_->stub, "m", tampered);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(s.error_message(), HasSubstr("KV layout"));
 
   // The lease was not consumed: the right worker still imports it.
-  ASSERT_TRUE(Import(*decode_, "m", handle).ok());
+  ASSERT_TRUE(Import(*decode_->stub, "m", handle).ok());
   Decode(*decode_, "m", token, 1, v1::SamplingParams());
 }
 
@@ -379,7 +363,7 @@ TEST_F(KvHandoffTest, BadImportsAreRefusedWithNothingAllocated) {
   for (const Case& c : cases) {
     v1::KvHandle h = handle;
     c.mutate(&h);
-    const grpc::Status s = Import(*decode_, c.id, h);
+    const grpc::Status s = Import(*decode_->stub, c.id, h);
     EXPECT_EQ(s.error_code(), c.code) << c.name << ": " << s.error_message();
     EXPECT_THAT(s.error_message(), HasSubstr(c.message)) << c.name;
     EXPECT_EQ(decode_->Status().kv_blocks_free(),
@@ -390,10 +374,10 @@ TEST_F(KvHandoffTest, BadImportsAreRefusedWithNothingAllocated) {
   // A live id on the decode worker: ALREADY_EXISTS before pulling, so the
   // lease survives.
   Step(*decode_, Input("live", {1, 2, 3}, true));
-  grpc::Status s = Import(*decode_, "live", handle);
+  grpc::Status s = Import(*decode_->stub, "live", handle);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS)
       << s.error_message();
-  ASSERT_TRUE(Import(*decode_, "b", handle).ok());
+  ASSERT_TRUE(Import(*decode_->stub, "b", handle).ok());
   Decode(*decode_, "b", token, 1, v1::SamplingParams());
   Decode(*decode_, "live", 5, 1, v1::SamplingParams());
 }
@@ -406,11 +390,11 @@ TEST_F(KvHandoffTest, UnreachableSourceFailsWithUnavailable) {
   // racy; port 1 needs root to listen on).
   h.set_source_address("127.0.0.1:1");
   const auto start = std::chrono::steady_clock::now();
-  const grpc::Status s = Import(*decode_, "u", h);
+  const grpc::Status s = Import(*decode_->stub, "u", h);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(6));
   // Clean up the real lease.
-  ASSERT_TRUE(Import(*decode_, "u", handle).ok());
+  ASSERT_TRUE(Import(*decode_->stub, "u", handle).ok());
   Decode(*decode_, "u", token, 1, v1::SamplingParams());
 }
 
@@ -435,8 +419,8 @@ TEST_F(KvHandoffTest, DecodeDrainWaitsForImportsInFlight) {
   v1::KvHandle h = handle;
   h.set_source_address("127.0.0.1:" + std::to_string(ntohs(address.sin_port)));
 
-  auto import =
-      std::async(std::launch::async, [&] { return Import(*decode_, "q", h); });
+  auto import = std::async(std::launch::async,
+                           [&] { return Import(*decode_->stub, "q", h); });
   ASSERT_TRUE(WaitFor([&] { return decode_->Status().kv_imports() == 1; }));
   const auto start = std::chrono::steady_clock::now();
   decode_->server->Drain();
@@ -468,7 +452,7 @@ TEST_F(KvHandoffTest, DrainingPrefillWorkerStillServesPulls) {
   const auto [token, handle] =
       Prefill(*prefill_, "r", Prompt(20, 9), v1::SamplingParams());
   prefill_->server->BeginDrain();
-  ASSERT_TRUE(Import(*decode_, "r", handle).ok());
+  ASSERT_TRUE(Import(*decode_->stub, "r", handle).ok());
   ExpectNothingHeld(*prefill_, "draining prefill");
   prefill_->server->Drain();
   Decode(*decode_, "r", token, 3, v1::SamplingParams());

@@ -11,10 +11,12 @@
 #include "gtest/gtest.h"
 #include "tests/server/server_test_util.h"
 #include "tests/server/test_certificates.h"
+#include "tests/transfer/handoff_test_util.h"
 
 namespace pdworker {
 namespace {
 
+using handoff_testing::Import;
 using server_testing::Input;
 using server_testing::MakeTestCertificates;
 using server_testing::Request;
@@ -59,32 +61,13 @@ std::unique_ptr<TestWorker> StartTlsWorker(Role role,
   return w;
 }
 
-v1::KvHandle Hold(TestWorker& prefill, const std::string& id) {
-  v1::SequenceInput in = Input(id, {5, 6, 7, 8, 9}, true);
-  in.set_hold_for_handoff(true);
-  v1::ForwardResponse response;
-  grpc::ClientContext context;
-  server_testing::SetGenerousDeadline(&context);
-  const grpc::Status s =
-      prefill.stub->Forward(&context, Request({in}), &response);
-  EXPECT_TRUE(s.ok()) << s.error_message();
-  return response.sequences(0).kv_handle();
-}
-
-grpc::Status Import(TestWorker& decode, const std::string& id,
-                    const v1::KvHandle& handle) {
-  grpc::ClientContext context;
-  server_testing::SetGenerousDeadline(&context);
-  v1::ImportKvRequest request;
-  request.set_sequence_id(id);
-  *request.mutable_handle() = handle;
-  v1::ImportKvResponse response;
-  return decode.stub->ImportKv(&context, request, &response);
-}
-
 bool NothingHeld(TestWorker& w) {
-  const v1::WorkerStatus s = w.Status();
-  return s.kv_blocks_free() == s.kv_blocks_total() && s.kv_leases() == 0;
+  return handoff_testing::HoldsNothing(w.Status());
+}
+
+v1::KvHandle Hold(TestWorker& prefill, const std::string& id) {
+  return handoff_testing::HandleOf(
+      handoff_testing::Hold(*prefill.stub, id, {5, 6, 7, 8, 9}));
 }
 
 TEST(CompleteAdvertiseAddressTest, AddsThePortToABareHost) {
@@ -107,7 +90,7 @@ TEST(KvHandoffTlsTest, MutualTlsWorkersHandOffOverTls) {
   const v1::KvHandle handle = Hold(*prefill, "t");
   EXPECT_EQ(handle.source_address(),
             "127.0.0.1:" + std::to_string(prefill->server->port()));
-  const grpc::Status s = Import(*decode, "t", handle);
+  const grpc::Status s = Import(*decode->stub, "t", handle);
   ASSERT_TRUE(s.ok()) << s.error_message();
   v1::SequenceInput step = Input("t", {1}, false);
   step.set_release_after_step(true);
@@ -137,11 +120,11 @@ TEST(KvHandoffTlsTest, PeerServerNameOverrideIsWhatTheCertificateMatches) {
   ASSERT_NE(matched, nullptr);
 
   const v1::KvHandle handle = Hold(*prefill, "n");
-  const grpc::Status refused = Import(*mismatched, "n", handle);
+  const grpc::Status refused = Import(*mismatched->stub, "n", handle);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE)
       << refused.error_message();
   EXPECT_TRUE(NothingHeld(*mismatched));
-  const grpc::Status ok = Import(*matched, "n", handle);
+  const grpc::Status ok = Import(*matched->stub, "n", handle);
   ASSERT_TRUE(ok.ok()) << ok.error_message();
   v1::ReleaseRequest release;
   release.add_sequence_ids("n");

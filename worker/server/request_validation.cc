@@ -10,8 +10,6 @@
 #include "worker/runner/sampler.h"
 
 namespace pdworker {
-namespace {
-
 absl::Status CheckSequenceId(absl::string_view field, absl::string_view id) {
   if (id.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(field, " is empty"));
@@ -23,6 +21,8 @@ absl::Status CheckSequenceId(absl::string_view field, absl::string_view id) {
   }
   return absl::OkStatus();
 }
+
+namespace {
 
 // `prefix` is "sequences[i].sampling".
 absl::StatusOr<SamplingOptions> ToSamplingOptions(

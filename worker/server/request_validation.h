@@ -61,6 +61,10 @@ absl::StatusOr<ForwardCallSpec> ValidateForwardRequest(
 absl::StatusOr<std::vector<std::string>> ValidateReleaseRequest(
     const v1::ReleaseRequest& request);
 
+// INVALID_ARGUMENT naming `field` for an empty id or one longer than
+// kMaxSequenceIdBytes.
+absl::Status CheckSequenceId(absl::string_view field, absl::string_view id);
+
 // The sampling seed of a sequence that sets none: a 64-bit FNV-1a hash of
 // its id, stable across processes, restarts and machines, so re-running a
 // request reproduces its tokens.

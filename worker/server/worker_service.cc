@@ -335,11 +335,8 @@ grpc::ServerUnaryReactor* WorkerService::ImportKv(
   if (refused.ok() && handoff_.importer == nullptr) {
     refused = absl::UnimplementedError("this worker imports no KV");
   }
-  if (refused.ok() && (request->sequence_id().empty() ||
-                       request->sequence_id().size() > kMaxSequenceIdBytes)) {
-    refused = absl::InvalidArgumentError(
-        absl::StrCat("sequence_id must be 1..", kMaxSequenceIdBytes,
-                     " bytes, got ", request->sequence_id().size()));
+  if (refused.ok()) {
+    refused = CheckSequenceId("sequence_id", request->sequence_id());
   }
   if (refused.ok()) {
     refused = ValidateKvHandle(request->handle(), fingerprint_, kv_layout_,

@@ -65,10 +65,7 @@ absl::Status PullKvOverCudaIpc(PeerChannels& channels,
   const int32_t n = p.handle->num_tokens();
   auto finish = [&](absl::Status status) {
     if (stats != nullptr) {
-      stats->bytes = status.ok() ? static_cast<int64_t>(n) * 2 *
-                                       p.view->layout.num_layers *
-                                       static_cast<int64_t>(p.view->token_bytes)
-                                 : 0;
+      stats->bytes = status.ok() ? p.view->BytesFor(n) : 0;
       stats->seconds = std::chrono::duration<double>(
                            std::chrono::steady_clock::now() - start)
                            .count();
@@ -81,11 +78,7 @@ absl::Status PullKvOverCudaIpc(PeerChannels& channels,
   v1::KvTransfer::Stub stub(channels.Get(p.handle->source_address()));
   grpc::ClientContext context;
   context.set_deadline(std::min(p.call_deadline, p.pull_deadline));
-  v1::PullKvRequest request;
-  request.set_lease_id(p.handle->lease_id());
-  request.set_model_fingerprint(p.model_fingerprint);
-  *request.mutable_layout() = ToProto(p.view->layout);
-  request.set_transport("cuda_ipc");
+  const v1::PullKvRequest request = PullRequestFor(p, "cuda_ipc");
   std::unique_ptr<grpc::ClientReader<v1::KvChunk>> reader =
       stub.PullKv(&context, request);
   v1::KvChunk chunk;

@@ -65,6 +65,16 @@ absl::Status ApplyChunk(const KvPullParams& p, const v1::KvChunk& chunk,
 
 }  // namespace
 
+v1::PullKvRequest PullRequestFor(const KvPullParams& p,
+                                 absl::string_view transport) {
+  v1::PullKvRequest request;
+  request.set_lease_id(p.handle->lease_id());
+  request.set_model_fingerprint(p.model_fingerprint);
+  *request.mutable_layout() = ToProto(p.view->layout);
+  request.set_transport(std::string(transport));
+  return request;
+}
+
 absl::Status ClassifyPullEnd(const KvPullParams& p,
                              const grpc::Status& finished, bool complete,
                              int64_t bytes, KvTransferOutcome* outcome) {
@@ -122,10 +132,7 @@ absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& p,
   v1::KvTransfer::Stub stub(channels.Get(source));
   grpc::ClientContext context;
   context.set_deadline(std::min(p.call_deadline, p.pull_deadline));
-  v1::PullKvRequest request;
-  request.set_lease_id(p.handle->lease_id());
-  request.set_model_fingerprint(p.model_fingerprint);
-  *request.mutable_layout() = ToProto(p.view->layout);
+  const v1::PullKvRequest request = PullRequestFor(p, "grpc");
 
   int64_t bytes = 0;
   Cursor cursor;

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "metrics/worker_metrics.h"
 #include "proto/worker.pb.h"
 #include "worker/kv_cache/kv_cache_manager.h"
@@ -46,6 +47,11 @@ struct KvPullParams {
 // null) gets the bytes received and the outcome (for metrics) either way.
 absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& params,
                             KvPullStats* stats);
+
+// The PullKv request for `params` over `transport` ("grpc", "cuda_ipc",
+// "nccl").
+v1::PullKvRequest PullRequestFor(const KvPullParams& params,
+                                 absl::string_view transport);
 
 // How a PullKv stream ended, for any transport: the import's status and the
 // metrics outcome. `complete`: the puller got everything it expected.

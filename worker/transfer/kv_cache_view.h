@@ -50,6 +50,12 @@ struct KvCacheView {
   const DeviceBuffer& Buffer(int layer, KvCachePart part) const {
     return part == KvCachePart::kKey ? keys[layer] : values[layer];
   }
+  // Bytes of `num_tokens` tokens' K and V over all layers: what one
+  // handoff of that many tokens moves.
+  int64_t BytesFor(int32_t num_tokens) const {
+    return int64_t{num_tokens} * 2 * layout.num_layers *
+           static_cast<int64_t>(token_bytes);
+  }
 };
 
 // Which tokens of which layer part: tokens [first_token, first_token +

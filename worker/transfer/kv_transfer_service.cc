@@ -241,9 +241,7 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
     const absl::Status sent = NcclSendKv(params);
     if (sent.ok()) {
       sent_all_ = true;
-      bytes_ = static_cast<int64_t>(grant_.kv.num_tokens) * 2 *
-               view_.layout.num_layers *
-               static_cast<int64_t>(view_.token_bytes);
+      bytes_ = view_.BytesFor(grant_.kv.num_tokens);
     } else {
       outcome_ = sent.code() == absl::StatusCode::kUnavailable
                      ? KvTransferOutcome::kCancelled

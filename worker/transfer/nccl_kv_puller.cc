@@ -18,10 +18,7 @@ absl::Status PullKvOverNccl(PeerChannels& channels, Device& device,
   const int32_t n = p.handle->num_tokens();
   auto finish = [&](absl::Status status) {
     if (stats != nullptr) {
-      stats->bytes = status.ok() ? static_cast<int64_t>(n) * 2 *
-                                       p.view->layout.num_layers *
-                                       static_cast<int64_t>(p.view->token_bytes)
-                                 : 0;
+      stats->bytes = status.ok() ? p.view->BytesFor(n) : 0;
       stats->seconds = std::chrono::duration<double>(
                            std::chrono::steady_clock::now() - start)
                            .count();
@@ -39,11 +36,7 @@ absl::Status PullKvOverNccl(PeerChannels& channels, Device& device,
   grpc::ClientContext context;
   const auto deadline = std::min(p.call_deadline, p.pull_deadline);
   context.set_deadline(deadline);
-  v1::PullKvRequest request;
-  request.set_lease_id(p.handle->lease_id());
-  request.set_model_fingerprint(p.model_fingerprint);
-  *request.mutable_layout() = ToProto(p.view->layout);
-  request.set_transport("nccl");
+  v1::PullKvRequest request = PullRequestFor(p, "nccl");
   request.set_nccl_unique_id(*id);
   std::unique_ptr<grpc::ClientReader<v1::KvChunk>> reader =
       stub.PullKv(&context, request);

@@ -74,8 +74,7 @@ absl::Status Transfer(const NcclKvParams& p, Rank rank) {
   if (cuda == nullptr) {
     return absl::FailedPreconditionError("NCCL needs a CUDA device");
   }
-  const size_t bytes = static_cast<size_t>(p.num_tokens) * p.view->token_bytes *
-                       2 * p.view->layout.num_layers;
+  const size_t bytes = static_cast<size_t>(p.view->BytesFor(p.num_tokens));
   absl::StatusOr<DeviceMemory> staging = p.device->Allocate(bytes);
   if (!staging.ok()) return staging.status();
   const KvCacheView packed =
