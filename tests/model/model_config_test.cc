@@ -12,6 +12,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/model/config_layouts.h"
 #include "tests/model/test_paths.h"
 #include "tools/make_tiny_model/tiny_model.h"
 
@@ -207,6 +208,96 @@ TEST(ModelConfigTest, ParsesEveryTinyShape) {
   }
 }
 
+// The Llama-3.2-1B shape as transformers 5 save_pretrained writes it: RoPE
+// base and scaling inside "rope_parameters", "dtype", no top-level
+// rope_theta. Reading only the old fields would silently give theta 10000.
+constexpr char kTransformers5Config[] = R"({
+  "architectures": ["LlamaForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 128000,
+  "dtype": "bfloat16",
+  "eos_token_id": 128001,
+  "head_dim": 64,
+  "hidden_act": "silu",
+  "hidden_size": 2048,
+  "initializer_range": 0.02,
+  "intermediate_size": 8192,
+  "max_position_embeddings": 131072,
+  "mlp_bias": false,
+  "model_type": "llama",
+  "num_attention_heads": 32,
+  "num_hidden_layers": 16,
+  "num_key_value_heads": 8,
+  "pretraining_tp": 1,
+  "rms_norm_eps": 1e-05,
+  "rope_parameters": {
+    "factor": 32.0,
+    "high_freq_factor": 4.0,
+    "low_freq_factor": 1.0,
+    "original_max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+    "rope_type": "llama3"
+  },
+  "tie_word_embeddings": true,
+  "transformers_version": "5.17.0",
+  "use_cache": true,
+  "vocab_size": 128256
+})";
+
+TEST(ModelConfigTest, ParsesTransformers5RopeParameters) {
+  const ModelConfig c = ParseOrDie(kTransformers5Config);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 500000.0);
+  EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kLlama3);
+  EXPECT_DOUBLE_EQ(c.rope_scaling.factor, 32.0);
+  EXPECT_DOUBLE_EQ(c.rope_scaling.low_freq_factor, 1.0);
+  EXPECT_DOUBLE_EQ(c.rope_scaling.high_freq_factor, 4.0);
+  EXPECT_EQ(c.rope_scaling.original_max_position_embeddings, 8192);
+  EXPECT_EQ(c.torch_dtype, DType::kBFloat16);
+  EXPECT_TRUE(c.tie_word_embeddings);
+
+  // "default" RoPE in the new layout: the base from rope_parameters.
+  Json j = Json::parse(kTransformers5Config);
+  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1e6}};
+  const ModelConfig d = ParseOrDie(j.dump());
+  EXPECT_DOUBLE_EQ(d.rope_theta, 1e6);
+  EXPECT_EQ(d.rope_scaling.type, RopeScalingType::kNone);
+
+  // Both layouts present and agreeing (configs converted by hand) is fine;
+  // a rope_parameters without rope_theta keeps the top-level one.
+  j["rope_theta"] = 1e6;
+  j["rope_scaling"] = nullptr;
+  EXPECT_DOUBLE_EQ(ParseOrDie(j.dump()).rope_theta, 1e6);
+  j["rope_parameters"].erase("rope_theta");
+  j["rope_theta"] = 250000.0;
+  EXPECT_DOUBLE_EQ(ParseOrDie(j.dump()).rope_theta, 250000.0);
+}
+
+// The same model written by transformers 4 and 5 is the same model: equal
+// canonical strings (so equal fingerprints, so KV handoffs between a worker
+// loading either layout are allowed) and equal storage dtype.
+TEST(ModelConfigTest, Transformers5LayoutEqualsTransformers4Layout) {
+  std::vector<std::pair<std::string, std::string>> configs = {
+      {"llama31", kLlama31Config},
+      {"qwen2", kQwen2Config},
+      {"mistral", kMistralConfig}};
+  for (const TinyShape shape : AllTinyShapes()) {
+    TinyModelOptions options;
+    options.shape = shape;
+    options.dtype = DType::kBFloat16;
+    configs.push_back(
+        {std::string(TinyShapeName(shape)), TinyModelConfigJson(options)});
+  }
+  for (const auto& [name, text] : configs) {
+    SCOPED_TRACE(name);
+    const ModelConfig old_layout = ParseOrDie(text);
+    const ModelConfig new_layout = ParseOrDie(
+        model_testing::ToTransformers5Layout(Json::parse(text)).dump());
+    EXPECT_EQ(new_layout.CanonicalString(), old_layout.CanonicalString());
+    EXPECT_EQ(new_layout.torch_dtype, old_layout.torch_dtype);
+  }
+}
+
 // A minimal valid config for the invalid-config table to mutate.
 Json BaseConfig() {
   return Json{{"architectures", {"LlamaForCausalLM"}},
@@ -371,6 +462,48 @@ std::vector<InvalidCase> InvalidCases() {
        {"head_dim", "hidden_size", "num_attention_heads"}},
       {"zero_eps", set("rms_norm_eps", 0), {"rms_norm_eps", "positive"}},
       {"negative_theta", set("rope_theta", -1.0), {"rope_theta", "positive"}},
+      {"rope_parameters_not_object",
+       set("rope_parameters", 10000.0),
+       {"rope_parameters", "object"}},
+      {"rope_parameters_per_layer_type",
+       set("rope_parameters",
+           {{"full_attention", {{"rope_type", "default"}, {"rope_theta", 1e6}}},
+            {"sliding_attention",
+             {{"rope_type", "default"}, {"rope_theta", 1e4}}}}),
+       {"rope_parameters.full_attention", "per-layer-type"}},
+      {"rope_parameters_without_type",
+       set("rope_parameters", {{"rope_theta", 1e6}}),
+       {"rope_parameters.rope_type", "missing"}},
+      {"rope_parameters_yarn",
+       set("rope_parameters",
+           {{"rope_type", "yarn"}, {"rope_theta", 1e6}, {"factor", 4.0}}),
+       {"rope_parameters.rope_type", "yarn", "llama3"}},
+      {"rope_parameters_llama3_without_factor",
+       [llama3](Json& j) {
+         j["rope_parameters"] = llama3;
+         j["rope_parameters"].erase("factor");
+       },
+       {"rope_parameters.factor", "missing"}},
+      {"rope_parameters_theta_string",
+       set("rope_parameters",
+           {{"rope_type", "default"}, {"rope_theta", "1e6"}}),
+       {"rope_parameters.rope_theta", "number"}},
+      {"rope_theta_disagrees_with_rope_parameters",
+       [](Json& j) {
+         j["rope_theta"] = 10000.0;
+         j["rope_parameters"] = {{"rope_type", "default"},
+                                 {"rope_theta", 500000.0}};
+       },
+       {"rope_theta", "10000", "500000", "disagrees"}},
+      {"rope_scaling_disagrees_with_rope_parameters",
+       [llama3](Json& j) {
+         j["rope_scaling"] = llama3;
+         j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1e4}};
+       },
+       {"rope_scaling", "disagrees", "rope_parameters"}},
+      {"negative_theta_in_rope_parameters",
+       set("rope_parameters", {{"rope_type", "default"}, {"rope_theta", -1.0}}),
+       {"rope_theta", "positive"}},
       {"huge_unsigned",
        set("vocab_size", 18446744073709551615ull),
        {"vocab_size", "out of range"}},

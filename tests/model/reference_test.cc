@@ -12,7 +12,9 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/model/command.h"
+#include "tests/model/config_layouts.h"
 #include "tests/model/reference_runner.h"
 #include "tests/model/test_paths.h"
 #include "tests/model/tiny_model_maker.h"
@@ -149,6 +151,47 @@ TEST(ReferenceTest, ShardingDoesNotChangeLogitsAndDtypeBarely) {
       MaxAbsDiff((*one)[0].data(), (*f32)[0].data(), (*one)[0].size());
   EXPECT_GT(diff, 0.0f);
   EXPECT_LT(diff, 0.25f);
+}
+
+// transformers 5 writes the RoPE base and scaling into "rope_parameters".
+// The reference must read them there: a reader that only knows the old
+// fields falls back to theta 10000 without scaling and silently computes
+// other logits. The GPU comparison against transformers relies on this.
+TEST(ReferenceTest, ReadsTheTransformers5ConfigLayout) {
+  const std::vector<std::vector<int32_t>> sequences = {
+      {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20}};
+  TinyModelRequest request;
+  request.shape = "llama3_rope";
+  const std::string old_layout = MakeModelOrDie(request);
+  const std::string new_layout = MakeModelOrDie(request);
+  const auto read_config = [](const std::string& dir) {
+    std::ifstream file(dir + "/config.json");
+    return nlohmann::json::parse(file);
+  };
+  const auto write_config = [](const std::string& dir,
+                               const nlohmann::json& config) {
+    std::ofstream(dir + "/config.json") << config.dump(2);
+  };
+  nlohmann::json config =
+      model_testing::ToTransformers5Layout(read_config(new_layout));
+  ASSERT_FALSE(config.contains("rope_theta"));
+  ASSERT_EQ(config["rope_parameters"]["rope_type"], "llama3");
+  write_config(new_layout, config);
+  auto before = RunReferenceLogits(old_layout, sequences);
+  auto after = RunReferenceLogits(new_layout, sequences);
+  ASSERT_TRUE(before.ok()) << before.status();
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ((*before)[0], (*after)[0]);
+
+  // The base inside rope_parameters is the one used.
+  config["rope_parameters"]["rope_theta"] =
+      config["rope_parameters"]["rope_theta"].get<double>() * 4;
+  write_config(new_layout, config);
+  auto other_theta = RunReferenceLogits(new_layout, sequences);
+  ASSERT_TRUE(other_theta.ok()) << other_theta.status();
+  EXPECT_GT(MaxAbsDiff((*before)[0].data(), (*other_theta)[0].data(),
+                       (*before)[0].size()),
+            1e-3f);
 }
 
 TEST(ReferenceTest, BinaryWritesTheSameBytesAsTheLibrary) {

@@ -85,8 +85,15 @@ class Config:
                          self.hidden_size // self.num_heads)
         self.rms_norm_eps = float(raw["rms_norm_eps"])
         theta = raw.get("rope_theta")
-        self.rope_theta = float(theta) if theta is not None else 10000.0
         self.rope_scaling = raw.get("rope_scaling")
+        # transformers 5 moves the RoPE base and scaling into
+        # "rope_parameters" (the old fields may be absent or null).
+        params = raw.get("rope_parameters")
+        if params is not None:
+            if params.get("rope_theta") is not None:
+                theta = params["rope_theta"]
+            self.rope_scaling = params
+        self.rope_theta = float(theta) if theta is not None else 10000.0
         self.vocab_size = int(raw["vocab_size"])
         self.tie_word_embeddings = bool(raw.get("tie_word_embeddings", False))
         act = raw.get("hidden_act", "silu")

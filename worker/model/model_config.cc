@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <sstream>
 
 #include "absl/status/status.h"
@@ -115,25 +116,22 @@ absl::StatusOr<Architecture> ParseArchitectures(const Json& root) {
                    "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"));
 }
 
-absl::StatusOr<RopeScaling> ParseRopeScaling(const Json& root) {
+// The scaling described by one RoPE object: transformers < 5's
+// "rope_scaling" or transformers 5's "rope_parameters" (which also holds
+// rope_theta, read by the caller). `name` is the field, for errors.
+absl::StatusOr<RopeScaling> ParseRopeObject(const Json& value,
+                                            const std::string& name) {
   RopeScaling scaling;
-  const Json* value = Find(root, "rope_scaling");
-  if (value == nullptr) return scaling;
-  if (!value->is_object()) {
-    return FieldError("rope_scaling", absl::StrCat("must be an object or null, "
-                                                   "got ",
-                                                   Describe(*value)));
-  }
   // transformers >= 4.45 writes "rope_type"; older configs write "type".
   std::string type_field = "rope_type";
-  const Json* type = Find(*value, type_field);
+  const Json* type = Find(value, type_field);
   if (type == nullptr) {
     type_field = "type";
-    type = Find(*value, type_field);
+    type = Find(value, type_field);
   }
-  const std::string type_name = absl::StrCat("rope_scaling.", type_field);
+  const std::string type_name = absl::StrCat(name, ".", type_field);
   if (type == nullptr) {
-    return FieldError("rope_scaling.rope_type", "is missing");
+    return FieldError(absl::StrCat(name, ".rope_type"), "is missing");
   }
   if (!type->is_string()) {
     return FieldError(type_name,
@@ -142,48 +140,124 @@ absl::StatusOr<RopeScaling> ParseRopeScaling(const Json& root) {
   const std::string kind = type->get<std::string>();
   if (kind == "default") return scaling;  // HF's name for "no scaling"
   if (kind != "llama3") {
-    return FieldError(type_name,
-                      absl::StrCat("\"", kind,
-                                   "\" is not supported; supported: llama3 "
-                                   "(or rope_scaling null)"));
+    return FieldError(type_name, absl::StrCat("\"", kind,
+                                              "\" is not supported; supported: "
+                                              "default, llama3"));
   }
   scaling.type = RopeScalingType::kLlama3;
-  constexpr absl::string_view kPath = "rope_scaling.";
-  auto factor = RequiredNumber(*value, "factor", kPath);
+  const std::string path = absl::StrCat(name, ".");
+  auto factor = RequiredNumber(value, "factor", path);
   if (!factor.ok()) return factor.status();
-  auto low = RequiredNumber(*value, "low_freq_factor", kPath);
+  auto low = RequiredNumber(value, "low_freq_factor", path);
   if (!low.ok()) return low.status();
-  auto high = RequiredNumber(*value, "high_freq_factor", kPath);
+  auto high = RequiredNumber(value, "high_freq_factor", path);
   if (!high.ok()) return high.status();
-  auto original =
-      RequiredInt(*value, "original_max_position_embeddings", kPath);
+  auto original = RequiredInt(value, "original_max_position_embeddings", path);
   if (!original.ok()) return original.status();
   scaling.factor = *factor;
   scaling.low_freq_factor = *low;
   scaling.high_freq_factor = *high;
   scaling.original_max_position_embeddings = *original;
   if (!(scaling.factor > 0)) {
-    return FieldError("rope_scaling.factor",
+    return FieldError(path + "factor",
                       absl::StrCat("must be positive, got ", scaling.factor));
   }
   if (!(scaling.low_freq_factor > 0)) {
     return FieldError(
-        "rope_scaling.low_freq_factor",
+        path + "low_freq_factor",
         absl::StrCat("must be positive, got ", scaling.low_freq_factor));
   }
   // The smoothing divides by (high - low).
   if (!(scaling.high_freq_factor > scaling.low_freq_factor)) {
-    return FieldError("rope_scaling.high_freq_factor",
+    return FieldError(path + "high_freq_factor",
                       absl::StrCat("(", scaling.high_freq_factor,
                                    ") must be greater than low_freq_factor (",
                                    scaling.low_freq_factor, ")"));
   }
   if (scaling.original_max_position_embeddings <= 0) {
-    return FieldError("rope_scaling.original_max_position_embeddings",
+    return FieldError(path + "original_max_position_embeddings",
                       absl::StrCat("must be positive, got ",
                                    scaling.original_max_position_embeddings));
   }
   return scaling;
+}
+
+bool SameScaling(const RopeScaling& a, const RopeScaling& b) {
+  if (a.type != b.type) return false;
+  if (a.type == RopeScalingType::kNone) return true;
+  return a.factor == b.factor && a.low_freq_factor == b.low_freq_factor &&
+         a.high_freq_factor == b.high_freq_factor &&
+         a.original_max_position_embeddings ==
+             b.original_max_position_embeddings;
+}
+
+// RoPE base and scaling. transformers < 5 writes top-level "rope_theta" and
+// "rope_scaling"; transformers 5 writes both into "rope_parameters" (and may
+// drop or null the old fields). Reading only the old fields from a v5 config
+// would silently fall back to theta 10000 and no scaling, giving wrong
+// positions with no error, so both layouts are read, and a config whose two
+// layouts disagree is refused rather than guessed at.
+absl::Status ParseRope(const Json& root, ModelConfig* config) {
+  std::optional<double> legacy_theta;
+  if (const Json* theta = Find(root, "rope_theta"); theta != nullptr) {
+    auto value = AsNumber(*theta, "rope_theta");
+    if (!value.ok()) return value.status();
+    legacy_theta = *value;
+  }
+  std::optional<RopeScaling> legacy_scaling;
+  if (const Json* value = Find(root, "rope_scaling"); value != nullptr) {
+    if (!value->is_object()) {
+      return FieldError(
+          "rope_scaling",
+          absl::StrCat("must be an object or null, got ", Describe(*value)));
+    }
+    auto scaling = ParseRopeObject(*value, "rope_scaling");
+    if (!scaling.ok()) return scaling.status();
+    legacy_scaling = *scaling;
+  }
+  const Json* params = Find(root, "rope_parameters");
+  if (params == nullptr) {
+    if (legacy_theta.has_value()) config->rope_theta = *legacy_theta;
+    if (legacy_scaling.has_value()) config->rope_scaling = *legacy_scaling;
+    return absl::OkStatus();
+  }
+  if (!params->is_object()) {
+    return FieldError(
+        "rope_parameters",
+        absl::StrCat("must be an object or null, got ", Describe(*params)));
+  }
+  // Models with several attention types key rope_parameters by layer type
+  // ({"full_attention": {...}, "sliding_attention": {...}}); none we serve.
+  for (const auto& [key, entry] : params->items()) {
+    if (entry.is_object()) {
+      return FieldError(
+          absl::StrCat("rope_parameters.", key),
+          "is per-layer-type RoPE, which is not supported; expected one "
+          "object with rope_type and rope_theta");
+    }
+  }
+  auto scaling = ParseRopeObject(*params, "rope_parameters");
+  if (!scaling.ok()) return scaling.status();
+  if (legacy_scaling.has_value() && !SameScaling(*legacy_scaling, *scaling)) {
+    return FieldError("rope_scaling",
+                      "disagrees with rope_parameters; remove one of them");
+  }
+  config->rope_scaling = *scaling;
+  if (const Json* theta = Find(*params, "rope_theta"); theta != nullptr) {
+    auto value = AsNumber(*theta, "rope_parameters.rope_theta");
+    if (!value.ok()) return value.status();
+    if (legacy_theta.has_value() && *legacy_theta != *value) {
+      return FieldError(
+          "rope_theta",
+          absl::StrCat("(", *legacy_theta,
+                       ") disagrees with rope_parameters.rope_theta (", *value,
+                       "); remove one of them"));
+    }
+    config->rope_theta = *value;
+  } else if (legacy_theta.has_value()) {
+    config->rope_theta = *legacy_theta;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ParseTokenIds(const Json& root, ModelConfig* config) {
@@ -407,15 +481,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text) {
   if (!eps.ok()) return eps.status();
   config.rms_norm_eps = *eps;
 
-  if (const Json* theta = Find(root, "rope_theta"); theta != nullptr) {
-    auto value = AsNumber(*theta, "rope_theta");
-    if (!value.ok()) return value.status();
-    config.rope_theta = *value;
+  if (absl::Status status = ParseRope(root, &config); !status.ok()) {
+    return status;
   }
-
-  auto scaling = ParseRopeScaling(root);
-  if (!scaling.ok()) return scaling.status();
-  config.rope_scaling = *scaling;
 
   auto tied = OptionalBool(root, "tie_word_embeddings", false);
   if (!tied.ok()) return tied.status();
