@@ -86,7 +86,11 @@ class SamplingCudaTest : public CudaKernelTest {
       ASSERT_EQ(got.tokens.size(), rows.size());
       for (size_t r = 0; r < rows.size(); ++r) {
         EXPECT_EQ(got.tokens[r], want.tokens[r]) << what << " row " << r;
-        if (std::isinf(want.logprobs[r])) {
+        if (std::isnan(want.logprobs[r])) {
+          // A +inf logit makes both kernels' weights exp(inf - inf) = NaN
+          // (same token, NaN logprob); EXPECT_NEAR never accepts NaN.
+          EXPECT_TRUE(std::isnan(got.logprobs[r])) << what << " row " << r;
+        } else if (std::isinf(want.logprobs[r])) {
           EXPECT_EQ(got.logprobs[r], want.logprobs[r]) << what << " row " << r;
         } else {
           EXPECT_NEAR(got.logprobs[r], want.logprobs[r],
@@ -149,7 +153,7 @@ TEST_F(SamplingCudaTest, SpecialLogitsSampleLikeTheCpu) {
   for (int v = 0; v < vocab; v += 2) zeros.logits[v] = -0.0f;  // -0 == +0
   rows.push_back(zeros);
   Row inf = {RandomLogits(vocab, 51, 1.0f), 1.0f, 5, 1.0f, 11, 7};
-  inf.logits[123] = kInf;  // a certain token
+  inf.logits[123] = kInf;  // a certain token (NaN logprob on both)
   rows.push_back(inf);
   Row tiny_t = {RandomLogits(vocab, 52, 1.0f), 1e-6f, 0, 1.0f, 12, 8};
   rows.push_back(tiny_t);  // below eps: greedy

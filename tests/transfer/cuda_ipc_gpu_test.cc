@@ -84,7 +84,18 @@ TEST(CudaIpcGpuTest, MapsAndCopiesAnotherProcessesKvCache) {
   // fork).
   const pid_t child = fork();
   ASSERT_GE(child, 0);
-  if (child == 0) RunExporter(to_parent[1], from_parent[0]);
+  if (child == 0) {
+    // Keep only this side's ends: the child must see EOF on from_parent
+    // when the parent exits early (a failed ASSERT), or it would block
+    // forever holding the test's stdout and its CUDA context.
+    close(to_parent[0]);
+    close(from_parent[1]);
+    RunExporter(to_parent[1], from_parent[0]);
+  }
+  // Likewise, a child that crashes before writing must give the parent EOF
+  // instead of a hang. (The parent keeps its read end of from_parent: the
+  // final write must not raise SIGPIPE after the child has exited.)
+  close(to_parent[1]);
 
   char tag[4];
   ASSERT_TRUE(ReadAll(to_parent[0], tag, 4));
