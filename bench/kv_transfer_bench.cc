@@ -27,9 +27,19 @@
 // Everything runs one call at a time, so a transfer never overlaps a model
 // step; the three workers and the client share this process and the
 // machine's cores. Absolute times are this CPU's; the ratios are the point.
-// CPU workers offer only the gRPC stream; CUDA IPC and NCCL would need CUDA
-// workers in separate processes (an IPC handle cannot be opened by the
-// process that exported it), which this bench does not start.
+// CPU workers offer only the gRPC stream.
+//
+// CUDA IPC and NCCL need workers in separate processes (an IPC handle cannot
+// be opened by the process that exported it): start three `pdworker`s (roles
+// prefill, decode, both; same model; --max_num_batched_tokens at least the
+// longest prompt) and point the bench at them:
+//
+//   kv_transfer_bench --prefill_target=127.0.0.1:50051
+//       --decode_target=127.0.0.1:50052 --aggregated_target=127.0.0.1:50053
+//       --transports=grpc,cuda_ipc
+//
+// --transports measures each listed transport in turn by offering only it in
+// the handle given to ImportKv (default: whatever ImportKv negotiates).
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -65,6 +75,16 @@ ABSL_FLAG(int, max_num_batched_tokens, 2048,
 ABSL_FLAG(int, chunk_kib, 256,
           "KvTransferServiceOptions.max_chunk_bytes of the prefill worker, "
           "KiB (chunks hold whole 16-token blocks).");
+ABSL_FLAG(std::string, prefill_target, "",
+          "host:port of a running prefill pdworker (with --decode_target and "
+          "--aggregated_target); empty: start three workers in-process.");
+ABSL_FLAG(std::string, decode_target, "", "host:port of a decode pdworker.");
+ABSL_FLAG(std::string, aggregated_target, "",
+          "host:port of a role-both pdworker.");
+ABSL_FLAG(std::vector<std::string>, transports, {},
+          "Transports to measure one after the other (grpc, cuda_ipc, nccl), "
+          "each by offering only it in the handle; empty: the negotiated "
+          "one.");
 ABSL_FLAG(std::string, model_dir, "/tmp/pdworker_bench_small_4k",
           "Where the small model is written (config.json gets "
           "max_position_embeddings 4096 so 2,048-token prompts fit).");
@@ -118,6 +138,8 @@ void WriteModel(const std::string& dir) {
   CHECK(out.good());
 }
 
+// A worker this process started (device, runner and server set), or one it
+// only connects to (--*_target).
 struct Worker {
   CpuDevice device;
   std::unique_ptr<ModelRunner> runner;
@@ -172,6 +194,33 @@ std::unique_ptr<Worker> StartWorker(const std::string& dir, Role role) {
                s.capture_sizes().empty() ? 0 : s.capture_sizes().rbegin()[0],
                s.graphs_captured(),
                std::chrono::duration<double>(Clock::now() - t0).count());
+  return w;
+}
+
+std::unique_ptr<Worker> ConnectWorker(const std::string& target) {
+  auto w = std::make_unique<Worker>();
+  w->channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  w->stub = v1::Worker::NewStub(w->channel);
+  w->transfer = v1::KvTransfer::NewStub(w->channel);
+  // A worker answers GetStatus while it captures graphs; wait until it
+  // serves Forward (up to 5 minutes: large models capture for a while).
+  const auto give_up = Clock::now() + std::chrono::minutes(5);
+  v1::WorkerStatus s;
+  for (;;) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(5));
+    const grpc::Status rpc =
+        w->stub->GetStatus(&context, v1::GetStatusRequest(), &s);
+    if (rpc.ok() && s.serving()) break;
+    CHECK(Clock::now() < give_up)
+        << target << " not serving: "
+        << (rpc.ok() ? s.DebugString() : rpc.error_message());
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  std::fprintf(stderr, "%s: %s worker, mode %s, %d graphs\n", target.c_str(),
+               s.role().c_str(), s.resolved_mode().c_str(),
+               s.graphs_captured());
   return w;
 }
 
@@ -238,6 +287,9 @@ class Bench {
   Bench(Worker& prefill, Worker& decode, Worker& both)
       : prefill_(prefill), decode_(decode), both_(both) {}
 
+  // Only `transport` is offered to ImportKv from now on ("": all offered).
+  void set_transport(const std::string& transport) { transport_ = transport; }
+
   void Rep(int len, int salt, Samples* out) {
     const std::vector<int32_t> prompt = Prompt(len, salt);
     const std::string id = absl::StrCat("r", salt, "-", len);
@@ -253,6 +305,13 @@ class Bench {
     v1::ImportKvRequest import;
     import.set_sequence_id(id);
     *import.mutable_handle() = handle;
+    if (!transport_.empty()) {
+      CHECK(std::find(handle.transports().begin(), handle.transports().end(),
+                      transport_) != handle.transports().end())
+          << "the prefill worker does not offer " << transport_;
+      import.mutable_handle()->clear_transports();
+      import.mutable_handle()->add_transports(transport_);
+    }
     v1::ImportKvResponse imported;
     grpc::ClientContext import_context;
     const auto t0 = Clock::now();
@@ -261,6 +320,7 @@ class Bench {
     const double import_ms = Millis(Clock::now() - t0);
     CHECK(s.ok()) << s.error_message();
     CHECK_EQ(imported.num_tokens(), len);
+    if (!transport_.empty()) CHECK_EQ(imported.transport(), transport_);
     const v1::ForwardResponse first =
         Forward(decode_, id, {held.sequences(0).token_id()}, false, false, true,
                 &decode_ms);
@@ -341,6 +401,7 @@ class Bench {
   Worker& decode_;
   Worker& both_;
   std::vector<std::string> offered_transports_;  // KvHandle.transports
+  std::string transport_;
 };
 
 double MBps(int64_t bytes, double ms) { return bytes / (ms * 1e3); }
@@ -359,12 +420,22 @@ int Main(int argc, char** argv) {
   }
   const int reps = absl::GetFlag(FLAGS_reps);
   CHECK_GT(reps, 0);
-  const std::string dir = absl::GetFlag(FLAGS_model_dir);
-  WriteModel(dir);
-
-  auto prefill = StartWorker(dir, Role::kPrefill);
-  auto decode = StartWorker(dir, Role::kDecode);
-  auto both = StartWorker(dir, Role::kBoth);
+  std::unique_ptr<Worker> prefill, decode, both;
+  const std::string prefill_target = absl::GetFlag(FLAGS_prefill_target);
+  if (prefill_target.empty()) {
+    const std::string dir = absl::GetFlag(FLAGS_model_dir);
+    WriteModel(dir);
+    prefill = StartWorker(dir, Role::kPrefill);
+    decode = StartWorker(dir, Role::kDecode);
+    both = StartWorker(dir, Role::kBoth);
+  } else {
+    CHECK(!absl::GetFlag(FLAGS_decode_target).empty() &&
+          !absl::GetFlag(FLAGS_aggregated_target).empty())
+        << "--prefill_target needs --decode_target and --aggregated_target";
+    prefill = ConnectWorker(prefill_target);
+    decode = ConnectWorker(absl::GetFlag(FLAGS_decode_target));
+    both = ConnectWorker(absl::GetFlag(FLAGS_aggregated_target));
+  }
   const v1::KvLayout layout = [&] {
     double ms = 0;
     const v1::ForwardResponse r =
@@ -381,18 +452,28 @@ int Main(int argc, char** argv) {
                               (layout.dtype() == "float32" ? 4 : 2);
 
   Bench bench(*prefill, *decode, *both);
-  std::vector<Samples> results(lens.size());
+  std::vector<std::string> transports = absl::GetFlag(FLAGS_transports);
+  if (transports.empty()) transports.push_back("");  // negotiated
+  // One row per (transport, prompt length), transports outermost.
+  std::vector<Samples> results;
+  std::vector<int> row_lens;
   int salt = 0;
-  for (size_t i = 0; i < lens.size(); ++i) {
-    const auto t0 = Clock::now();
-    bench.Rep(lens[i], ++salt, nullptr);  // warm-up
-    for (int r = 0; r < reps; ++r) bench.Rep(lens[i], ++salt, &results[i]);
-    CHECK_EQ(results[i].kv_bytes, token_bytes * lens[i]);
-    CHECK_EQ(results[i].raw_bytes, results[i].kv_bytes);
-    std::fprintf(stderr, "prompt %d: %d reps in %.1f s\n", lens[i], reps,
-                 std::chrono::duration<double>(Clock::now() - t0).count());
+  for (const std::string& transport : transports) {
+    bench.set_transport(transport);
+    for (const int len : lens) {
+      const auto t0 = Clock::now();
+      Samples samples;
+      bench.Rep(len, ++salt, nullptr);  // warm-up
+      for (int r = 0; r < reps; ++r) bench.Rep(len, ++salt, &samples);
+      CHECK_EQ(samples.kv_bytes, token_bytes * len);
+      CHECK_EQ(samples.raw_bytes, samples.kv_bytes);
+      std::fprintf(stderr, "%s prompt %d: %d reps in %.1f s\n",
+                   samples.transport.c_str(), len, reps,
+                   std::chrono::duration<double>(Clock::now() - t0).count());
+      results.push_back(std::move(samples));
+      row_lens.push_back(len);
+    }
   }
-
   std::printf(
       "KV layout: %d layers x (K + V) x %d KV heads x head_dim %d, %s: "
       "%lld bytes per token. Transports offered by the prefill worker: %s. "
@@ -410,7 +491,7 @@ int Main(int argc, char** argv) {
       "MB/s at min | chunks |\n"
       "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
       "| ---: | ---: | ---: | ---: | ---: |\n");
-  for (size_t i = 0; i < lens.size(); ++i) {
+  for (size_t i = 0; i < results.size(); ++i) {
     const Samples& s = results[i];
     const Percentiles wall = Summarize(s.import_wall);
     const Percentiles transfer = Summarize(s.transfer);
@@ -422,7 +503,7 @@ int Main(int argc, char** argv) {
     std::printf(
         "| %s | %d | %lld | %.2f | %.2f | %.2f | %.2f | %.0f | %.0f | %.2f | "
         "%.2f | %.2f | %.0f | %.0f | %d |\n",
-        s.transport.c_str(), lens[i], static_cast<long long>(s.kv_bytes),
+        s.transport.c_str(), row_lens[i], static_cast<long long>(s.kv_bytes),
         wall.p50, wall.p99, P50(s.import_server), transfer.p50,
         MBps(s.kv_bytes, transfer.p50), MBps(s.kv_bytes, transfer.min),
         P50(install), raw.p50, raw.p99, MBps(s.raw_bytes, raw.p50),
@@ -447,21 +528,22 @@ int Main(int argc, char** argv) {
   // sampled by the prefill Forward on both paths; P/D adds the transfer
   // before the second.
   std::printf(
-      "| prompt tokens | P/D prefill Forward (hold) | its model step | "
+      "| transport | prompt tokens | P/D prefill Forward (hold) | its model "
+      "step | "
       "ImportKv | P/D first decode | P/D total | aggregated prefill Forward "
       "| its model step | aggregated first decode | aggregated total | P/D / "
       "aggregated | ImportKv / aggregated total |\n"
-      "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-      "| ---: | ---: |\n");
-  for (size_t i = 0; i < lens.size(); ++i) {
+      "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+      "| ---: | ---: | ---: |\n");
+  for (size_t i = 0; i < results.size(); ++i) {
     const Samples& s = results[i];
     std::printf(
-        "| %d | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f "
-        "| %.2f | %.3f |\n",
-        lens[i], P50(s.pd_prefill), P50(s.pd_prefill_step), P50(s.import_wall),
-        P50(s.pd_decode), P50(s.pd_total), P50(s.agg_prefill),
-        P50(s.agg_prefill_step), P50(s.agg_decode), P50(s.agg_total),
-        P50(s.pd_total) / P50(s.agg_total),
+        "| %s | %d | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | "
+        "%.2f | %.2f | %.3f |\n",
+        s.transport.c_str(), row_lens[i], P50(s.pd_prefill),
+        P50(s.pd_prefill_step), P50(s.import_wall), P50(s.pd_decode),
+        P50(s.pd_total), P50(s.agg_prefill), P50(s.agg_prefill_step),
+        P50(s.agg_decode), P50(s.agg_total), P50(s.pd_total) / P50(s.agg_total),
         P50(s.import_wall) / P50(s.agg_total));
   }
   return 0;
