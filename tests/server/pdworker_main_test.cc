@@ -19,6 +19,7 @@
 #include "tests/server/server_test_util.h"
 #include "tests/server/subprocess.h"
 #include "tests/server/test_certificates.h"
+#include "worker/runtime/device_factory.h"
 
 namespace pdworker {
 namespace {
@@ -202,7 +203,8 @@ TEST(PdworkerMainTest, BadConfigurationFailsAtStartupNamingTheFlag) {
       {{"--compilation_config={\"cudagraph_mod\":\"FULL\"}"}, "cudagraph_mod"},
       {{"--kv_cache_bytes=1000"}, "kv_cache_bytes=1000"},
       {{"--model=/nonexistent/model"}, "--model"},
-      {{"--device=cuda"}, "--device"},
+      {{"--device=cuda"}, "add --experimental_cuda"},
+      {{"--device=tpu"}, "unknown device 'tpu'"},
       {{"--max_num_seqs=0"}, "--max_num_seqs"},
       {{"--max_model_len=100000"}, "max_model_len=100000"},
       {{"--tls_cert=/nonexistent.pem", "--tls_key=/nonexistent.key"},
@@ -223,6 +225,29 @@ TEST(PdworkerMainTest, BadConfigurationFailsAtStartupNamingTheFlag) {
     EXPECT_THAT(output, HasSubstr(cases[i].message));
     EXPECT_THAT(output, ::testing::Not(HasSubstr("listening on")));
   }
+}
+
+// --experimental_cuda lets --device=cuda through the flag checks; without a
+// usable GPU the worker must then stop at startup with the device's error,
+// never serve. (Where a GPU exists, tests/transfer:cuda_worker_gpu_test runs
+// the CUDA worker for real.)
+TEST(PdworkerMainTest, ExperimentalCudaWithoutAGpuFailsAtStartup) {
+  if (CreateDevice(DeviceKind::kCuda).ok()) {
+    GTEST_SKIP() << "a CUDA device is usable here";
+  }
+  auto worker =
+      Subprocess::Start(WorkerArgs({"--device=cuda", "--experimental_cuda"}),
+                        TmpPath("experimental_cuda.log"));
+  ASSERT_TRUE(worker.ok());
+  auto code = (*worker)->Wait(absl::Seconds(60));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_NE(*code, 0);
+  const std::string output = (*worker)->Output();
+  EXPECT_THAT(output, HasSubstr("--experimental_cuda: running the CUDA"));
+  EXPECT_THAT(output, ::testing::Not(HasSubstr("listening on")));
+  // UNAVAILABLE (no GPU visible) or UNIMPLEMENTED (built without CUDA).
+  EXPECT_THAT(output, ::testing::AnyOf(HasSubstr("UNAVAILABLE"),
+                                       HasSubstr("UNIMPLEMENTED")));
 }
 
 }  // namespace

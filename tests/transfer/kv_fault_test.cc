@@ -19,16 +19,18 @@
 #include "tests/server/server_test_util.h"
 #include "tests/server/subprocess.h"
 #include "tests/transfer/handoff_test_util.h"
+#include "tests/transfer/worker_process.h"
 
 namespace pdworker {
 namespace {
 
 using handoff_testing::Import;
+using handoff_testing::TmpPath;
+using handoff_testing::WorkerProcess;
 using server_testing::Input;
 using server_testing::Request;
 using server_testing::RunfilePath;
 using server_testing::StartWorker;
-using server_testing::Subprocess;
 using server_testing::TestWorker;
 using server_testing::TinyModelDir;
 using server_testing::WaitFor;
@@ -36,39 +38,12 @@ using ::testing::HasSubstr;
 
 using Clock = std::chrono::steady_clock;
 
-std::string TmpPath(const std::string& name) {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  return absl::StrCat(tmp ? tmp : "/tmp", "/", name);
-}
-
-// A pdworker process on a kernel-chosen loopback port.
-struct WorkerProcess {
-  std::unique_ptr<Subprocess> process;
-  int port = 0;
-  std::unique_ptr<v1::Worker::Stub> stub;
-
-  v1::WorkerStatus Status() {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() +
-                         std::chrono::seconds(10));
-    v1::WorkerStatus status;
-    const grpc::Status s =
-        stub->GetStatus(&context, v1::GetStatusRequest(), &status);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return status;
-  }
-};
-
 std::unique_ptr<WorkerProcess> StartProcess(const std::string& role,
                                             const std::string& log_name,
                                             std::vector<std::string> extra) {
-  std::vector<std::string> args = {
-      RunfilePath("worker/pdworker"),
+  std::vector<std::string> flags = {
       "--model=" + TinyModelDir(),
       "--role=" + role,
-      "--host=127.0.0.1",
-      "--port=0",
-      "--metrics_port=-1",
       "--max_num_seqs=4",
       "--max_num_batched_tokens=32",
       "--max_model_len=64",
@@ -76,21 +51,9 @@ std::unique_ptr<WorkerProcess> StartProcess(const std::string& role,
       "--block_size=4",
       "--stats_log_interval=0",
   };
-  args.insert(args.end(), extra.begin(), extra.end());
-  auto w = std::make_unique<WorkerProcess>();
-  auto process = Subprocess::Start(args, TmpPath(log_name));
-  EXPECT_TRUE(process.ok()) << process.status();
-  if (!process.ok()) return nullptr;
-  w->process = *std::move(process);
-  auto output = w->process->WaitForOutput("listening on ", absl::Seconds(120));
-  EXPECT_TRUE(output.ok()) << output.status();
-  if (!output.ok()) return nullptr;
-  const size_t at = output->find("listening on ") + 13;
-  EXPECT_TRUE(absl::SimpleAtoi(output->substr(at, output->find('\n', at) - at),
-                               &w->port));
-  w->stub = v1::Worker::NewStub(grpc::CreateChannel(
-      absl::StrCat("127.0.0.1:", w->port), grpc::InsecureChannelCredentials()));
-  return w;
+  flags.insert(flags.end(), extra.begin(), extra.end());
+  return handoff_testing::StartWorkerProcess(RunfilePath("worker/pdworker"),
+                                             flags, TmpPath(log_name));
 }
 
 // start + hold_for_handoff on `prefill`; the handle.
