@@ -86,27 +86,19 @@ std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
   return std::move(*runner);
 }
 
-SequenceStep Step(const std::string& id, std::vector<int32_t> tokens,
-                  SequenceCreation creation) {
-  SequenceStep s;
-  s.sequence_id = id;
-  s.token_ids = std::move(tokens);
-  s.creation = creation;
-  return s;
-}
-
 // In-process: `rounds` sequences, each a prompt then `steps` timed decodes.
 std::vector<double> InProcessDecodes(ModelRunner& r, int rounds, int steps) {
   std::vector<double> us;
   for (int round = 0; round < rounds; ++round) {
     const std::string id = absl::StrCat("inproc", round);
-    auto result =
-        r.Execute({Step(id, Prompt(round), SequenceCreation::kMustBeNew)});
+    auto result = r.Execute(
+        {MakeSequenceStep(id, Prompt(round), SequenceCreation::kMustBeNew)});
     CHECK(result.ok());
     int32_t token = result->sequences[0].token_id;
     for (int s = 0; s < steps; ++s) {
       const auto t0 = Clock::now();
-      result = r.Execute({Step(id, {token}, SequenceCreation::kMustExist)});
+      result = r.Execute(
+          {MakeSequenceStep(id, {token}, SequenceCreation::kMustExist)});
       us.push_back(Micros(Clock::now() - t0));
       CHECK(result.ok());
       token = result->sequences[0].token_id;
@@ -226,8 +218,8 @@ double InProcessBatchedTokensPerSecond(ModelRunner& r, int clients, int steps) {
   std::vector<SequenceStep> batch;
   batch.reserve(clients);
   for (int c = 0; c < clients; ++c) {
-    batch.push_back(
-        Step(absl::StrCat("b", c), Prompt(c), SequenceCreation::kMustBeNew));
+    batch.push_back(MakeSequenceStep(absl::StrCat("b", c), Prompt(c),
+                                     SequenceCreation::kMustBeNew));
   }
   const auto t0 = Clock::now();
   auto result = r.Execute(batch);

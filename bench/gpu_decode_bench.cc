@@ -129,15 +129,6 @@ double PeakBytesPerSecond(const std::string& name) {
   return 0.0;
 }
 
-SequenceStep Seq(const std::string& id, std::vector<int32_t> tokens,
-                 SequenceCreation creation) {
-  SequenceStep s;
-  s.sequence_id = id;
-  s.token_ids = std::move(tokens);
-  s.creation = creation;
-  return s;
-}
-
 std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
                                         const std::string& mode,
                                         int max_model_len, int max_batch) {
@@ -187,8 +178,8 @@ void MeasurePrefill(ModelRunner& r, int length, int reps, std::mt19937& rng,
   for (int rep = 0; rep < reps + 1; ++rep) {
     std::vector<int32_t> prompt(length);
     for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % vocab);
-    const SequenceStep step =
-        Seq("prefill", std::move(prompt), SequenceCreation::kMustBeNew);
+    const SequenceStep step = MakeSequenceStep("prefill", std::move(prompt),
+                                               SequenceCreation::kMustBeNew);
     const auto t0 = std::chrono::steady_clock::now();
     auto result = r.Execute({&step, 1});
     const auto t1 = std::chrono::steady_clock::now();
@@ -234,8 +225,8 @@ DecodeResult MeasureDecode(Device& device, const std::string& dir,
         ids.push_back(absl::StrCat("s", next_id++));
         std::vector<int32_t> prompt(context);
         for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % vocab);
-        prefill.push_back(
-            Seq(ids.back(), std::move(prompt), SequenceCreation::kMustBeNew));
+        prefill.push_back(MakeSequenceStep(ids.back(), std::move(prompt),
+                                           SequenceCreation::kMustBeNew));
       }
       CHECK(r->Execute(prefill).ok());
     }
@@ -243,8 +234,9 @@ DecodeResult MeasureDecode(Device& device, const std::string& dir,
     for (int rep = 0; rep < reps + 2; ++rep) {  // 2 warm-up steps
       std::vector<SequenceStep> step;
       for (const auto& id : ids) {
-        step.push_back(Seq(id, {static_cast<int32_t>(rng() % vocab)},
-                           SequenceCreation::kMustExist));
+        step.push_back(MakeSequenceStep(id,
+                                        {static_cast<int32_t>(rng() % vocab)},
+                                        SequenceCreation::kMustExist));
       }
       const auto t0 = std::chrono::steady_clock::now();
       auto result = r->Execute(step);

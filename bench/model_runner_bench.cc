@@ -71,15 +71,6 @@ std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
   return std::move(*runner);
 }
 
-SequenceStep Seq(const std::string& id, std::vector<int32_t> tokens,
-                 SequenceCreation creation) {
-  SequenceStep s;
-  s.sequence_id = id;
-  s.token_ids = std::move(tokens);
-  s.creation = creation;
-  return s;
-}
-
 double TimeStep(ModelRunner& r, const std::vector<SequenceStep>& batch,
                 std::string* mode) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -111,8 +102,8 @@ ModeResult Measure(const std::string& dir, const char* mode, int reps) {
       ids.push_back(absl::StrCat("d", next_id++));
       std::vector<int32_t> prompt(kDecodeContext);
       for (int i = 0; i < kDecodeContext; ++i) prompt[i] = (s * 31 + i) % 2000;
-      prefill.push_back(
-          Seq(ids.back(), std::move(prompt), SequenceCreation::kMustBeNew));
+      prefill.push_back(MakeSequenceStep(ids.back(), std::move(prompt),
+                                         SequenceCreation::kMustBeNew));
     }
     std::string ran;
     TimeStep(*r, prefill, &ran);
@@ -120,7 +111,8 @@ ModeResult Measure(const std::string& dir, const char* mode, int reps) {
     for (int rep = 0; rep < reps + 1; ++rep) {  // +1: first is warm-up
       std::vector<SequenceStep> step;
       for (const auto& id : ids) {
-        step.push_back(Seq(id, {rep + 1}, SequenceCreation::kMustExist));
+        step.push_back(
+            MakeSequenceStep(id, {rep + 1}, SequenceCreation::kMustExist));
       }
       const double ms = TimeStep(*r, step, &ran);
       if (rep > 0) times.push_back(ms);
@@ -136,8 +128,11 @@ ModeResult Measure(const std::string& dir, const char* mode, int reps) {
       const std::string id = absl::StrCat("p", next_id++);
       std::vector<int32_t> prompt(len);
       for (int i = 0; i < len; ++i) prompt[i] = (i * 7 + rep) % 2000;
-      const double ms = TimeStep(
-          *r, {Seq(id, std::move(prompt), SequenceCreation::kMustBeNew)}, &ran);
+      const double ms =
+          TimeStep(*r,
+                   {MakeSequenceStep(id, std::move(prompt),
+                                     SequenceCreation::kMustBeNew)},
+                   &ran);
       if (rep > 0) times.push_back(ms);
       CHECK(r->Release(id).ok());
     }

@@ -103,15 +103,6 @@ struct ProbeOutput {
   std::set<std::string> ran_as;              // decode steps' runtime modes
 };
 
-SequenceStep Step(const std::string& id, std::vector<int32_t> tokens,
-                  SequenceCreation creation) {
-  SequenceStep s;
-  s.sequence_id = id;
-  s.token_ids = std::move(tokens);
-  s.creation = creation;
-  return s;
-}
-
 absl::StatusOr<ProbeOutput> Probe(
     ModelRunner& runner, const std::vector<std::vector<int32_t>>& prompts,
     int steps, int logits_steps) {
@@ -129,9 +120,10 @@ absl::StatusOr<ProbeOutput> Probe(
       const size_t end = std::min(prompts[p].size(), start + chunk);
       std::vector<int32_t> part(prompts[p].begin() + start,
                                 prompts[p].begin() + end);
-      const SequenceStep step = Step(id, std::move(part),
-                                     start == 0 ? SequenceCreation::kMustBeNew
-                                                : SequenceCreation::kMustExist);
+      const SequenceStep step =
+          MakeSequenceStep(id, std::move(part),
+                           start == 0 ? SequenceCreation::kMustBeNew
+                                      : SequenceCreation::kMustExist);
       PDW_ASSIGN_OR_RETURN(StepResult result, runner.Execute({&step, 1}));
       if (end == prompts[p].size()) {
         out.greedy[p].push_back(result.sequences[0].token_id);
@@ -144,8 +136,9 @@ absl::StatusOr<ProbeOutput> Probe(
   for (int k = 0; k + 1 < steps; ++k) {
     std::vector<SequenceStep> batch;
     for (size_t p = 0; p < num_prompts; ++p) {
-      batch.push_back(Step(absl::StrCat("p", p), {out.greedy[p].back()},
-                           SequenceCreation::kMustExist));
+      batch.push_back(MakeSequenceStep(absl::StrCat("p", p),
+                                       {out.greedy[p].back()},
+                                       SequenceCreation::kMustExist));
     }
     PDW_ASSIGN_OR_RETURN(StepResult result, runner.Execute(batch));
     out.ran_as.insert(std::string(RuntimeModeName(result.mode)));

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -59,6 +60,17 @@ struct SequenceStep {
   SamplingOptions sampling;
   SequenceCreation creation = SequenceCreation::kCreateIfMissing;
 };
+
+// A step of `token_ids` for `sequence_id` with default (greedy) sampling.
+inline SequenceStep MakeSequenceStep(std::string sequence_id,
+                                     std::vector<int32_t> token_ids,
+                                     SequenceCreation creation) {
+  SequenceStep step;
+  step.sequence_id = std::move(sequence_id);
+  step.token_ids = std::move(token_ids);
+  step.creation = creation;
+  return step;
+}
 
 struct SequenceResult {
   int32_t token_id = -1;  // sampled next token
