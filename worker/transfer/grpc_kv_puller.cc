@@ -161,14 +161,19 @@ absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& p,
     result = p.stream->Synchronize();
     if (!result.ok()) outcome = KvTransferOutcome::kInternal;
   }
-  if (stats != nullptr) {
-    stats->bytes = bytes;
-    stats->seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-            .count();
-    stats->outcome = outcome;
-  }
+  RecordPullStats(stats, start, bytes, outcome);
   return result;
+}
+
+void RecordPullStats(KvPullStats* stats,
+                     std::chrono::steady_clock::time_point start, int64_t bytes,
+                     KvTransferOutcome outcome) {
+  if (stats == nullptr) return;
+  stats->bytes = bytes;
+  stats->seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
+  stats->outcome = outcome;
 }
 
 }  // namespace pdworker

@@ -28,6 +28,12 @@ struct KvPullStats {
   KvTransferOutcome outcome = KvTransferOutcome::kOk;
 };
 
+// Fills `stats` (when not null) at the end of a pull that began at `start`;
+// every transport's puller reports through this.
+void RecordPullStats(KvPullStats* stats,
+                     std::chrono::steady_clock::time_point start, int64_t bytes,
+                     KvTransferOutcome outcome);
+
 struct KvPullParams {
   const v1::KvHandle* handle = nullptr;
   std::string model_fingerprint;  // ours, checked by the source as well

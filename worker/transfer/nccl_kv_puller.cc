@@ -17,13 +17,8 @@ absl::Status PullKvOverNccl(PeerChannels& channels, Device& device,
   KvTransferOutcome outcome = KvTransferOutcome::kOk;
   const int32_t n = p.handle->num_tokens();
   auto finish = [&](absl::Status status) {
-    if (stats != nullptr) {
-      stats->bytes = status.ok() ? p.view->BytesFor(n) : 0;
-      stats->seconds = std::chrono::duration<double>(
-                           std::chrono::steady_clock::now() - start)
-                           .count();
-      stats->outcome = outcome;
-    }
+    RecordPullStats(stats, start, status.ok() ? p.view->BytesFor(n) : 0,
+                    outcome);
     return status;
   };
 
