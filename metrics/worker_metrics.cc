@@ -306,6 +306,15 @@ WorkerMetrics::WorkerMetrics(const WorkerInfo& info,
                     .Help("KV leases currently held for a decode worker.")
                     .Register(r)
                     .Add({});
+  sequences_expired_ =
+      &prometheus::BuildCounter()
+           .Name("pdworker_sequences_expired_total")
+           .Help(
+               "Live sequences released because no step or Release came "
+               "for them within --sequence_idle_timeout (their router "
+               "abandoned them; their KV blocks were freed).")
+           .Register(r)
+           .Add({});
 
   registry_->AddCollectable(table_);
 }
@@ -387,6 +396,10 @@ void WorkerMetrics::ObserveKvTransfer(KvTransport transport,
 
 void WorkerMetrics::IncrementKvLeaseExpiries() {
   kv_lease_expiries_->Increment();
+}
+
+void WorkerMetrics::IncrementSequencesExpired() {
+  sequences_expired_->Increment();
 }
 
 void WorkerMetrics::SetKvLeases(int64_t active) {

@@ -142,6 +142,9 @@ class WorkerMetrics {
   void IncrementKvLeaseExpiries();
   // Leases currently held (prefill side).
   void SetKvLeases(int64_t active);
+  // A live sequence was released because no step came for it within
+  // --sequence_idle_timeout (its router abandoned it).
+  void IncrementSequencesExpired();
 
  private:
   static constexpr int kNumStatusCodes = 17;  // OK .. UNAUTHENTICATED
@@ -184,6 +187,7 @@ class WorkerMetrics {
       kv_transfer_duration_{};
   prometheus::Counter* kv_lease_expiries_ = nullptr;
   prometheus::Gauge* kv_leases_ = nullptr;
+  prometheus::Counter* sequences_expired_ = nullptr;
 };
 
 }  // namespace pdworker

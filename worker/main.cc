@@ -82,6 +82,16 @@ ABSL_FLAG(int, max_queue, 1024,
           "RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int, max_message_bytes, 4 << 20,
           "Largest request accepted; larger ones get RESOURCE_EXHAUSTED.");
+ABSL_FLAG(std::string, grpc_keepalive_time, "30s",
+          "Ping a connection (a router's, a KV puller's) after this long "
+          "without traffic; see --grpc_keepalive_timeout.");
+ABSL_FLAG(std::string, grpc_keepalive_timeout, "10s",
+          "Close a connection whose keepalive ping is unanswered this long: "
+          "a peer whose node vanished does not hold it for hours.");
+ABSL_FLAG(std::string, grpc_min_client_ping_interval, "5s",
+          "Accept client keepalive pings this often, also on idle "
+          "connections (gRPC's default, 5m and never when idle, answers a "
+          "router's keepalive with GOAWAY too_many_pings).");
 ABSL_FLAG(std::string, advertise_address, "",
           "host:port decode workers use to pull KV from this worker (sent "
           "in every KV handle). Default: --host with the bound port, or the "
@@ -93,6 +103,10 @@ ABSL_FLAG(std::string, kv_pull_timeout, "10s",
           "Decode side: bound on one KV pull; a prefill worker that dies or "
           "hangs mid-pull fails the import with UNAVAILABLE within it.");
 ABSL_FLAG(int, kv_import_threads, 4, "Decode side: concurrent KV pulls.");
+ABSL_FLAG(std::string, sequence_idle_timeout, "10m",
+          "Release a sequence (and its KV blocks) when no step or Release "
+          "has named it for this long: its router crashed or forgot it. "
+          "Later calls for it get NOT_FOUND saying so. 0 = never.");
 ABSL_FLAG(std::string, kv_peer_ca, "",
           "With TLS: PEM CA that signed the prefill workers' certificates, "
           "for KV pulls. Default: --tls_client_ca, else the system's roots.");
@@ -255,7 +269,15 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
            {"kv_lease_ttl", absl::GetFlag(FLAGS_kv_lease_ttl),
             &c.server.kv_lease_ttl},
            {"kv_pull_timeout", absl::GetFlag(FLAGS_kv_pull_timeout),
-            &c.server.importer.pull_timeout}}) {
+            &c.server.importer.pull_timeout},
+           {"grpc_keepalive_time", absl::GetFlag(FLAGS_grpc_keepalive_time),
+            &c.server.keepalive.time},
+           {"grpc_keepalive_timeout",
+            absl::GetFlag(FLAGS_grpc_keepalive_timeout),
+            &c.server.keepalive.timeout},
+           {"grpc_min_client_ping_interval",
+            absl::GetFlag(FLAGS_grpc_min_client_ping_interval),
+            &c.server.keepalive.min_client_ping_interval}}) {
     absl::Duration d;
     if (!absl::ParseDuration(text, &d) || d <= absl::ZeroDuration()) {
       return FlagError(flag, absl::StrCat("'", text,
@@ -264,6 +286,21 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
     }
     *out = absl::ToChronoMilliseconds(d);
     if (out->count() == 0) *out = std::chrono::milliseconds(1);
+  }
+  {
+    const std::string text = absl::GetFlag(FLAGS_sequence_idle_timeout);
+    absl::Duration d;
+    if (!absl::ParseDuration(text, &d) || d < absl::ZeroDuration()) {
+      return FlagError("sequence_idle_timeout",
+                       absl::StrCat("'", text,
+                                    "' is not a duration >= 0 (e.g. 10m, "
+                                    "90s; 0 = never)"));
+    }
+    c.server.executor.sequence_idle_timeout = absl::ToChronoMilliseconds(d);
+    if (d > absl::ZeroDuration() &&
+        c.server.executor.sequence_idle_timeout.count() == 0) {
+      c.server.executor.sequence_idle_timeout = std::chrono::milliseconds(1);
+    }
   }
   c.server.importer.num_threads = absl::GetFlag(FLAGS_kv_import_threads);
   pem = ReadPemFile("kv_peer_ca", absl::GetFlag(FLAGS_kv_peer_ca));

@@ -190,6 +190,17 @@ class ManifestChecks:
                 self.assertRegex(flags[name], r"^([0-9]+(ms|s|m|h))+$", f"{role} --{name}")
                 self.assertRegex(flags[name], r"[1-9]", f"{role} --{name} must be > 0")
 
+    def test_sequence_idle_timeout_comes_from_the_values(self):
+        for role, dep in self.deployments.items():
+            flags = flag_values(container(dep)["args"])
+            self.assertEqual(flags["sequence_idle_timeout"],
+                             self.values["worker"]["sequenceIdleTimeout"], role)
+            # A duration the worker's absl::ParseDuration takes; 0s = never.
+            self.assertRegex(flags["sequence_idle_timeout"], r"^([0-9]+(ms|s|m|h))+$",
+                             f"{role} --sequence_idle_timeout")
+        self.assertIn(f"for {self.values['worker']['sequenceIdleTimeout']} "
+                      "(worker.sequenceIdleTimeout)", self.notes)
+
     def test_numbers_are_plain_integers(self):
         # Helm decodes values as float64; a template that forgets `int64`
         # renders 268435456 as 2.68435456e+08, which the worker rejects.
@@ -398,6 +409,7 @@ class ProductionValuesTest(ManifestChecks, unittest.TestCase):
             flags = flag_values(container(self.deployments[role])["args"])
             self.assertEqual(flags["kv_lease_ttl"], "1m", role)
             self.assertEqual(flags["kv_pull_timeout"], "20s", role)
+            self.assertEqual(flags["sequence_idle_timeout"], "5m", role)
         configmap = named(self.docs, "ConfigMap", "llm-pdworker-compilation-config")
         decode = json.loads(configmap["data"]["decode.json"])
         self.assertEqual(decode["cudagraph_capture_sizes"][-1], 256)
@@ -457,6 +469,38 @@ class ValuesHandlingTest(unittest.TestCase):
         names = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
         self.assertFalse(names & {"PdworkerKvLeaseExpiries", "PdworkerKvTransferFailuresHigh"})
         self.assertIn("PdworkerForwardErrorRateHigh", names)
+
+    def test_sequence_alert_threshold_comes_from_the_values(self):
+        docs, _, _ = render([write_values("seq-rules.yaml", {"prometheusRule": {
+            "enabled": True, "rules": {
+                "sequencesExpired": {"maxExpiries": 5, "for": "15m", "severity": "critical"}}}})])
+        (rule,) = by_kind(docs, "PrometheusRule")
+        rules = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+        expired = rules["PdworkerSequencesExpired"]
+        self.assertRegex(expired["expr"], r"> 5\s*$")
+        self.assertIn("pdworker_sequences_expired_total", expired["expr"])
+        self.assertEqual((expired["for"], expired["labels"]["severity"]), ("15m", "critical"))
+        self.assertIn("(threshold: 5)", expired["annotations"]["description"])
+        # Alert templates reach Prometheus unrendered.
+        self.assertIn("{{ $labels.instance }}", expired["annotations"]["summary"])
+
+        docs, _, _ = render([write_values("seq-rules-off.yaml", {"prometheusRule": {
+            "enabled": True, "rules": {"sequencesExpired": {"enabled": False}}}})])
+        (rule,) = by_kind(docs, "PrometheusRule")
+        names = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
+        self.assertNotIn("PdworkerSequencesExpired", names)
+        self.assertIn("PdworkerKvLeaseExpiries", names)
+
+    def test_zero_sequence_idle_timeout_means_never(self):
+        docs, notes, values = render([write_values("idle-never.yaml", {
+            "worker": {"sequenceIdleTimeout": "0s"}})])
+        with open(os.path.join(ARGS.chart, "values.schema.json")) as f:
+            validator = jsonschema.Draft7Validator(json.load(f))
+        self.assertEqual([], [e.message for e in validator.iter_errors(values)])
+        for dep in by_kind(docs, "Deployment"):
+            flags = flag_values(container(dep)["args"])
+            self.assertEqual(flags["sequence_idle_timeout"], "0s", role_of(dep))
+        self.assertIn("never released (worker.sequenceIdleTimeout=0s)", notes)
 
     def test_missing_value_fails_the_render(self):
         chart = os.path.join(tempfile.mkdtemp(dir=tmpdir()), "pdworker")
@@ -535,6 +579,13 @@ class ValuesHandlingTest(unittest.TestCase):
             "zero lease TTL": ("worker", "kvLeaseTtl", "0s"),
             "lease TTL without a unit": ("worker", "kvLeaseTtl", "30"),
             "fractional pull timeout": ("worker", "kvPullTimeout", "1.5s"),
+            "idle timeout without a unit": ("worker", "sequenceIdleTimeout", "10"),
+            "negative idle timeout": ("worker", "sequenceIdleTimeout", "-1s"),
+            "idle timeout as a number": ("worker", "sequenceIdleTimeout", 600),
+            "fractional sequence expiry count": ("prometheusRule", "rules", "sequencesExpired",
+                                                 "maxExpiries", 0.5),
+            "negative sequence expiry count": ("prometheusRule", "rules", "sequencesExpired",
+                                               "maxExpiries", -1),
             "fractional expiry count": ("prometheusRule", "rules", "kvLeaseExpiries", "maxExpiries", 0.5),
             "transfer failure ratio above 1": ("prometheusRule", "rules", "kvTransferFailuresHigh", "maxRatio", 5),
         }

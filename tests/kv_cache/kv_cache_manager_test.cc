@@ -1,10 +1,12 @@
 #include "worker/kv_cache/kv_cache_manager.h"
 
 #include <algorithm>
+#include <chrono>
 #include <map>
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -220,6 +222,52 @@ TEST(KvCacheManagerTest, DetachAttachKeepsBlocksAndCountsThem) {
   ASSERT_TRUE(m.Free("a").ok());
   ASSERT_TRUE(m.Free("b").ok());
   EXPECT_EQ(m.Stats().free_blocks, 6);
+}
+
+// The idle sweep's view: a sequence is active from the step that last
+// appended to it (or the import that installed it); detached KV is never
+// listed. Sleeps order the time points; no assertion depends on how long.
+TEST(KvCacheManagerTest, IdleSinceListsSequencesNotStepped) {
+  using Clock = std::chrono::steady_clock;
+  const auto tick = [] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  };
+  KvCacheManager m(/*num_blocks=*/8, /*block_size=*/4, /*max_model_len=*/16);
+  const Clock::time_point before = Clock::now();
+  tick();
+  ASSERT_TRUE(m.Append({{"a", 3}, {"b", 3}, {"c", 3}}).ok());
+  EXPECT_THAT(m.IdleSince(before), ::testing::IsEmpty());
+  tick();
+  const Clock::time_point after_first = Clock::now();
+  EXPECT_THAT(m.IdleSince(after_first), ::testing::ElementsAre("a", "b", "c"));
+
+  tick();
+  ASSERT_TRUE(m.Append({{"b", 1, SequenceCreation::kMustExist}}).ok());
+  EXPECT_THAT(m.IdleSince(after_first), ::testing::ElementsAre("a", "c"));
+
+  // A step that fails (KV full) touches nothing.
+  tick();
+  const Clock::time_point before_failure = Clock::now();
+  ASSERT_EQ(m.Append({{"a", 14, SequenceCreation::kMustExist}}).status().code(),
+            absl::StatusCode::kInvalidArgument);  // past max_model_len
+  EXPECT_THAT(m.IdleSince(before_failure),
+              ::testing::ElementsAre("a", "b", "c"));
+
+  // Detached (a lease) is not listed; attached (an import) is fresh.
+  absl::StatusOr<SequenceKv> lease = m.Detach("c");
+  ASSERT_TRUE(lease.ok());
+  tick();
+  const Clock::time_point before_attach = Clock::now();
+  absl::StatusOr<SequenceKv> import = m.AllocateDetached(4);
+  ASSERT_TRUE(import.ok());
+  EXPECT_THAT(m.IdleSince(Clock::now()), ::testing::ElementsAre("a", "b"));
+  tick();
+  ASSERT_TRUE(m.Attach("d", *import).ok());
+  EXPECT_THAT(m.IdleSince(before_attach), ::testing::ElementsAre("a", "b"));
+  ASSERT_TRUE(m.Free("a").ok());
+  EXPECT_THAT(m.IdleSince(Clock::now() + std::chrono::hours(1)),
+              ::testing::ElementsAre("b", "d"));
+  m.FreeDetached(*lease);
 }
 
 // 10,000 random allocate/append/free/undo operations against a shadow model

@@ -440,6 +440,18 @@ TEST(WorkerMetricsTest, KvTransfersAndLeases) {
               UnorderedElementsAre("pdworker_kv_leases 3"));
 }
 
+TEST(WorkerMetricsTest, SequencesExpiredStartsAtZeroAndCounts) {
+  WorkerMetrics metrics(DecodeInfo(), nullptr, Header());
+  // Exported before the first expiry, so rate() and alerts see a series.
+  EXPECT_THAT(Samples(Text(metrics), "pdworker_sequences_expired_total"),
+              UnorderedElementsAre("pdworker_sequences_expired_total 0"));
+  metrics.IncrementSequencesExpired();
+  metrics.IncrementSequencesExpired();
+  metrics.IncrementSequencesExpired();
+  EXPECT_THAT(Samples(Text(metrics), "pdworker_sequences_expired_total"),
+              UnorderedElementsAre("pdworker_sequences_expired_total 3"));
+}
+
 TEST(WorkerMetricsTest, RegistryOutlivesMetricsAndGraphStats) {
   std::shared_ptr<prometheus::Registry> registry;
   {

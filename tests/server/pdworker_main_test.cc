@@ -211,6 +211,11 @@ TEST(PdworkerMainTest, BadConfigurationFailsAtStartupNamingTheFlag) {
        "--tls_cert"},
       {{"--tls_client_ca=/dev/null"}, "--tls_client_ca"},
       {{"--stats_log_interval=soon"}, "--stats_log_interval"},
+      {{"--sequence_idle_timeout=-5s"}, "--sequence_idle_timeout"},
+      {{"--grpc_keepalive_time=0s"}, "--grpc_keepalive_time"},
+      {{"--grpc_min_client_ping_interval=often"},
+       "--grpc_min_client_ping_interval"},
+      {{"--sequence_idle_timeout=forever"}, "'forever' is not a duration"},
       {{"--max-num-seqs=-3"}, "--max_num_seqs"},  // dashed spelling too
   };
   for (size_t i = 0; i < cases.size(); ++i) {

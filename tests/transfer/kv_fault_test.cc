@@ -182,5 +182,57 @@ TEST(KvFaultTest, DecodeRestartsWhilePrefillHoldsLeases) {
   ASSERT_TRUE(WaitFor([&] { return Empty(restarted->Status()); }));
 }
 
+// The router dies (SIGKILL) mid-load, abandoning requests in every state:
+// prefilled and held, imported, mid-decode. Nobody will ever release them;
+// lease expiry frees the prefill worker and the idle-sequence sweep
+// (--sequence_idle_timeout) the decode worker, and both keep serving.
+TEST(KvFaultTest, RouterKilledMidLoadLeavesNoKvBehind) {
+  auto prefill =
+      StartProcess("prefill", "router_kill_prefill.log",
+                   {"--kv_lease_ttl=2s", "--sequence_idle_timeout=2s"});
+  ASSERT_NE(prefill, nullptr);
+  auto decode = StartProcess("decode", "router_kill_decode.log",
+                             {"--sequence_idle_timeout=2s"});
+  ASSERT_NE(decode, nullptr);
+
+  auto router = server_testing::Subprocess::Start(
+      {RunfilePath("tools/router/router"),
+       absl::StrCat("--prefill=127.0.0.1:", prefill->port),
+       absl::StrCat("--decode=127.0.0.1:", decode->port), "--load_requests=200",
+       "--load_rate=50", "--load_prompt_len=8-24", "--max_tokens=30",
+       "--timings=false"},
+      TmpPath("router_kill_router.log"));
+  ASSERT_TRUE(router.ok()) << router.status();
+  // Kill it once the decode worker is decoding for it.
+  ASSERT_TRUE(WaitFor([&] { return decode->Status().num_sequences() > 0; }))
+      << (*router)->Output();
+  (*router)->Signal(SIGKILL);
+  ASSERT_TRUE((*router)->Wait(absl::Seconds(10)).ok());
+  const auto killed = Clock::now();
+  const v1::WorkerStatus orphaned = decode->Status();
+  EXPECT_GT(orphaned.num_sequences(), 0);
+  EXPECT_LT(orphaned.kv_blocks_free(), orphaned.kv_blocks_total());
+
+  ASSERT_TRUE(WaitFor([&] { return Empty(decode->Status()); }))
+      << decode->Status().DebugString();
+  ASSERT_TRUE(WaitFor([&] { return Empty(prefill->Status()); }))
+      << prefill->Status().DebugString();
+  // 2 s timeout + its sweep period (0.2 s), with slack for a loaded CI.
+  EXPECT_LT(Clock::now() - killed, std::chrono::seconds(8));
+  EXPECT_THAT(decode->process->Output(), HasSubstr("without a step"));
+
+  // Both still serve a whole request.
+  const v1::KvHandle fresh = Hold(*prefill->stub, "after", 9);
+  ASSERT_TRUE(Import(*decode->stub, "after", fresh).ok());
+  v1::SequenceInput step = Input("after", {5}, false);
+  step.set_release_after_step(true);
+  v1::ForwardResponse response;
+  grpc::ClientContext context;
+  ASSERT_TRUE(decode->stub->Forward(&context, Request({step}), &response).ok());
+  EXPECT_EQ(response.sequences(0).num_tokens(), 10);
+  ASSERT_TRUE(WaitFor([&] { return Empty(prefill->Status()); }));
+  ASSERT_TRUE(WaitFor([&] { return Empty(decode->Status()); }));
+}
+
 }  // namespace
 }  // namespace pdworker

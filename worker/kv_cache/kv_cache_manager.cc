@@ -1,5 +1,6 @@
 #include "worker/kv_cache/kv_cache_manager.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -66,6 +67,7 @@ absl::StatusOr<StepReservation> KvCacheManager::Append(
   // Pass 2: apply. Cannot fail: blocks were counted above.
   StepReservation reservation;
   reservation.entries.reserve(appends.size());
+  const auto now = std::chrono::steady_clock::now();
   for (const SequenceAppend& a : appends) {
     auto [it, created] = sequences_.try_emplace(a.sequence_id);
     SequenceKv& seq = it->second;
@@ -73,6 +75,7 @@ absl::StatusOr<StepReservation> KvCacheManager::Append(
                                    seq.num_tokens,
                                    static_cast<int32_t>(seq.blocks.size())});
     seq.num_tokens += a.num_new_tokens;
+    seq.last_active = now;
     const int32_t missing =
         BlocksFor(seq.num_tokens) - static_cast<int32_t>(seq.blocks.size());
     const absl::Status allocated = pool_.Allocate(missing, &seq.blocks);
@@ -174,6 +177,7 @@ absl::Status KvCacheManager::Attach(absl::string_view sequence_id,
   detached_blocks_ -= static_cast<int32_t>(kv.blocks.size());
   CHECK_GE(detached_blocks_, 0);
   it->second = std::move(kv);
+  it->second.last_active = std::chrono::steady_clock::now();
   kv = SequenceKv{};
   return absl::OkStatus();
 }
@@ -188,6 +192,16 @@ void KvCacheManager::FreeDetached(SequenceKv& kv) {
 const SequenceKv* KvCacheManager::Find(absl::string_view sequence_id) const {
   auto it = sequences_.find(sequence_id);
   return it == sequences_.end() ? nullptr : &it->second;
+}
+
+std::vector<std::string> KvCacheManager::IdleSince(
+    std::chrono::steady_clock::time_point cutoff) const {
+  std::vector<std::string> idle;
+  for (const auto& [id, seq] : sequences_) {
+    if (seq.last_active < cutoff) idle.push_back(id);
+  }
+  std::sort(idle.begin(), idle.end());
+  return idle;
 }
 
 int32_t KvCacheManager::SlotFor(const SequenceKv& seq, int32_t position) const {

@@ -3,6 +3,7 @@
 #ifndef PDWORKER_WORKER_KV_CACHE_KV_CACHE_MANAGER_H_
 #define PDWORKER_WORKER_KV_CACHE_KV_CACHE_MANAGER_H_
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -36,6 +37,10 @@ struct SequenceAppend {
 struct SequenceKv {
   std::vector<int32_t> blocks;
   int32_t num_tokens = 0;  // tokens whose K/V is (or is being) cached
+  // When a step last appended to it, or an import installed it: what the
+  // executor's idle-sequence sweep reads (an abandoned sequence's router
+  // stopped stepping it and will never release it).
+  std::chrono::steady_clock::time_point last_active{};
 };
 
 // What Append changed, so a step that fails later can be undone exactly.
@@ -104,6 +109,10 @@ class KvCacheManager {
 
   // nullptr when unknown.
   const SequenceKv* Find(absl::string_view sequence_id) const;
+  // Ids of the live sequences last active before `cutoff`, sorted (detached
+  // KV is never listed: leases have their own TTL).
+  std::vector<std::string> IdleSince(
+      std::chrono::steady_clock::time_point cutoff) const;
   // Cache slot of token `position` of `seq` (position < seq.num_tokens).
   int32_t SlotFor(const SequenceKv& seq, int32_t position) const;
 

@@ -7,7 +7,10 @@
 #include <string>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "glog/logging.h"
 
 namespace pdworker {
@@ -84,6 +87,7 @@ void Executor::Run() {
       RunStep();      // ModelRunner::Execute(batch); call by call on failure
     }
     CompleteFinishedCalls();  // roll back or release_after_step; respond
+    ReleaseIdleSequences();   // abandoned by their router: free their KV
   }
   FailAll(absl::UnavailableError("the worker stopped before the call ran"));
 }
@@ -124,21 +128,43 @@ bool Executor::WaitForWork() {
       }
       if (!pending_.empty() && !paused_) break;
       // Idle or paused: sleep until new work, or until the earliest queued
-      // deadline so an expired call is answered without waiting for traffic.
-      auto earliest = std::chrono::system_clock::time_point::max();
-      for (const std::unique_ptr<Entry>& e : pending_) {
-        earliest = std::min(earliest, e->control->deadline);
-      }
-      if (earliest == std::chrono::system_clock::time_point::max()) {
+      // deadline or idle sweep, so an expired call is answered (and an
+      // abandoned sequence freed) without waiting for traffic.
+      const std::optional<std::chrono::nanoseconds> wake_in =
+          TimeUntilTimedWork();
+      if (!wake_in.has_value()) {
         work_cv_.wait(lock);
-      } else if (work_cv_.wait_until(lock, earliest) ==
-                 std::cv_status::timeout) {
+      } else if (work_cv_.wait_for(lock, *wake_in) == std::cv_status::timeout) {
         break;
       }
     }
   }
   for (std::function<void()>& task : tasks) task();
   return true;
+}
+
+std::optional<std::chrono::nanoseconds> Executor::TimeUntilTimedWork() const {
+  std::optional<std::chrono::nanoseconds> wake_in;
+  if (!pending_.empty()) {
+    auto earliest = std::chrono::system_clock::time_point::max();
+    for (const std::unique_ptr<Entry>& e : pending_) {
+      earliest = std::min(earliest, e->control->deadline);
+    }
+    if (earliest != std::chrono::system_clock::time_point::max()) {
+      wake_in = std::max(std::chrono::nanoseconds(0),
+                         std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             earliest - std::chrono::system_clock::now()));
+    }
+  }
+  if (options_.sequence_idle_timeout.count() > 0 &&
+      runner_.kv_cache().Stats().num_sequences > 0) {
+    const auto sweep_in =
+        std::max(std::chrono::nanoseconds(0),
+                 std::chrono::duration_cast<std::chrono::nanoseconds>(
+                     next_idle_sweep_ - std::chrono::steady_clock::now()));
+    wake_in = wake_in.has_value() ? std::min(*wake_in, sweep_in) : sweep_in;
+  }
+  return wake_in;
 }
 
 void Executor::DropExpiredCalls() {
@@ -257,6 +283,10 @@ bool Executor::ExecutePieces(absl::Span<const StepPiece> pieces, int num_calls,
   for (size_t k = 0; k < pieces.size(); ++k) {
     const StepPiece& p = pieces[k];
     Entry& e = *active_[p.call];
+    // The id lives again (re-created): a later NOT_FOUND is not the sweep's.
+    if (!expired_idle_seconds_.empty()) {
+      expired_idle_seconds_.erase(batch_[k].sequence_id);
+    }
     const SequenceResult& r = result->sequences[k];
     if (e.length_before[p.sequence] < 0) {
       e.length_before[p.sequence] = r.num_tokens - p.num_tokens;
@@ -283,6 +313,7 @@ void Executor::CompleteFinishedCalls() {
   for (const std::unique_ptr<Entry>& e : pending_) {
     if (!e->final_status.has_value()) continue;
     ++completed;
+    ExplainExpiredSequence(*e);
     if (e->forward == nullptr) continue;
     if (!e->final_status->ok()) {
       RollBack(*e);
@@ -325,6 +356,78 @@ void Executor::CompleteFinishedCalls() {
   std::lock_guard<std::mutex> lock(mu_);
   unanswered_ -= completed;
   if (unanswered_ == 0) idle_cv_.notify_all();
+}
+
+void Executor::ReleaseIdleSequences() {
+  const std::chrono::milliseconds timeout = options_.sequence_idle_timeout;
+  if (timeout.count() <= 0) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (now < next_idle_sweep_) return;
+  // Sweep often enough that a sequence is freed within ~1.1x the timeout,
+  // and at most once a second: the sweep walks every live sequence.
+  next_idle_sweep_ = now + std::clamp<std::chrono::steady_clock::duration>(
+                               timeout / 10, std::chrono::milliseconds(1),
+                               std::chrono::seconds(1));
+  std::vector<std::string> idle = runner_.kv_cache().IdleSince(now - timeout);
+  if (idle.empty()) return;
+  // A queued call naming the sequence shows its router is still there (the
+  // executor may be paused, or the queue long).
+  absl::flat_hash_set<absl::string_view> named;
+  for (const std::unique_ptr<Entry>& e : pending_) {
+    named.insert(e->ids.begin(), e->ids.end());
+  }
+  bool released_any = false;
+  for (const std::string& id : idle) {
+    if (named.contains(id)) continue;
+    const SequenceKv* kv = runner_.kv_cache().Find(id);
+    CHECK(kv != nullptr) << id;
+    const double idle_seconds =
+        std::chrono::duration<double>(now - kv->last_active).count();
+    const size_t blocks = kv->blocks.size();
+    const absl::Status released = runner_.Release(id);
+    CHECK(released.ok()) << "idle release of '" << id << "': " << released;
+    LOG(WARNING) << "released sequence '" << id << "' (" << blocks
+                 << " KV blocks) after "
+                 << absl::StrFormat("%.1f", idle_seconds)
+                 << " s without a step: its router never released it "
+                    "(--sequence_idle_timeout="
+                 << timeout.count() << "ms)";
+    ++sequences_expired_;
+    if (metrics_ != nullptr) metrics_->IncrementSequencesExpired();
+    released_any = true;
+    // Remember it, so a late call learns why it is gone.
+    constexpr size_t kRemembered = 4096;
+    if (expired_idle_seconds_.insert_or_assign(id, idle_seconds).second) {
+      expired_order_.push_back(id);
+    }
+    while (expired_order_.size() > kRemembered) {
+      expired_idle_seconds_.erase(expired_order_.front());
+      expired_order_.pop_front();
+    }
+  }
+  if (released_any) PublishSnapshot();
+}
+
+void Executor::ExplainExpiredSequence(Entry& e) const {
+  if (expired_idle_seconds_.empty() || e.final_status->ok() ||
+      !absl::IsNotFound(*e.final_status)) {
+    return;
+  }
+  const absl::string_view message = e.final_status->message();
+  for (const absl::string_view id : e.ids) {
+    auto it = expired_idle_seconds_.find(id);
+    if (it == expired_idle_seconds_.end() ||
+        !absl::StrContains(message, absl::StrCat("'", id, "'"))) {
+      continue;
+    }
+    e.final_status = absl::NotFoundError(absl::StrCat(
+        message, ": the worker released it after ",
+        absl::StrFormat("%.1f", it->second),
+        " s without a step (--sequence_idle_timeout=",
+        options_.sequence_idle_timeout.count(),
+        "ms); a router must step or release its sequences within that time"));
+    return;
+  }
 }
 
 void Executor::RollBack(Entry& e) {
@@ -373,6 +476,7 @@ void Executor::PublishSnapshot() {
     snapshot_.steps = steps_;
     snapshot_.dropped_deadline = dropped_deadline_;
     snapshot_.dropped_cancelled = dropped_cancelled_;
+    snapshot_.sequences_expired = sequences_expired_;
   }
   if (metrics_ != nullptr) {
     metrics_->SetKvBlocks(kv.used_blocks, kv.free_blocks);

@@ -19,16 +19,20 @@
 #ifndef PDWORKER_WORKER_SERVER_EXECUTOR_H_
 #define PDWORKER_WORKER_SERVER_EXECUTOR_H_
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "metrics/worker_metrics.h"
 #include "worker/kv_cache/kv_cache_manager.h"
@@ -43,6 +47,11 @@ struct ExecutorOptions {
   // Calls queued or running (Forward and Release); beyond it Submit answers
   // RESOURCE_EXHAUSTED at once instead of letting latency grow unbounded.
   int max_queue = 1024;
+  // A live sequence that no step has appended to for this long, and that no
+  // queued call names, is released: its router went away without Release
+  // (crashed, restarted, lost track of it) and nothing else would ever free
+  // its KV. Later calls naming it get NOT_FOUND saying why. Zero: never.
+  std::chrono::milliseconds sequence_idle_timeout{0};
 };
 
 // What other threads may read, published after every loop iteration.
@@ -52,6 +61,7 @@ struct ExecutorSnapshot {
   int64_t steps = 0;              // model steps run (retries included)
   int64_t dropped_deadline = 0;   // calls dropped: deadline passed
   int64_t dropped_cancelled = 0;  // calls dropped: client cancelled
+  int64_t sequences_expired = 0;  // released by the idle-sequence sweep
 };
 
 class Executor {
@@ -117,7 +127,14 @@ class Executor {
   bool ExecutePieces(absl::Span<const StepPiece> pieces, int num_calls,
                      absl::Status* error);
   void CompleteFinishedCalls();
+  void ReleaseIdleSequences();
   void PublishSnapshot();
+
+  // How long WaitForWork may sleep before a queued call's deadline or the
+  // next idle-sequence sweep needs the loop; nullopt: until woken.
+  std::optional<std::chrono::nanoseconds> TimeUntilTimedWork() const;
+  // A NOT_FOUND that names a sequence the idle sweep released says so.
+  void ExplainExpiredSequence(Entry& entry) const;
 
   // Queues `entry`, or completes it with the reason it was refused.
   void Enqueue(std::unique_ptr<Entry> entry);
@@ -162,6 +179,13 @@ class Executor {
   int64_t steps_ = 0;
   int64_t dropped_deadline_ = 0;
   int64_t dropped_cancelled_ = 0;
+  int64_t sequences_expired_ = 0;
+  std::chrono::steady_clock::time_point next_idle_sweep_{};
+  // The latest sequences the sweep released (bounded, oldest forgotten
+  // first) and how long each had been idle, in seconds; a later step of
+  // the same id forgets it.
+  absl::flat_hash_map<std::string, double> expired_idle_seconds_;
+  std::deque<std::string> expired_order_;
 
   std::thread thread_;  // last: starts after everything it reads
 };

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
+#include <limits>
 #include <thread>
 #include <utility>
 
@@ -78,6 +80,32 @@ PeerTls DefaultPeerTls(const ServerTls& tls) {
   return peer;
 }
 
+// Milliseconds as gRPC's int channel arguments want them.
+int ArgMillis(std::chrono::milliseconds d) {
+  return static_cast<int>(
+      std::min<int64_t>(d.count(), std::numeric_limits<int>::max()));
+}
+
+void ApplyKeepalive(const KeepalivePolicy& policy,
+                    grpc::ServerBuilder& builder) {
+  const bool without_calls = policy.permit_pings_without_calls ==
+                             KeepalivePolicy::PingsWithoutCalls::kAccept;
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
+                             ArgMillis(policy.time));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                             ArgMillis(policy.timeout));
+  // Both ways: the worker pings idle connections too, and accepts a
+  // router's pings on them.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS,
+                             without_calls ? 1 : 0);
+  builder.AddChannelArgument(
+      GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+      ArgMillis(policy.min_client_ping_interval));
+  // The worker's own pings on an idle connection carry no data; the
+  // default cap (2) would stop them before a dead peer is noticed.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
@@ -90,6 +118,13 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
     return absl::InvalidArgumentError(
         absl::StrCat("max_receive_message_bytes must be positive, got ",
                      options.max_receive_message_bytes));
+  }
+  if (options.keepalive.time.count() <= 0 ||
+      options.keepalive.timeout.count() <= 0 ||
+      options.keepalive.min_client_ping_interval.count() <= 0) {
+    return absl::InvalidArgumentError(
+        "the keepalive time, timeout and minimum client ping interval must "
+        "be positive");
   }
   if (options.executor.max_queue <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -141,6 +176,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   builder.AddListeningPort(options.listen_address, *credentials, &s->port_);
   builder.RegisterService(s->transfer_service_.get());
   builder.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
+  ApplyKeepalive(options.keepalive, builder);
   // The advertised address may need the bound port: the service learns it
   // after BuildAndStart (before it serves any Forward).
   const std::string& advertise = options.advertise_address;

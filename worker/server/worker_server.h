@@ -37,6 +37,25 @@ struct ServerTls {
   std::string client_ca_pem;
 };
 
+// HTTP/2 keepalive on the worker's connections (routers and decode workers
+// pulling KV).
+struct KeepalivePolicy {
+  // The worker pings a connection after `time` without traffic and closes
+  // it when the ping is not answered within `timeout`: a router whose node
+  // vanished (no FIN, no RST) does not hold a connection for gRPC's default
+  // two hours.
+  std::chrono::milliseconds time{30000};
+  std::chrono::milliseconds timeout{10000};
+  // The most often a client may ping (routers keep idle connections warm
+  // this way; grpc-go allows 10 s at the least). gRPC's server default is
+  // once per 5 minutes, and it answers more with GOAWAY "too_many_pings".
+  std::chrono::milliseconds min_client_ping_interval{5000};
+  // Whether clients may ping with no call in flight (an idle router
+  // connection). gRPC's server default refuses (counts them as abuse).
+  enum class PingsWithoutCalls { kAccept, kRefuse };
+  PingsWithoutCalls permit_pings_without_calls = PingsWithoutCalls::kAccept;
+};
+
 struct WorkerServerOptions {
   // "host:port"; port 0 lets the kernel pick (see WorkerServer::port()).
   std::string listen_address = "127.0.0.1:0";
@@ -44,6 +63,7 @@ struct WorkerServerOptions {
   // Largest request gRPC accepts; larger ones fail with RESOURCE_EXHAUSTED
   // before reaching any handler. gRPC's own default is 4 MiB.
   int max_receive_message_bytes = 4 << 20;
+  KeepalivePolicy keepalive;
   ExecutorOptions executor;
   // GetStatus.device, e.g. "cpu".
   std::string device_name = "cpu";

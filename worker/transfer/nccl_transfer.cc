@@ -4,6 +4,8 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -40,6 +42,47 @@ absl::Status WaitForComm(ncclComm_t comm,
     }
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
+}
+
+// Waits for `stream`'s queued work (the NCCL send/recv kernel) without
+// blocking in the driver: a kernel whose peer died mid-transfer spins
+// forever, so cudaStreamSynchronize would hang the puller. Polls the stream
+// and the communicator's async error until `deadline`.
+absl::Status WaitForTransfer(cudaStream_t stream, ncclComm_t comm,
+                             std::chrono::steady_clock::time_point deadline) {
+  for (;;) {
+    const cudaError_t queried = cudaStreamQuery(stream);
+    if (queried == cudaSuccess) return absl::OkStatus();
+    if (queried != cudaErrorNotReady) {
+      return absl::UnavailableError(absl::StrCat("the NCCL transfer failed: ",
+                                                 cudaGetErrorString(queried)));
+    }
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t got = ncclCommGetAsyncError(comm, &state);
+    if (got != ncclSuccess) return NcclError(got, "ncclCommGetAsyncError");
+    if (state != ncclSuccess && state != ncclInProgress) {
+      return NcclError(state, "the NCCL transfer");
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return absl::UnavailableError(
+          "the NCCL transfer: the peer did not finish in time");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+
+// Ends a communicator whose work completed: finalize (both ranks quiesce),
+// then destroy. A peer that vanished after the transfer cannot make
+// finalize hang past `deadline`: the communicator is aborted instead.
+void EndCommunicator(ncclComm_t comm,
+                     std::chrono::steady_clock::time_point deadline) {
+  ncclResult_t r = ncclCommFinalize(comm);
+  if ((r == ncclSuccess || r == ncclInProgress) &&
+      WaitForComm(comm, deadline, "finalizing the NCCL pair").ok()) {
+    ncclCommDestroy(comm);
+    return;
+  }
+  ncclCommAbort(comm);
 }
 
 // The lease's tokens as one contiguous cache of a single block:
@@ -117,16 +160,18 @@ absl::Status Transfer(const NcclKvParams& p, Rank rank) {
     }
   }
   if (status.ok()) {
-    // The transfer is enqueued on the stream; wait for it (bounded: a peer
-    // that died mid-transfer shows up as an async error above first).
-    status = (*stream)->Synchronize();
+    // The transfer is enqueued on the stream; wait for it, bounded.
+    status = WaitForTransfer(cuda->native(), comm, p.deadline);
   }
-  if (status.ok()) {
-    ncclCommDestroy(comm);
-  } else {
+  if (!status.ok()) {
+    // Abort also stops a kernel still waiting for its peer, so the stream
+    // drains and the staging buffer can be freed.
     ncclCommAbort(comm);
     return status;
   }
+  // The bytes have arrived; a slow finalize must not fail the transfer.
+  EndCommunicator(comm, std::max(p.deadline, std::chrono::steady_clock::now() +
+                                                 std::chrono::seconds(1)));
   if (rank == Rank::kPuller) {
     absl::Status copied = CopyKvTokens(**stream, packed, packed_seq, *p.view,
                                        *p.seq, p.num_tokens);
