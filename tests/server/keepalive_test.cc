@@ -46,12 +46,7 @@ bool IdleConnectionSurvives(int port, std::chrono::milliseconds ping_every,
                             std::chrono::milliseconds watch) {
   std::shared_ptr<grpc::Channel> channel = PingingChannel(port, ping_every);
   auto stub = v1::Worker::NewStub(channel);
-  grpc::ClientContext context;
-  SetGenerousDeadline(&context);
-  v1::WorkerStatus status;
-  const grpc::Status s =
-      stub->GetStatus(&context, v1::GetStatusRequest(), &status);
-  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_TRUE(StatusOf(*stub).serving());
   EXPECT_EQ(channel->GetState(false), GRPC_CHANNEL_READY);
   const Clock::time_point end = Clock::now() + watch;
   while (Clock::now() < end) {

@@ -54,15 +54,17 @@ InProcessRunner MakeRunner(const ModelRunnerOptions& options) {
   return r;
 }
 
-v1::WorkerStatus TestWorker::Status() {
+v1::WorkerStatus StatusOf(v1::Worker::Stub& stub) {
   grpc::ClientContext context;
   SetGenerousDeadline(&context);
   v1::WorkerStatus status;
   const grpc::Status s =
-      stub->GetStatus(&context, v1::GetStatusRequest(), &status);
+      stub.GetStatus(&context, v1::GetStatusRequest(), &status);
   EXPECT_TRUE(s.ok()) << s.error_message();
   return status;
 }
+
+v1::WorkerStatus TestWorker::Status() { return StatusOf(*stub); }
 
 grpc::health::v1::HealthCheckResponse::ServingStatus TestWorker::Health(
     const std::string& service) {

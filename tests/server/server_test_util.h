@@ -38,6 +38,9 @@ struct InProcessRunner {
 };
 InProcessRunner MakeRunner(const ModelRunnerOptions& options);
 
+// GetStatus with a generous deadline (EXPECTs it to succeed).
+v1::WorkerStatus StatusOf(v1::Worker::Stub& stub);
+
 // A serving worker and a client channel to it.
 struct TestWorker {
   InProcessRunner runner;

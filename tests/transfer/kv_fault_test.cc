@@ -64,6 +64,20 @@ v1::KvHandle Hold(v1::Worker::Stub& prefill, const std::string& id, int len) {
   return handoff_testing::HandleOf(handoff_testing::Hold(prefill, id, prompt));
 }
 
+// A fresh 9-token prompt held on `prefill`, imported by `decode`, and one
+// decode step that ends the sequence: both workers serve end to end.
+void HandOffOneRequest(v1::Worker::Stub& prefill, v1::Worker::Stub& decode,
+                       const std::string& id) {
+  const v1::KvHandle handle = Hold(prefill, id, 9);
+  ASSERT_TRUE(Import(decode, id, handle).ok());
+  v1::SequenceInput step = Input(id, {5}, false);
+  step.set_release_after_step(true);
+  v1::ForwardResponse response;
+  grpc::ClientContext context;
+  ASSERT_TRUE(decode.Forward(&context, Request({step}), &response).ok());
+  EXPECT_EQ(response.sequences(0).num_tokens(), 10);
+}
+
 bool Empty(const v1::WorkerStatus& s) {
   return handoff_testing::HoldsNothing(s);
 }
@@ -169,15 +183,7 @@ TEST(KvFaultTest, DecodeRestartsWhilePrefillHoldsLeases) {
         &context, Request({Input("a", {1}, false)}), &response);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
   }
-  const v1::KvHandle fresh = Hold(*prefill->stub, "d", 9);
-  ASSERT_TRUE(Import(*restarted->stub, "d", fresh).ok());
-  v1::SequenceInput step = Input("d", {5}, false);
-  step.set_release_after_step(true);
-  v1::ForwardResponse response;
-  grpc::ClientContext context;
-  ASSERT_TRUE(
-      restarted->stub->Forward(&context, Request({step}), &response).ok());
-  EXPECT_EQ(response.sequences(0).num_tokens(), 10);
+  HandOffOneRequest(*prefill->stub, *restarted->stub, "d");
   ASSERT_TRUE(WaitFor([&] { return Empty(prefill->Status()); }));
   ASSERT_TRUE(WaitFor([&] { return Empty(restarted->Status()); }));
 }
@@ -222,14 +228,7 @@ TEST(KvFaultTest, RouterKilledMidLoadLeavesNoKvBehind) {
   EXPECT_THAT(decode->process->Output(), HasSubstr("without a step"));
 
   // Both still serve a whole request.
-  const v1::KvHandle fresh = Hold(*prefill->stub, "after", 9);
-  ASSERT_TRUE(Import(*decode->stub, "after", fresh).ok());
-  v1::SequenceInput step = Input("after", {5}, false);
-  step.set_release_after_step(true);
-  v1::ForwardResponse response;
-  grpc::ClientContext context;
-  ASSERT_TRUE(decode->stub->Forward(&context, Request({step}), &response).ok());
-  EXPECT_EQ(response.sequences(0).num_tokens(), 10);
+  HandOffOneRequest(*prefill->stub, *decode->stub, "after");
   ASSERT_TRUE(WaitFor([&] { return Empty(prefill->Status()); }));
   ASSERT_TRUE(WaitFor([&] { return Empty(decode->Status()); }));
 }
