@@ -96,6 +96,10 @@ ABSL_FLAG(std::string, advertise_address, "",
           "host:port decode workers use to pull KV from this worker (sent "
           "in every KV handle). Default: --host with the bound port, or the "
           "host name when --host is a wildcard. In Kubernetes: the pod IP.");
+ABSL_FLAG(std::string, drain_timeout, "30s",
+          "On SIGTERM: how long live sequences may keep stepping (new ones "
+          "are refused) before the worker stops anyway. Keep it below the "
+          "kill deadline (Kubernetes terminationGracePeriodSeconds).");
 ABSL_FLAG(std::string, kv_lease_ttl, "30s",
           "How long a prefill worker holds a prompt's KV for its decode "
           "worker (hold_for_handoff) before freeing it.");
@@ -287,19 +291,21 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
     *out = absl::ToChronoMilliseconds(d);
     if (out->count() == 0) *out = std::chrono::milliseconds(1);
   }
-  {
-    const std::string text = absl::GetFlag(FLAGS_sequence_idle_timeout);
+  for (const auto& [flag, text, out] : std::vector<
+           std::tuple<const char*, std::string, std::chrono::milliseconds*>>{
+           {"sequence_idle_timeout", absl::GetFlag(FLAGS_sequence_idle_timeout),
+            &c.server.executor.sequence_idle_timeout},
+           {"drain_timeout", absl::GetFlag(FLAGS_drain_timeout),
+            &c.server.drain_timeout}}) {
     absl::Duration d;
     if (!absl::ParseDuration(text, &d) || d < absl::ZeroDuration()) {
-      return FlagError("sequence_idle_timeout",
-                       absl::StrCat("'", text,
-                                    "' is not a duration >= 0 (e.g. 10m, "
-                                    "90s; 0 = never)"));
+      return FlagError(flag, absl::StrCat("'", text,
+                                          "' is not a duration >= 0 (e.g. "
+                                          "10m, 90s, 0)"));
     }
-    c.server.executor.sequence_idle_timeout = absl::ToChronoMilliseconds(d);
-    if (d > absl::ZeroDuration() &&
-        c.server.executor.sequence_idle_timeout.count() == 0) {
-      c.server.executor.sequence_idle_timeout = std::chrono::milliseconds(1);
+    *out = absl::ToChronoMilliseconds(d);
+    if (d > absl::ZeroDuration() && out->count() == 0) {
+      *out = std::chrono::milliseconds(1);
     }
   }
   c.server.importer.num_threads = absl::GetFlag(FLAGS_kv_import_threads);

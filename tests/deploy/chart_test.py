@@ -109,6 +109,14 @@ def flag_values(args):
     return out
 
 
+def seconds(duration):
+    """A chart duration ('1m30s', '500ms') in seconds."""
+    parts = re.findall(r"([0-9]+)(ms|s|m|h)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    unit = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    return sum(int(n) * unit[u] for n, u in parts)
+
+
 def role_of(deployment):
     return deployment["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
 
@@ -200,6 +208,21 @@ class ManifestChecks:
                              f"{role} --sequence_idle_timeout")
         self.assertIn(f"for {self.values['worker']['sequenceIdleTimeout']} "
                       "(worker.sequenceIdleTimeout)", self.notes)
+
+    def test_drain_fits_in_the_termination_grace_period(self):
+        grace = self.values["terminationGracePeriodSeconds"]
+        for role, dep in self.deployments.items():
+            flags = flag_values(container(dep)["args"])
+            self.assertEqual(flags["drain_timeout"], self.values["worker"]["drainTimeout"], role)
+            self.assertEqual(dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"],
+                             grace, role)
+            # Live sequences drain for --drain_timeout, then an import
+            # accepted just before may pull for --kv_pull_timeout; SIGKILL
+            # must not come first.
+            needed = seconds(flags["drain_timeout"]) + seconds(flags["kv_pull_timeout"]) + 5
+            self.assertLessEqual(needed, grace,
+                                 f"{role}: drain {flags['drain_timeout']} + pull "
+                                 f"{flags['kv_pull_timeout']} + 5s > grace {grace}s")
 
     def test_numbers_are_plain_integers(self):
         # Helm decodes values as float64; a template that forgets `int64`

@@ -1,12 +1,14 @@
 // The worker's lifecycle and flow control over real gRPC: NOT_SERVING until
 // graphs are captured; deadlines and cancellations honoured before a call
-// runs (and then it changes nothing); a bounded queue; drain (in-flight
-// calls complete, new ones are refused, health NOT_SERVING); reflection.
+// runs (and then it changes nothing); a bounded queue; drain (live
+// sequences finish, new ones are refused, health NOT_SERVING, bounded by
+// the drain timeout); reflection.
 //
 // "Busy" is made deterministic with Executor::Pause(), never with timing.
 #include <grpcpp/generic/generic_stub.h>
 
 #include <chrono>
+#include <future>
 #include <memory>
 #include <string>
 #include <thread>
@@ -139,10 +141,26 @@ TEST(LifecycleTest, FullQueueGetsResourceExhausted) {
   EXPECT_EQ(w->Status().num_sequences(), 2);
 }
 
-TEST(LifecycleTest, DrainCompletesInFlightCallsAndRefusesNewOnes) {
+grpc::Status Release(v1::Worker::Stub& stub, const std::string& id) {
+  grpc::ClientContext context;
+  server_testing::SetGenerousDeadline(&context);
+  v1::ReleaseRequest request;
+  request.add_sequence_ids(id);
+  v1::ReleaseResponse response;
+  return stub.Release(&context, request, &response);
+}
+
+// A rolling update must not fail running generations: while draining, live
+// sequences keep stepping until released; only new sequences are refused.
+TEST(LifecycleTest, DrainLetsLiveSequencesFinishAndRefusesNewOnes) {
   auto w = StartWorker(SmallRunnerOptions());
   ASSERT_NE(w, nullptr);
   Executor& executor = w->server->executor();
+  v1::ForwardResponse response;
+  ASSERT_TRUE(
+      Forward(*w->stub, Request({Input("live", {1, 2, 3}, true)}), &response)
+          .ok());
+  const int32_t live_next = response.sequences(0).token_id();
   executor.Pause();
   auto in_flight =
       StartForward(*w->stub, Request({Input("inflight", {1, 2}, true)}));
@@ -152,18 +170,40 @@ TEST(LifecycleTest, DrainCompletesInFlightCallsAndRefusesNewOnes) {
   EXPECT_EQ(w->Health(""), HealthCheckResponse::NOT_SERVING);
   EXPECT_EQ(w->Health(kWorkerService), HealthCheckResponse::NOT_SERVING);
   EXPECT_FALSE(w->Status().serving());
-  v1::ForwardResponse response;
   const grpc::Status refused =
       Forward(*w->stub, Request({Input("new", {1}, true)}), &response);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(refused.error_message(), HasSubstr("draining"));
+  {
+    grpc::ClientContext context;
+    v1::ImportKvRequest import;
+    import.set_sequence_id("imported");
+    v1::ImportKvResponse imported;
+    const grpc::Status s = w->stub->ImportKv(&context, import, &imported);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+    EXPECT_THAT(s.error_message(), HasSubstr("draining"));
+  }
 
-  std::thread drainer([&] { w->server->Drain(); });
+  auto drained = std::async(std::launch::async, [&] { w->server->Drain(); });
   executor.Resume();
   const grpc::Status done = in_flight->result.get();
   EXPECT_TRUE(done.ok()) << done.error_message();
   EXPECT_EQ(in_flight->response.sequences(0).num_tokens(), 2);
-  drainer.join();
+
+  // Both sequences keep generating; the drain waits for them.
+  ASSERT_TRUE(
+      Forward(*w->stub, Request({Input("live", {live_next}, false)}), &response)
+          .ok());
+  EXPECT_EQ(response.sequences(0).num_tokens(), 4);
+  v1::SequenceInput last = Input("inflight", {7}, false);
+  last.set_release_after_step(true);
+  ASSERT_TRUE(Forward(*w->stub, Request({last}), &response).ok());
+  EXPECT_EQ(drained.wait_for(std::chrono::milliseconds(0)),
+            std::future_status::timeout);  // "live" is still live
+  EXPECT_EQ(w->Status().num_sequences(), 1);
+  ASSERT_TRUE(Release(*w->stub, "live").ok());
+  drained.get();
+
   // Gone: nothing listens any more.
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() +
@@ -172,6 +212,30 @@ TEST(LifecycleTest, DrainCompletesInFlightCallsAndRefusesNewOnes) {
   EXPECT_EQ(w->stub->GetStatus(&context, v1::GetStatusRequest(), &status)
                 .error_code(),
             grpc::StatusCode::UNAVAILABLE);
+}
+
+// A sequence whose router never finishes it does not hold the shutdown
+// past --drain_timeout.
+TEST(LifecycleTest, DrainStopsAfterItsTimeout) {
+  WorkerServerOptions options;
+  options.drain_timeout = std::chrono::milliseconds(300);
+  auto w = StartWorker(SmallRunnerOptions(), options);
+  ASSERT_NE(w, nullptr);
+  v1::ForwardResponse response;
+  ASSERT_TRUE(
+      Forward(*w->stub, Request({Input("stuck", {1, 2}, true)}), &response)
+          .ok());
+  const auto start = std::chrono::steady_clock::now();
+  w->server->Drain();
+  EXPECT_GE(std::chrono::steady_clock::now() - start, options.drain_timeout);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(10));
+  EXPECT_EQ(
+      w->stub
+          ->Forward(&context, Request({Input("stuck", {3}, false)}), &response)
+          .error_code(),
+      grpc::StatusCode::UNAVAILABLE);
 }
 
 TEST(LifecycleTest, DestroyingTheServerFailsQueuedCalls) {

@@ -152,12 +152,27 @@ TEST(PdworkerMainTest, ServesThenDrainsOnSigterm) {
   EXPECT_THAT(metrics, HasSubstr("role=\"both\""));
   EXPECT_THAT(metrics, HasSubstr("pdworker_cudagraph_graphs{"));
 
+  // SIGTERM with "s" still live: it may keep generating, new sequences go
+  // elsewhere, and the worker exits once "s" is released.
   (*worker)->Signal(SIGTERM);
+  ASSERT_TRUE(server_testing::WaitFor(
+      [&] { return !server_testing::StatusOf(*stub).serving(); }));
+  EXPECT_EQ(server_testing::Forward(*stub, Request({Input("t", {1}, true)}),
+                                    &response)
+                .error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  v1::SequenceInput last = Input("s", {4}, false);
+  last.set_release_after_step(true);
+  ASSERT_TRUE(server_testing::Forward(*stub, Request({last}), &response).ok());
+  EXPECT_EQ(response.sequences(0).num_tokens(), 4);
   auto code = (*worker)->Wait(absl::Seconds(60));
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 0) << (*worker)->Output();
   const std::string log = (*worker)->Output();
+  EXPECT_THAT(log, HasSubstr("draining: waiting up to 30000 ms for 1 live "
+                             "sequences"));
   EXPECT_THAT(log, HasSubstr("drained"));
+  EXPECT_THAT(log, ::testing::Not(HasSubstr("drain timeout")));
   EXPECT_THAT(log, HasSubstr("metrics on port"));
   EXPECT_THAT(log, HasSubstr("--device=auto: using the CPU backend"));
 }
@@ -212,6 +227,7 @@ TEST(PdworkerMainTest, BadConfigurationFailsAtStartupNamingTheFlag) {
       {{"--tls_client_ca=/dev/null"}, "--tls_client_ca"},
       {{"--stats_log_interval=soon"}, "--stats_log_interval"},
       {{"--sequence_idle_timeout=-5s"}, "--sequence_idle_timeout"},
+      {{"--drain_timeout=soon"}, "--drain_timeout"},
       {{"--grpc_keepalive_time=0s"}, "--grpc_keepalive_time"},
       {{"--grpc_min_client_ping_interval=often"},
        "--grpc_min_client_ping_interval"},

@@ -487,6 +487,14 @@ void Executor::PublishSnapshot() {
 // ---------------------------------------------------------------------------
 // Other threads.
 
+bool Executor::StartsSequences(const Entry& entry) {
+  if (entry.forward == nullptr) return false;
+  for (const SequenceStep& s : entry.forward->spec.sequences) {
+    if (s.creation != SequenceCreation::kMustExist) return true;
+  }
+  return false;
+}
+
 void Executor::Submit(std::unique_ptr<ForwardCall> call) {
   auto e = std::make_unique<Entry>();
   const ForwardCallSpec& spec = call->spec;
@@ -535,9 +543,13 @@ absl::Status Executor::Admit(std::unique_ptr<Entry>& entry) {
   absl::Status refused;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (draining_ || stopping_) {
+    if (stopping_) {
       refused = absl::UnavailableError(
-          "the worker is draining (shutting down) and takes no new calls");
+          "the worker is shutting down and takes no more calls");
+    } else if (draining_ && StartsSequences(*entry)) {
+      refused = absl::UnavailableError(
+          "the worker is draining (shutting down) and takes no new "
+          "sequences; its live sequences may step until released");
     } else if (queued_ >= options_.max_queue) {
       refused = absl::ResourceExhaustedError(
           absl::StrCat("request queue full: ", queued_,

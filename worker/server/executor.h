@@ -79,8 +79,8 @@ class Executor {
   Executor& operator=(const Executor&) = delete;
 
   // Queues the call, or completes it at once (call->done, on this thread)
-  // with UNAVAILABLE (draining or stopped) or RESOURCE_EXHAUSTED (queue
-  // full). Never blocks on a step.
+  // with UNAVAILABLE (stopped, or draining and the call starts a sequence)
+  // or RESOURCE_EXHAUSTED (queue full). Never blocks on a step.
   void Submit(std::unique_ptr<ForwardCall> call);
   void Submit(std::unique_ptr<ReleaseCall> call);
 
@@ -95,8 +95,9 @@ class Executor {
   // than at the next step. Cheap; called from gRPC threads.
   void NotifyCancelled();
 
-  // From now on Submit refuses new calls with UNAVAILABLE; queued calls
-  // still run.
+  // From now on Submit refuses calls that would create a sequence (start)
+  // with UNAVAILABLE; steps and releases of live sequences, and queued
+  // calls, still run.
   void BeginDrain();
   // Blocks until every submitted call has completed.
   void WaitUntilIdle();
@@ -141,6 +142,8 @@ class Executor {
   // Moves `entry` into the queue and returns OK, or leaves it and returns
   // UNAVAILABLE / RESOURCE_EXHAUSTED.
   absl::Status Admit(std::unique_ptr<Entry>& entry);
+  // A Forward that would create a sequence (refused while draining).
+  static bool StartsSequences(const Entry& entry);
   // Undoes the steps a failed (or dropped) call already ran.
   void RollBack(Entry& entry);
   void FailAll(const absl::Status& status);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <limits>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -131,6 +132,10 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
         "max_queue must be positive, got ", options.executor.max_queue));
   }
 
+  if (options.drain_timeout.count() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "drain_timeout must be >= 0, got ", options.drain_timeout.count()));
+  }
   if (options.kv_lease_ttl.count() <= 0 ||
       options.importer.pull_timeout.count() <= 0 ||
       options.importer.num_threads <= 0) {
@@ -141,7 +146,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
 
   std::unique_ptr<WorkerServer> s(new WorkerServer());
   s->metrics_ = metrics;
-  s->kv_lease_ttl_ = options.kv_lease_ttl;
+  s->drain_timeout_ = options.drain_timeout;
   WorkerServer* self = s.get();
   // Lease blocks go back to the pool on the executor thread, between steps.
   s->leases_ = std::make_unique<KvLeaseTable>(
@@ -244,22 +249,35 @@ void WorkerServer::BeginDrain() {
 
 void WorkerServer::Drain() {
   BeginDrain();
-  LOG(INFO) << "draining: " << executor_->snapshot().queued_calls
-            << " calls in flight";
-  executor_->WaitUntilIdle();
+  // What still holds the worker: requests in flight (live sequences, calls,
+  // imports) and prompts prefilled for decode workers (leases).
+  const auto held = [this] {
+    const ExecutorSnapshot s = executor_->snapshot();
+    return std::make_tuple(int64_t{s.kv.num_sequences}, s.queued_calls,
+                           static_cast<int64_t>(importer_->in_flight()),
+                           static_cast<int64_t>(leases_->size()));
+  };
+  auto [sequences, calls, imports, leases] = held();
+  LOG(INFO) << "draining: waiting up to " << drain_timeout_.count()
+            << " ms for " << sequences << " live sequences, " << calls
+            << " calls, " << imports << " KV imports and " << leases
+            << " KV leases";
+  const auto give_up = std::chrono::steady_clock::now() + drain_timeout_;
+  while (sequences + calls + imports + leases > 0 &&
+         std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    std::tie(sequences, calls, imports, leases) = held();
+  }
+  if (sequences + calls + leases > 0) {
+    LOG(WARNING) << "drain timeout (" << drain_timeout_.count()
+                 << " ms): stopping with " << sequences
+                 << " live sequences (their requests fail), " << calls
+                 << " calls and " << leases << " KV leases";
+  }
   // Accepted imports finish (each is bounded by the pull timeout): they need
   // the executor to install or give back their blocks.
   while (importer_->in_flight() > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  // Prompts already prefilled are still wanted by decode workers.
-  const auto give_up = std::chrono::steady_clock::now() + kv_lease_ttl_;
-  if (leases_->size() > 0) {
-    LOG(INFO) << "draining: waiting for " << leases_->size()
-              << " KV leases to be pulled";
-  }
-  while (leases_->size() > 0 && std::chrono::steady_clock::now() < give_up) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   Shutdown();
   LOG(INFO) << "drained";

@@ -78,6 +78,10 @@ struct WorkerServerOptions {
   // How long a held lease waits for its decode worker before its blocks are
   // freed.
   std::chrono::milliseconds kv_lease_ttl{30000};
+  // Drain's bound on waiting for live sequences and held leases. Keep it
+  // below the orchestrator's kill deadline (Kubernetes'
+  // terminationGracePeriodSeconds).
+  std::chrono::milliseconds drain_timeout{30000};
   KvImporterOptions importer;
   KvTransferServiceOptions transfer;
   // How KV pulls connect to peers. Not enabled: derived from `tls` (a TLS
@@ -110,14 +114,19 @@ class WorkerServer {
   // then serves: health SERVING, Forward accepted.
   absl::StatusOr<CaptureSummary> CaptureGraphsAndServe();
 
-  // Health NOT_SERVING, new Forward/Release calls UNAVAILABLE; queued and
-  // running calls still complete. GetStatus and GetGraphStats keep
-  // answering (serving=false) so routers can watch the drain. Non-blocking.
+  // Health NOT_SERVING; calls that would start a sequence (Forward with
+  // start, ImportKv) get UNAVAILABLE, so routers place new requests
+  // elsewhere; live sequences keep stepping until released. GetStatus and
+  // GetGraphStats keep answering (serving=false) so routers can watch the
+  // drain. Non-blocking.
   void BeginDrain();
-  // BeginDrain, wait for every queued call and KV import to complete, for held
-  // KV leases to be pulled (at most the lease TTL: PullKv and ReleaseKv keep
-  // being served while draining), then stop listening (other RPCs get a
-  // one-second grace) and stop the executor.
+  // BeginDrain, then wait (at most `drain_timeout`) until the worker holds
+  // nothing: no live sequence (routers finish and release them, as vLLM and
+  // SGLang let in-flight requests finish on SIGTERM), no queued call, no
+  // KV import, no held lease (PullKv and ReleaseKv keep being served). Then
+  // wait for accepted imports (each bounded by the pull timeout), stop the
+  // executor (calls still queued get UNAVAILABLE) and stop listening (other
+  // RPCs get a one-second grace).
   void Drain();
 
   Executor& executor() { return *executor_; }
@@ -134,7 +143,7 @@ class WorkerServer {
   int port_ = 0;
   bool shut_down_ = false;
   std::string advertise_address_;
-  std::chrono::milliseconds kv_lease_ttl_{0};
+  std::chrono::milliseconds drain_timeout_{0};
   // Destroyed in reverse: the gRPC server (whose reactors call into the
   // rest) goes first; the importer joins its pulls; the lease table hands
   // its blocks to the (stopped) executor last.

@@ -218,7 +218,7 @@ void WorkerService::SetGraphsCaptured(int graphs) {
   status_template_.set_graphs_captured(graphs);
 }
 
-absl::Status WorkerService::CheckServing() const {
+absl::Status WorkerService::CheckServing(WhileDraining while_draining) const {
   switch (state()) {
     case ServingState::kServing:
       return absl::OkStatus();
@@ -226,8 +226,12 @@ absl::Status WorkerService::CheckServing() const {
       return absl::UnavailableError(
           "the worker is starting (capturing CUDA graphs); retry shortly");
     case ServingState::kDraining:
+      if (while_draining == WhileDraining::kLetTheExecutorDecide) {
+        return absl::OkStatus();
+      }
       return absl::UnavailableError(
-          "the worker is draining (shutting down) and takes no new calls");
+          "the worker is draining (shutting down) and takes no new "
+          "sequences; send this request to another worker");
   }
   return absl::UnavailableError("the worker is not serving");
 }
@@ -237,7 +241,8 @@ grpc::ServerUnaryReactor* WorkerService::Forward(
     v1::ForwardResponse* response) {
   auto* reactor = new ForwardReactor(executor_, metrics_, handle_template_,
                                      request, response);
-  if (absl::Status serving = CheckServing(); !serving.ok()) {
+  if (absl::Status serving = CheckServing(WhileDraining::kLetTheExecutorDecide);
+      !serving.ok()) {
     reactor->Complete(serving);
     return reactor;
   }
@@ -263,7 +268,8 @@ grpc::ServerUnaryReactor* WorkerService::Release(
     grpc::CallbackServerContext* context, const v1::ReleaseRequest* request,
     v1::ReleaseResponse* response) {
   auto* reactor = new ReleaseReactor(executor_, response);
-  if (absl::Status serving = CheckServing(); !serving.ok()) {
+  if (absl::Status serving = CheckServing(WhileDraining::kLetTheExecutorDecide);
+      !serving.ok()) {
     reactor->Complete(serving);
     return reactor;
   }
@@ -331,7 +337,7 @@ grpc::ServerUnaryReactor* WorkerService::ImportKv(
     grpc::CallbackServerContext* context, const v1::ImportKvRequest* request,
     v1::ImportKvResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status refused = CheckServing();
+  absl::Status refused = CheckServing(WhileDraining::kRefuse);
   if (refused.ok() && handoff_.importer == nullptr) {
     refused = absl::UnimplementedError("this worker imports no KV");
   }

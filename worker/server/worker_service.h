@@ -29,7 +29,15 @@ namespace pdworker {
 enum class ServingState {
   kStarting,  // capturing graphs: Forward/Release -> UNAVAILABLE
   kServing,
-  kDraining,  // shutting down: Forward/Release -> UNAVAILABLE
+  // Shutting down: live sequences may still step and be released; new
+  // sequences (start, ImportKv) -> UNAVAILABLE.
+  kDraining,
+};
+
+// What an RPC may do while the worker drains.
+enum class WhileDraining {
+  kRefuse,                // it would start new work (ImportKv)
+  kLetTheExecutorDecide,  // Forward and Release: steps of live sequences run
 };
 
 // The KV handoff's parts, owned by the WorkerServer.
@@ -75,8 +83,9 @@ class WorkerService final : public v1::Worker::CallbackService {
                                      v1::ImportKvResponse* response) override;
 
  private:
-  // OK while serving; UNAVAILABLE naming why otherwise.
-  absl::Status CheckServing() const;
+  // OK while serving (and while draining, for kLetTheExecutorDecide);
+  // UNAVAILABLE naming why otherwise.
+  absl::Status CheckServing(WhileDraining while_draining) const;
 
   Executor& executor_;
   WorkerMetrics* const metrics_;
