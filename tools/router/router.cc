@@ -182,20 +182,47 @@ absl::StatusOr<v1::SequenceOutput> Router::RunPrompt(
   return out;
 }
 
+bool Router::TryAnotherWorker(WorkerPool& pool, const PoolWorker& worker,
+                              const absl::Status& error, int attempt) {
+  if (!absl::IsUnavailable(error) || attempt + 1 >= pool.size()) return false;
+  if (pool.Recheck(worker.index)) return false;  // still serving
+  LOG(INFO) << "trying another worker: " << error;
+  return true;
+}
+
+absl::StatusOr<v1::SequenceOutput> Router::PlacePrompt(
+    WorkerPool& pool, const GenerationRequest& request, bool hold,
+    Clock::time_point started, Clock::time_point* received,
+    GenerationResult* result, const TokenCallback& on_token,
+    PoolWorker** worker) {
+  // KV the request holds on the worker: the prompt, plus the generated
+  // tokens when it also decodes there.
+  const int expected_tokens =
+      static_cast<int>(request.prompt.size()) + (hold ? 0 : request.max_tokens);
+  for (int attempt = 0;; ++attempt) {
+    absl::StatusOr<PoolWorker*> picked = pool.PickLeastLoaded(expected_tokens);
+    if (!picked.ok()) return picked.status();
+    *worker = *picked;
+    absl::StatusOr<v1::SequenceOutput> first =
+        RunPrompt(**picked, request, hold, started, received, result, on_token);
+    if (first.ok() ||
+        !TryAnotherWorker(pool, **picked, first.status(), attempt)) {
+      return first;
+    }
+  }
+}
+
 absl::StatusOr<GenerationResult> Router::GenerateAggregated(
     const GenerationRequest& request, const TokenCallback& on_token) {
   const Clock::time_point started = Clock::now();
   GenerationResult result;
-  const int expected_tokens =
-      static_cast<int>(request.prompt.size()) + request.max_tokens;
-  absl::StatusOr<PoolWorker*> worker =
-      aggregated_->PickLeastLoaded(expected_tokens);
-  if (!worker.ok()) return worker.status();
+  PoolWorker* worker = nullptr;
   Clock::time_point first_at;
-  absl::StatusOr<v1::SequenceOutput> first = RunPrompt(
-      **worker, request, /*hold=*/false, started, &first_at, &result, on_token);
+  absl::StatusOr<v1::SequenceOutput> first =
+      PlacePrompt(*aggregated_, request, /*hold=*/false, started, &first_at,
+                  &result, on_token, &worker);
   if (!first.ok()) return first.status();
-  result.decode_address = (*worker)->address;
+  result.decode_address = worker->address;
 
   if (request.max_tokens == 1) {  // released by the step itself
     result.finish_reason = IsEos(request, first->token_id())
@@ -205,14 +232,14 @@ absl::StatusOr<GenerationResult> Router::GenerateAggregated(
   }
   if (IsEos(request, first->token_id())) {
     result.finish_reason = FinishReason::kEos;
-    if (absl::Status released = ReleaseSequence(**worker, request.request_id);
+    if (absl::Status released = ReleaseSequence(*worker, request.request_id);
         !released.ok()) {
       return released;
     }
     return result;
   }
   if (absl::Status decoded =
-          Decode(**worker, *aggregated_, request, first_at, &result, on_token);
+          Decode(*worker, *aggregated_, request, first_at, &result, on_token);
       !decoded.ok()) {
     return decoded;
   }
@@ -223,22 +250,21 @@ absl::StatusOr<GenerationResult> Router::GenerateDisaggregated(
     const GenerationRequest& request, const TokenCallback& on_token) {
   const Clock::time_point started = Clock::now();
   GenerationResult result;
-  absl::StatusOr<PoolWorker*> prefill =
-      prefill_->PickLeastLoaded(static_cast<int>(request.prompt.size()));
-  if (!prefill.ok()) return prefill.status();
+  PoolWorker* prefill = nullptr;
   Clock::time_point first_at;
-  absl::StatusOr<v1::SequenceOutput> first = RunPrompt(
-      **prefill, request, /*hold=*/true, started, &first_at, &result, on_token);
+  absl::StatusOr<v1::SequenceOutput> first =
+      PlacePrompt(*prefill_, request, /*hold=*/true, started, &first_at,
+                  &result, on_token, &prefill);
   if (!first.ok()) return first.status();
 
   const v1::KvHandle& handle = first->kv_handle();
   if (handle.lease_id().empty()) {
     // A worker that ignores hold_for_handoff (an older pdworker) kept the
     // sequence live instead of leasing its KV: free it and say why.
-    absl::Status released = ReleaseSequence(**prefill, request.request_id);
+    absl::Status released = ReleaseSequence(*prefill, request.request_id);
     if (!released.ok()) LOG(WARNING) << released;
     return absl::FailedPreconditionError(absl::StrCat(
-        "prefill worker ", (*prefill)->address,
+        "prefill worker ", prefill->address,
         " returned no KV handle for hold_for_handoff: it does not support the "
         "P/D handoff"));
   }
@@ -246,36 +272,44 @@ absl::StatusOr<GenerationResult> Router::GenerateDisaggregated(
   const bool eos = IsEos(request, first->token_id());
   if (request.max_tokens == 1 || eos) {
     result.finish_reason = eos ? FinishReason::kEos : FinishReason::kLength;
-    ReleaseLease(**prefill, handle.lease_id());
+    ReleaseLease(*prefill, handle.lease_id());
     return result;
   }
 
   const int expected_tokens =
       static_cast<int>(request.prompt.size()) + request.max_tokens;
-  absl::StatusOr<PoolWorker*> decode =
-      decode_->PickLeastLoaded(expected_tokens);
-  if (!decode.ok()) {
-    ReleaseLease(**prefill, handle.lease_id());
-    return decode.status();
-  }
-  result.decode_address = (*decode)->address;
-
   v1::ImportKvRequest import;
   import.set_sequence_id(request.request_id);
   *import.mutable_handle() = handle;
   v1::ImportKvResponse imported;
-  grpc::ClientContext context;
-  SetTimeout(&context, options_.import_timeout);
-  const Clock::time_point sent = Clock::now();
-  const grpc::Status status =
-      (*decode)->worker->ImportKv(&context, import, &imported);
-  result.timings.transfer_us = Micros(Clock::now() - sent);
+  absl::StatusOr<PoolWorker*> decode;
+  grpc::Status status;
+  for (int attempt = 0;; ++attempt) {
+    decode = decode_->PickLeastLoaded(expected_tokens);
+    if (!decode.ok()) {
+      ReleaseLease(*prefill, handle.lease_id());
+      return decode.status();
+    }
+    result.decode_address = (*decode)->address;
+    grpc::ClientContext context;
+    SetTimeout(&context, options_.import_timeout);
+    const Clock::time_point sent = Clock::now();
+    status = (*decode)->worker->ImportKv(&context, import, &imported);
+    result.timings.transfer_us = Micros(Clock::now() - sent);
+    // A draining decode worker refuses before it touches the lease.
+    if (status.ok() ||
+        !TryAnotherWorker(*decode_, **decode,
+                          FromGrpc(status, "ImportKv", (*decode)->address),
+                          attempt)) {
+      break;
+    }
+  }
   if (!status.ok()) {
     // The decode worker frees what it allocated on any error; whether it
     // already released the lease depends on where the import failed, so
     // release it here too (NOT_FOUND then). A deadline the router gave up on
     // may have raced the install: free the sequence too, in case it exists.
-    ReleaseLease(**prefill, handle.lease_id());
+    ReleaseLease(*prefill, handle.lease_id());
     if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
       absl::Status released = ReleaseSequence(**decode, request.request_id);
       if (!released.ok()) LOG(WARNING) << released;

@@ -152,6 +152,22 @@ class Router {
       std::chrono::steady_clock::time_point started,
       std::chrono::steady_clock::time_point* received, GenerationResult* result,
       const TokenCallback& on_token);
+  // RunPrompt on the least-loaded worker of `pool`, then on the next one
+  // while a worker refuses for not serving (see TryAnotherWorker). Sets
+  // `*worker` to the one that answered last.
+  absl::StatusOr<v1::SequenceOutput> PlacePrompt(
+      WorkerPool& pool, const GenerationRequest& request, bool hold,
+      std::chrono::steady_clock::time_point started,
+      std::chrono::steady_clock::time_point* received, GenerationResult* result,
+      const TokenCallback& on_token, PoolWorker** worker);
+  // Whether a call that failed with `error` on attempt `attempt` (0-based)
+  // should go to another worker of `pool`: only UNAVAILABLE from a worker
+  // that, asked again, is not serving (draining for a rolling update,
+  // stopped, gone). Such a refusal changed nothing there; another
+  // UNAVAILABLE (e.g. the KV source died mid-pull) another worker would
+  // not fix.
+  bool TryAnotherWorker(WorkerPool& pool, const PoolWorker& worker,
+                        const absl::Status& error, int attempt);
   absl::StatusOr<GenerationResult> GenerateDisaggregated(
       const GenerationRequest& request, const TokenCallback& on_token);
   absl::StatusOr<GenerationResult> GenerateAggregated(

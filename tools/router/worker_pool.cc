@@ -166,6 +166,28 @@ void WorkerPool::Invalidate() {
   }
 }
 
+bool WorkerPool::Recheck(int index) {
+  State& state = *state_;
+  grpc::ClientContext context;
+  SetTimeout(&context, state.options.status_timeout);
+  v1::WorkerStatus response;
+  const grpc::Status status = workers_[index]->worker->GetStatus(
+      &context, v1::GetStatusRequest(), &response);
+  std::lock_guard<std::mutex> lock(state.mu);
+  Entry& entry = state.entries[index];
+  const Clock::time_point now = Clock::now();
+  entry.fetched = now;
+  entry.placed_sequences = 0;
+  entry.placed_blocks = 0;
+  if (status.ok()) {
+    entry.last_good = now;
+    entry.status = std::move(response);
+    return entry.status->serving();
+  }
+  entry.status = FromGrpc(status, "GetStatus", entry.address);
+  return false;
+}
+
 absl::StatusOr<v1::WorkerStatus> WorkerPool::Status(int index) {
   std::unique_lock<std::mutex> lock(state_->mu);
   WaitFreshOnce(lock);

@@ -95,6 +95,12 @@ class WorkerPool {
   // ones from every worker.
   void Invalidate();
 
+  // Asks `index` for its status now (a blocking GetStatus), caches the
+  // answer (or the failure, so picks skip the worker for failure_backoff)
+  // and returns whether it serves. For a caller whose call the worker just
+  // refused with UNAVAILABLE: draining or gone, or serving after all.
+  bool Recheck(int index);
+
  private:
   using Clock = std::chrono::steady_clock;
   struct StatusCall;
