@@ -20,6 +20,9 @@ const char* __tsan_default_suppressions() {
          "race:libgrpc++.so\n"
          "race:libgpr.so\n"
          "race:libprotobuf.so\n"
+         // gRPC's upb (its own protobuf runtime), e.g. the client's
+         // deadline timer thread.
+         "race:libupb.so\n"
          "race:libprometheus-cpp-\n"
          "race:absl::debian3::\n"
          "race:grpc_\n"

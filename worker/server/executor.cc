@@ -183,7 +183,13 @@ void Executor::DropExpiredCalls() {
       e->final_status = absl::CancelledError(
           absl::StrCat("the client cancelled the call ", when));
       ++dropped_cancelled_;
+    } else {
+      continue;
     }
+    // Undo its chunks now, not with the other finished calls: from here on
+    // it claims no sequence, so this iteration may plan a later call on one
+    // of them, which must find the sequence as it was before this call.
+    RollBack(*e);
   }
 }
 
