@@ -22,10 +22,8 @@
 namespace pdworker::router {
 namespace {
 
-using router_testing::Address;
 using router_testing::ExpectIdle;
 using router_testing::Prompt;
-using router_testing::StartRoleWorker;
 using server_testing::TestWorker;
 using ::testing::ElementsAreArray;
 
@@ -82,32 +80,16 @@ std::vector<absl::StatusOr<GenerationResult>> RunAll(
 }
 
 TEST(PdEndToEndTest, DisaggregatedTokensEqualAggregatedAndNothingLeaks) {
-  std::vector<std::unique_ptr<TestWorker>> prefill;
-  std::vector<std::unique_ptr<TestWorker>> decode;
-  for (int i = 0; i < 2; ++i) {
-    prefill.push_back(StartRoleWorker(Role::kPrefill));
-    ASSERT_NE(prefill.back(), nullptr);
-    decode.push_back(StartRoleWorker(Role::kDecode));
-    ASSERT_NE(decode.back(), nullptr);
-  }
-  std::unique_ptr<TestWorker> aggregated = StartRoleWorker(Role::kBoth);
-  ASSERT_NE(aggregated, nullptr);
+  std::unique_ptr<router_testing::PdCluster> cluster =
+      router_testing::StartPdCluster();
+  ASSERT_NE(cluster, nullptr);
+  auto& [prefill, decode, aggregated, pd_router, agg_router] = *cluster;
   EXPECT_EQ(prefill[0]->Status().role(), "prefill");
   EXPECT_EQ(decode[0]->Status().role(), "decode");
 
-  RouterOptions pd_options;
-  for (auto& w : prefill) pd_options.prefill_addresses.push_back(Address(*w));
-  for (auto& w : decode) pd_options.decode_addresses.push_back(Address(*w));
-  auto pd_router = Router::Create(pd_options);
-  ASSERT_TRUE(pd_router.ok()) << pd_router.status();
-  RouterOptions agg_options;
-  agg_options.aggregated_addresses = {Address(*aggregated)};
-  auto agg_router = Router::Create(agg_options);
-  ASSERT_TRUE(agg_router.ok()) << agg_router.status();
-
   const std::vector<GenerationRequest> requests = MakeRequests();
-  const auto pd = RunAll(**pd_router, requests);
-  const auto agg = RunAll(**agg_router, requests);
+  const auto pd = RunAll(*pd_router, requests);
+  const auto agg = RunAll(*agg_router, requests);
 
   std::set<std::string> prefill_used;
   std::set<std::string> decode_used;
@@ -135,7 +117,7 @@ TEST(PdEndToEndTest, DisaggregatedTokensEqualAggregatedAndNothingLeaks) {
   // Least-loaded picking spread the load over both workers of each role.
   EXPECT_EQ(prefill_used.size(), 2u);
   EXPECT_EQ(decode_used.size(), 2u);
-  EXPECT_GE((*pd_router)->decode_stats().max_sequences_per_call, 2);
+  EXPECT_GE(pd_router->decode_stats().max_sequences_per_call, 2);
 
   // A decode worker may tell the prefill worker to release a lease just
   // after ImportKv returned: wait (bounded) for every worker to settle.

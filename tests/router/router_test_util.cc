@@ -22,6 +22,37 @@ std::unique_ptr<TestWorker> StartRoleWorker(Role role) {
   return server_testing::StartWorker(RunnerOptions(role));
 }
 
+std::unique_ptr<PdCluster> StartPdCluster() {
+  auto c = std::make_unique<PdCluster>();
+  router::RouterOptions pd_options;
+  for (int i = 0; i < 2; ++i) {
+    c->prefill.push_back(StartRoleWorker(Role::kPrefill));
+    c->decode.push_back(StartRoleWorker(Role::kDecode));
+    if (c->prefill.back() == nullptr || c->decode.back() == nullptr) {
+      ADD_FAILURE() << "a worker did not start";
+      return nullptr;
+    }
+    pd_options.prefill_addresses.push_back(Address(*c->prefill.back()));
+    pd_options.decode_addresses.push_back(Address(*c->decode.back()));
+  }
+  c->aggregated = StartRoleWorker(Role::kBoth);
+  if (c->aggregated == nullptr) {
+    ADD_FAILURE() << "the aggregated worker did not start";
+    return nullptr;
+  }
+  auto pd_router = router::Router::Create(pd_options);
+  router::RouterOptions aggregated_options;
+  aggregated_options.aggregated_addresses = {Address(*c->aggregated)};
+  auto aggregated_router = router::Router::Create(aggregated_options);
+  if (!pd_router.ok() || !aggregated_router.ok()) {
+    ADD_FAILURE() << pd_router.status() << "; " << aggregated_router.status();
+    return nullptr;
+  }
+  c->pd_router = *std::move(pd_router);
+  c->aggregated_router = *std::move(aggregated_router);
+  return c;
+}
+
 absl::StatusOr<std::vector<int32_t>> ReferenceTokens(
     v1::Worker::Stub& stub, const router::GenerationRequest& request) {
   std::vector<int32_t> tokens;

@@ -33,6 +33,18 @@ std::unique_ptr<TestWorker> StartRoleWorker(Role role);
 absl::StatusOr<std::vector<int32_t>> ReferenceTokens(
     v1::Worker::Stub& stub, const router::GenerationRequest& request);
 
+// 2 prefill + 2 decode workers with a P/D router over them, and one
+// aggregated worker (role both) with its own router, for comparing tokens.
+struct PdCluster {
+  std::vector<std::unique_ptr<TestWorker>> prefill;
+  std::vector<std::unique_ptr<TestWorker>> decode;
+  std::unique_ptr<TestWorker> aggregated;
+  std::unique_ptr<router::Router> pd_router;
+  std::unique_ptr<router::Router> aggregated_router;
+};
+// nullptr (after a test failure) when a worker or router did not start.
+std::unique_ptr<PdCluster> StartPdCluster();
+
 // Expects the worker idle: every KV block free, no sequence, no lease.
 void ExpectIdle(TestWorker& worker, const std::string& name);
 

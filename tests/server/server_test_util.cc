@@ -66,6 +66,15 @@ v1::WorkerStatus StatusOf(v1::Worker::Stub& stub) {
 
 v1::WorkerStatus TestWorker::Status() { return StatusOf(*stub); }
 
+bool Gone(v1::Worker::Stub& stub) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(10));
+  v1::WorkerStatus status;
+  return stub.GetStatus(&context, v1::GetStatusRequest(), &status)
+             .error_code() == grpc::StatusCode::UNAVAILABLE;
+}
+
 grpc::health::v1::HealthCheckResponse::ServingStatus TestWorker::Health(
     const std::string& service) {
   auto health = grpc::health::v1::Health::NewStub(channel);

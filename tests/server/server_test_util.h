@@ -41,6 +41,10 @@ InProcessRunner MakeRunner(const ModelRunnerOptions& options);
 // GetStatus with a generous deadline (EXPECTs it to succeed).
 v1::WorkerStatus StatusOf(v1::Worker::Stub& stub);
 
+// True when nothing answers GetStatus at the stub's worker any more
+// (UNAVAILABLE within 10 s): it drained or stopped.
+bool Gone(v1::Worker::Stub& stub);
+
 // A serving worker and a client channel to it.
 struct TestWorker {
   InProcessRunner runner;
