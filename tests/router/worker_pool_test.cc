@@ -197,6 +197,33 @@ TEST_F(WorkerPoolTest, SkipsWorkersThatAreNotServing) {
   EXPECT_EQ((*picked)->address, Address(*starting));
 }
 
+// A caller refused by a worker asks again: the fresh answer replaces the
+// cached one at once (no waiting out status_ttl), and picks skip the
+// worker from then on.
+TEST_F(WorkerPoolTest, RecheckReplacesTheCachedAnswer) {
+  std::unique_ptr<TestWorker> draining = StartRoleWorker(Role::kBoth);
+  ASSERT_NE(draining, nullptr);
+  auto pool = Pool({Address(*draining), Address(*a_)}, Cached());
+  ASSERT_NE(pool, nullptr);
+  ASSERT_TRUE(pool->Status(0).ok());
+  EXPECT_TRUE(pool->Recheck(0));  // serving
+
+  draining->server->BeginDrain();
+  ASSERT_TRUE(pool->Status(0)->serving());  // cached for 10 minutes
+  EXPECT_FALSE(pool->Recheck(0));
+  EXPECT_FALSE(pool->Status(0)->serving());
+  for (int i = 0; i < 3; ++i) {
+    auto picked = pool->PickLeastLoaded();
+    ASSERT_TRUE(picked.ok()) << picked.status();
+    EXPECT_EQ((*picked)->address, Address(*a_));
+  }
+
+  // Gone altogether: the failure is cached and the worker skipped.
+  draining->server->Drain();
+  EXPECT_FALSE(pool->Recheck(0));
+  EXPECT_FALSE(pool->Status(0).ok());
+}
+
 TEST(WorkerPoolCreateTest, RejectsBadAddressLists) {
   EXPECT_EQ(WorkerPool::Create({}).status().code(),
             absl::StatusCode::kInvalidArgument);

@@ -27,6 +27,7 @@ std::shared_ptr<grpc::Channel> MakeWorkerChannel(const std::string& address) {
 // One GetStatus call: it must outlive the call until its callback ran.
 struct WorkerPool::StatusCall {
   uint64_t generation = 0;  // Entry::generation when sent
+  std::chrono::steady_clock::time_point sent;
   grpc::ClientContext context;
   v1::GetStatusRequest request;
   v1::WorkerStatus response;
@@ -90,7 +91,9 @@ void WorkerPool::OnStatus(State& state, int index, const grpc::Status& status) {
   // An answer to a call sent before Invalidate is still news, but not the
   // fresh one a waiting pick asked for.
   if (entry.call->generation == entry.generation) entry.fresh_once = true;
-  if (status.ok()) {
+  if (entry.call->sent < entry.rechecked) {
+    // Recheck's answer is newer; keep it.
+  } else if (status.ok()) {
     entry.status = std::move(entry.call->response);
     entry.last_good = now;
     // The fresh figures include (most of) what was placed before.
@@ -124,6 +127,7 @@ void WorkerPool::RefreshStale(std::unique_lock<std::mutex>& lock) {
     entry.call = std::make_unique<StatusCall>();
     entry.in_flight = true;
     entry.call->generation = entry.generation;
+    entry.call->sent = now;
     SetTimeout(&entry.call->context, state.options.status_timeout);
     started.emplace_back(index, entry.call.get());
   }
@@ -177,6 +181,7 @@ bool WorkerPool::Recheck(int index) {
   Entry& entry = state.entries[index];
   const Clock::time_point now = Clock::now();
   entry.fetched = now;
+  entry.rechecked = now;
   entry.placed_sequences = 0;
   entry.placed_blocks = 0;
   if (status.ok()) {

@@ -111,6 +111,9 @@ class WorkerPool {
         absl::UnavailableError("not asked yet");
     Clock::time_point fetched;    // of `status` (or of its last failure)
     Clock::time_point last_good;  // when GetStatus last succeeded
+    // When Recheck last stored an answer: a background answer to a call
+    // sent before then is older news and must not overwrite it.
+    Clock::time_point rechecked;
     // False until an answer to a call sent after Create or the last
     // Invalidate arrived: picks wait for it.
     bool fresh_once = false;
