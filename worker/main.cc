@@ -22,7 +22,6 @@
 #include <memory>
 #include <sstream>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -147,6 +146,30 @@ absl::Status CheckPositive(absl::string_view flag, int64_t value) {
   return FlagError(flag, absl::StrCat("must be positive, got ", value));
 }
 
+// Whether a duration flag may be 0 (meaning "never" / "at once").
+enum class ZeroDuration { kRefused, kAllowed };
+
+// A duration flag ("500ms", "30s", "10m") in milliseconds; a positive one
+// below 1 ms becomes 1 ms, so it never turns into 0.
+absl::Status ParseMillisFlag(absl::string_view flag, const std::string& text,
+                             ZeroDuration zero,
+                             std::chrono::milliseconds* out) {
+  absl::Duration d;
+  const absl::Duration least = absl::ZeroDuration();
+  if (!absl::ParseDuration(text, &d) || d < least ||
+      (d == least && zero == ZeroDuration::kRefused)) {
+    return FlagError(flag, absl::StrCat("'", text,
+                                        zero == ZeroDuration::kRefused
+                                            ? "' is not a positive duration "
+                                              "(e.g. 500ms, 30s)"
+                                            : "' is not a duration >= 0 "
+                                              "(e.g. 10m, 90s, 0)"));
+  }
+  *out = absl::ToChronoMilliseconds(d);
+  if (d > least && out->count() == 0) *out = std::chrono::milliseconds(1);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::string> ReadPemFile(absl::string_view flag,
                                         const std::string& path) {
   if (path.empty()) return std::string();
@@ -268,44 +291,33 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
   c.server.max_receive_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   c.server.executor.max_queue = absl::GetFlag(FLAGS_max_queue);
   c.server.advertise_address = absl::GetFlag(FLAGS_advertise_address);
-  for (const auto& [flag, text, out] : std::vector<
-           std::tuple<const char*, std::string, std::chrono::milliseconds*>>{
+  struct DurationFlag {
+    const char* flag;
+    std::string text;
+    std::chrono::milliseconds* out;
+    ZeroDuration zero;
+  };
+  for (const DurationFlag& f : std::vector<DurationFlag>{
            {"kv_lease_ttl", absl::GetFlag(FLAGS_kv_lease_ttl),
-            &c.server.kv_lease_ttl},
+            &c.server.kv_lease_ttl, ZeroDuration::kRefused},
            {"kv_pull_timeout", absl::GetFlag(FLAGS_kv_pull_timeout),
-            &c.server.importer.pull_timeout},
+            &c.server.importer.pull_timeout, ZeroDuration::kRefused},
            {"grpc_keepalive_time", absl::GetFlag(FLAGS_grpc_keepalive_time),
-            &c.server.keepalive.time},
+            &c.server.keepalive.time, ZeroDuration::kRefused},
            {"grpc_keepalive_timeout",
             absl::GetFlag(FLAGS_grpc_keepalive_timeout),
-            &c.server.keepalive.timeout},
+            &c.server.keepalive.timeout, ZeroDuration::kRefused},
            {"grpc_min_client_ping_interval",
             absl::GetFlag(FLAGS_grpc_min_client_ping_interval),
-            &c.server.keepalive.min_client_ping_interval}}) {
-    absl::Duration d;
-    if (!absl::ParseDuration(text, &d) || d <= absl::ZeroDuration()) {
-      return FlagError(flag, absl::StrCat("'", text,
-                                          "' is not a positive duration "
-                                          "(e.g. 500ms, 30s)"));
-    }
-    *out = absl::ToChronoMilliseconds(d);
-    if (out->count() == 0) *out = std::chrono::milliseconds(1);
-  }
-  for (const auto& [flag, text, out] : std::vector<
-           std::tuple<const char*, std::string, std::chrono::milliseconds*>>{
+            &c.server.keepalive.min_client_ping_interval,
+            ZeroDuration::kRefused},
            {"sequence_idle_timeout", absl::GetFlag(FLAGS_sequence_idle_timeout),
-            &c.server.executor.sequence_idle_timeout},
+            &c.server.executor.sequence_idle_timeout, ZeroDuration::kAllowed},
            {"drain_timeout", absl::GetFlag(FLAGS_drain_timeout),
-            &c.server.drain_timeout}}) {
-    absl::Duration d;
-    if (!absl::ParseDuration(text, &d) || d < absl::ZeroDuration()) {
-      return FlagError(flag, absl::StrCat("'", text,
-                                          "' is not a duration >= 0 (e.g. "
-                                          "10m, 90s, 0)"));
-    }
-    *out = absl::ToChronoMilliseconds(d);
-    if (d > absl::ZeroDuration() && out->count() == 0) {
-      *out = std::chrono::milliseconds(1);
+            &c.server.drain_timeout, ZeroDuration::kAllowed}}) {
+    if (absl::Status s = ParseMillisFlag(f.flag, f.text, f.zero, f.out);
+        !s.ok()) {
+      return s;
     }
   }
   c.server.importer.num_threads = absl::GetFlag(FLAGS_kv_import_threads);

@@ -359,9 +359,6 @@ void Executor::CompleteFinishedCalls() {
     (*it)->Finish();
     it = pending_.erase(it);
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  unanswered_ -= completed;
-  if (unanswered_ == 0) idle_cv_.notify_all();
 }
 
 void Executor::ReleaseIdleSequences() {
@@ -563,7 +560,6 @@ absl::Status Executor::Admit(std::unique_ptr<Entry>& entry) {
     } else {
       incoming_.push_back(std::move(entry));
       ++queued_;
-      ++unanswered_;
     }
   }
   return refused;
@@ -608,11 +604,6 @@ void Executor::NotifyCancelled() {
 void Executor::BeginDrain() {
   std::lock_guard<std::mutex> lock(mu_);
   draining_ = true;
-}
-
-void Executor::WaitUntilIdle() {
-  std::unique_lock<std::mutex> lock(mu_);
-  idle_cv_.wait(lock, [this] { return unanswered_ == 0; });
 }
 
 void Executor::Pause() {

@@ -99,8 +99,6 @@ class Executor {
   // with UNAVAILABLE; steps and releases of live sequences, and queued
   // calls, still run.
   void BeginDrain();
-  // Blocks until every submitted call has completed.
-  void WaitUntilIdle();
 
   // Holds steps (queued calls wait; cancellations and deadlines are still
   // honoured) until Resume(). For tests that need a busy worker without
@@ -155,14 +153,11 @@ class Executor {
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;  // the executor waits for work
-  std::condition_variable idle_cv_;  // WaitUntilIdle: unanswered_ == 0
   std::deque<std::unique_ptr<Entry>> incoming_ ABSL_GUARDED_BY(mu_);
   std::vector<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
-  // Submitted and not yet finished by the executor (what the queue bound
-  // and the snapshot count) ...
+  // Submitted and not yet finished by the executor (what the queue bound,
+  // the snapshot and WorkerServer::Drain count). Stop() answers the rest.
   int64_t queued_ ABSL_GUARDED_BY(mu_) = 0;
-  // ... and not yet answered (done() not yet returned; what drains wait for).
-  int64_t unanswered_ ABSL_GUARDED_BY(mu_) = 0;
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   bool paused_ ABSL_GUARDED_BY(mu_) = false;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
