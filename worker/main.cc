@@ -20,6 +20,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -65,11 +66,9 @@ ABSL_FLAG(std::string, host, "0.0.0.0",
 ABSL_FLAG(int, port, 50051, "gRPC port; 0 = let the kernel pick one.");
 ABSL_FLAG(int, metrics_port, 9090,
           "Prometheus /metrics port; 0 = pick one, -1 = no metrics server.");
-ABSL_FLAG(std::string, device, "auto", "auto | cpu | cuda.");
-ABSL_FLAG(bool, experimental_cuda, false,
-          "Allow --device=cuda although the CUDA model path has not passed "
-          "its GPU tests yet (issue 9). For the first GPU runs "
-          "(tests/transfer:cuda_worker_gpu_test); removed once they pass.");
+ABSL_FLAG(std::string, device, "auto",
+          "auto | cpu | cuda. auto: CUDA device 0 when the binary has the "
+          "CUDA backend and a GPU is usable, else the CPU backend.");
 ABSL_FLAG(std::string, tls_cert, "",
           "PEM certificate chain; with --tls_key, serve TLS.");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
@@ -131,7 +130,8 @@ struct WorkerConfig {
   ModelRunnerOptions runner;
   std::string model_dir;
   std::string compilation_config_json;
-  DeviceKind device = DeviceKind::kCpu;
+  // nullopt: --device=auto (CUDA if usable, else CPU).
+  std::optional<DeviceKind> device;
   WorkerServerOptions server;
   std::string metrics_address;  // empty: no metrics server
   absl::Duration stats_log_interval;
@@ -228,25 +228,13 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
   }
 
   const std::string device = absl::AsciiStrToLower(absl::GetFlag(FLAGS_device));
-  if (device == "cuda" && !absl::GetFlag(FLAGS_experimental_cuda)) {
-    return FlagError("device",
-                     "the CUDA model path has not passed its GPU tests yet "
-                     "(issue 9), so it stays off; use --device=cpu (or auto), "
-                     "or add --experimental_cuda to run it anyway");
-  }
-  if (device != "auto" && device != "cpu" && device != "cuda") {
+  if (device == "cpu") {
+    c.device = DeviceKind::kCpu;
+  } else if (device == "cuda") {
+    c.device = DeviceKind::kCuda;
+  } else if (device != "auto") {
     return FlagError("device", absl::StrCat("unknown device '", device,
                                             "'; expected auto, cpu or cuda"));
-  }
-  if (device == "auto") {
-    LOG(INFO) << "--device=auto: using the CPU backend (the CUDA model "
-                 "path is off until its GPU tests pass)";
-  }
-  c.device = DeviceKind::kCpu;
-  if (device == "cuda") {
-    LOG(WARNING) << "--experimental_cuda: running the CUDA backend before "
-                    "its GPU tests have passed";
-    c.device = DeviceKind::kCuda;
   }
 
   const std::string host = absl::GetFlag(FLAGS_host);
@@ -357,7 +345,16 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
 absl::Status RunWorker(const WorkerConfig& c, const sigset_t& stop_signals) {
   DeviceOptions device_options;
   absl::StatusOr<std::unique_ptr<Device>> device =
-      CreateDevice(c.device, device_options);
+      CreateDevice(c.device.value_or(DeviceKind::kCuda), device_options);
+  if (!c.device.has_value()) {  // --device=auto
+    if (device.ok()) {
+      LOG(INFO) << "--device=auto: using " << (*device)->name();
+    } else {
+      LOG(INFO) << "--device=auto: using the CPU backend (CUDA: "
+                << device.status().message() << ")";
+      device = CreateDevice(DeviceKind::kCpu, device_options);
+    }
+  }
   if (!device.ok()) return device.status();
 
   LOG(INFO) << "loading " << c.model_dir << " (role " << RoleName(c.runner.role)

@@ -1,12 +1,13 @@
 // Paged attention on CUDA vs the CPU kernels, on the same bf16-representable
 // query and KV cache, for varlen (prefill / mixed) and uniform decode
-// (split-K over 512-key partitions), plus graph replay vs eager.
+// (split-K: CudaDecodeNumSplits CTAs per request and kv head, each taking an
+// even share of the context), plus graph replay vs eager.
 //
 // Tolerance: outputs are convex combinations of values in [-1, 1]. Scores,
 // softmax and accumulation are fp32 on both backends (different summation
 // orders: ~1e-6); the GPU rounds the output to bf16 (<= 2^-9 relative, at
 // most 0.002 here). Bound: 2^-8 · |cpu| + 2^-8. A masking, indexing or
-// partition-merging bug moves outputs by O(0.1).
+// split-merging bug moves outputs by O(0.1).
 //
 // Unwritten cache positions hold NaN on both backends and unused block-table
 // entries point at a block of large values, so reading anything a request
@@ -39,7 +40,7 @@ constexpr double kRel = 1.0 / 256;
 constexpr double kAbs = 1.0 / 256;
 constexpr int kMaxNumSeqs = 8;
 constexpr int kMaxTokens = 32;
-constexpr int kContext = 1600;  // default max context: > 3 partitions
+constexpr int kContext = 1600;  // default max context: up to 50 splits
 constexpr int32_t kJunkBlock = 0;
 
 struct AttentionConfig {
@@ -257,16 +258,16 @@ class PagedAttentionCudaTest
 // Prompts of several lengths (one longer than a key tile of 64), then
 // padding tokens.
 const Batch kPrefill = {{{7, 7}, {13, 13}, {1, 1}, {9, 70}}, 32, 0};
-// Decodes with long contexts (several partitions' worth, though varlen does
-// not split), a chunk continuing a prompt mid-sequence, a fresh short
+// Decodes with long contexts (many splits' worth, though varlen does not
+// split), a chunk continuing a prompt mid-sequence, a fresh short
 // prompt; 2 padding tokens.
 const Batch kMixed = {{{1, 1100}, {5, 40}, {1, 3}, {6, 520}, {1, 512}}, 16, 0};
-// One-token decodes across partition boundaries (512, 513, 1024, 1500),
-// plus 2 padding requests (seq_len 0).
+// One-token decodes of many lengths (1500: 32 splits of 47 keys, 513: 17
+// splits of 32 with a 1-key tail, 64, 1), plus 2 padding requests (seq_len 0).
 const Batch kDecodeK1 = {
     {{1, 1500}, {1, 1}, {1, 513}, {1, 512}, {1, 1024}, {1, 64}}, 8, 1};
-// Three-token (speculative) decodes, one straddling a partition boundary
-// (positions 511..513), one padding request.
+// Three-token (speculative) decodes, whose query tokens may land in different
+// splits (positions 511..513), one padding request.
 const Batch kDecodeK3 = {{{3, 3}, {3, 514}, {3, 1200}}, 12, 3};
 
 TEST_P(PagedAttentionCudaTest, VarlenPrefillMatchesCpu) {
@@ -302,12 +303,12 @@ TEST_P(PagedAttentionCudaTest, SplitKDecodeWithThreeQueryTokensMatchesCpu) {
   }
 }
 
-// Contexts longer than 32 partitions: each partition CTA loops over several
-// partitions (the grid holds at most 32 per request and head chunk).
-TEST_P(PagedAttentionCudaTest, LongContextDecodeLoopsOverPartitions) {
+// Contexts of 16k+ tokens: each split CTA takes hundreds of keys (many
+// tiles).
+TEST_P(PagedAttentionCudaTest, LongContextDecodeSpansManyTiles) {
   if (c_.max_context < 17000) GTEST_SKIP() << "needs a 17k-token context";
   const Batch longest = {{{1, 17000}, {1, 16385}, {1, 1}}, 4, 1};
-  ExpectGpuMatchesCpu(longest, 450, "split-K decode, 34 partitions");
+  ExpectGpuMatchesCpu(longest, 450, "split-K decode, 17k context");
 }
 
 TEST_P(PagedAttentionCudaTest, AllPaddingDecodeBatchIsZeros) {
@@ -363,9 +364,17 @@ TEST_P(PagedAttentionCudaTest, VarlenGraphReplayIsBitIdenticalToEager) {
   EXPECT_TRUE(SameBits(GpuOutput(mixed), replayed));
 }
 
+// The launch needs (head_dim + 2) floats per (token, head, split); one
+// float less is refused before anything runs.
 TEST_P(PagedAttentionCudaTest, DecodeRefusesATooSmallWorkspace) {
   PagedAttentionParams p = For(gpu_, kDecodeK1);
-  p.workspace = p.workspace.Slice(0, p.workspace.size_bytes() / 2);
+  const int splits = CudaDecodeNumSplits(
+      p.num_tokens, p.uniform_query_len, p.num_heads, p.num_kv_heads,
+      static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size);
+  const size_t needed =
+      sizeof(float) * p.num_tokens * p.num_heads * splits * (p.head_dim + 2);
+  ASSERT_LE(needed, p.workspace.size_bytes());
+  p.workspace = p.workspace.Slice(0, needed - sizeof(float));
   const absl::Status status =
       LaunchPagedAttentionUniformDecode(*gpu().stream, p);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;

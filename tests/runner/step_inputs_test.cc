@@ -103,7 +103,8 @@ TEST_F(StepInputsTest, UniformDecodeWithPaddingRequest) {
             (std::vector<int32_t>{0, 1, 2, 3, 4}));
   EXPECT_EQ(inputs_->host_slot_mapping()[3], -1);
   EXPECT_EQ(inputs_->host_positions()[1], 4);
-  EXPECT_EQ(inputs_->host_logits_indices()[3], 3);
+  EXPECT_EQ(inputs_->host_logits_indices()[2], 2);
+  EXPECT_EQ(inputs_->host_logits_indices()[3], -1);  // zero logits
   EXPECT_EQ(inputs_->num_reqs(), 3);
 }
 

@@ -174,7 +174,12 @@ TEST(PdworkerMainTest, ServesThenDrainsOnSigterm) {
   EXPECT_THAT(log, HasSubstr("drained"));
   EXPECT_THAT(log, ::testing::Not(HasSubstr("drain timeout")));
   EXPECT_THAT(log, HasSubstr("metrics on port"));
-  EXPECT_THAT(log, HasSubstr("--device=auto: using the CPU backend"));
+  // --device=auto takes CUDA where it is usable and says why not otherwise.
+  if (CreateDevice(DeviceKind::kCuda).ok()) {
+    EXPECT_THAT(log, HasSubstr("--device=auto: using cuda:0"));
+  } else {
+    EXPECT_THAT(log, HasSubstr("--device=auto: using the CPU backend (CUDA: "));
+  }
 }
 
 TEST(PdworkerMainTest, ServesMutualTls) {
@@ -218,7 +223,6 @@ TEST(PdworkerMainTest, BadConfigurationFailsAtStartupNamingTheFlag) {
       {{"--compilation_config={\"cudagraph_mod\":\"FULL\"}"}, "cudagraph_mod"},
       {{"--kv_cache_bytes=1000"}, "kv_cache_bytes=1000"},
       {{"--model=/nonexistent/model"}, "--model"},
-      {{"--device=cuda"}, "add --experimental_cuda"},
       {{"--device=tpu"}, "unknown device 'tpu'"},
       {{"--max_num_seqs=0"}, "--max_num_seqs"},
       {{"--max_model_len=100000"}, "max_model_len=100000"},
@@ -248,23 +252,21 @@ TEST(PdworkerMainTest, BadConfigurationFailsAtStartupNamingTheFlag) {
   }
 }
 
-// --experimental_cuda lets --device=cuda through the flag checks; without a
-// usable GPU the worker must then stop at startup with the device's error,
-// never serve. (Where a GPU exists, tests/transfer:cuda_worker_gpu_test runs
-// the CUDA worker for real.)
-TEST(PdworkerMainTest, ExperimentalCudaWithoutAGpuFailsAtStartup) {
+// --device=cuda without a usable GPU stops at startup with the device's
+// error and never serves (it does not fall back to the CPU: the operator
+// asked for CUDA). Where a GPU exists, tests/transfer:cuda_worker_gpu_test
+// runs the CUDA worker for real.
+TEST(PdworkerMainTest, CudaWithoutAGpuFailsAtStartup) {
   if (CreateDevice(DeviceKind::kCuda).ok()) {
     GTEST_SKIP() << "a CUDA device is usable here";
   }
-  auto worker =
-      Subprocess::Start(WorkerArgs({"--device=cuda", "--experimental_cuda"}),
-                        TmpPath("experimental_cuda.log"));
+  auto worker = Subprocess::Start(WorkerArgs({"--device=cuda"}),
+                                  TmpPath("device_cuda.log"));
   ASSERT_TRUE(worker.ok());
   auto code = (*worker)->Wait(absl::Seconds(60));
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_NE(*code, 0);
   const std::string output = (*worker)->Output();
-  EXPECT_THAT(output, HasSubstr("--experimental_cuda: running the CUDA"));
   EXPECT_THAT(output, ::testing::Not(HasSubstr("listening on")));
   // UNAVAILABLE (no GPU visible) or UNIMPLEMENTED (built without CUDA).
   EXPECT_THAT(output, ::testing::AnyOf(HasSubstr("UNAVAILABLE"),

@@ -1,5 +1,5 @@
 // The CUDA worker end to end (tag gpu; skips without a GPU): three
-// `pdworker --device=cuda --experimental_cuda` processes on one GPU — prefill,
+// `pdworker --device=cuda` processes on one GPU — prefill,
 // decode and aggregated (role both) — on a tiny bf16 checkpoint. Each prompt
 // is handed off prefill -> decode over CUDA IPC and, forced, over the gRPC
 // stream, then decoded greedily; the tokens must equal the aggregated
@@ -166,9 +166,7 @@ TEST_P(WorkerProcessHandoffTest, HandoffEqualsAggregated) {
 INSTANTIATE_TEST_SUITE_P(
     Backends, WorkerProcessHandoffTest,
     ::testing::Values(Backend{"cpu", {"--device=cpu"}, {"grpc"}},
-                      Backend{"cuda",
-                              {"--device=cuda", "--experimental_cuda"},
-                              {"cuda_ipc", "grpc"}}),
+                      Backend{"cuda", {"--device=cuda"}, {"cuda_ipc", "grpc"}}),
     [](const ::testing::TestParamInfo<Backend>& info) {
       return info.param.name;
     });

@@ -1,5 +1,7 @@
 // Dense layer on CUDA: output = input · weightᵀ (+ bias) through cuBLAS,
 // bf16 operands with fp32 accumulation (CUBLAS_COMPUTE_32F).
+#include <cublasLt.h>
+
 #include "worker/kernels/cuda_common.cuh"
 #include "worker/kernels/linear_cuda.h"
 
@@ -10,16 +12,68 @@ namespace {
 constexpr int kThreads = 256;
 
 // grid: [num_tokens, ceil(out_features / kThreads)]. Writes the bias into
-// every output row, so that the GEMM with beta = 1 adds it inside its fp32
-// epilogue: one rounding of (x·w + b), as the CPU kernel computes it.
-template <typename OutT>
+// every fp32 output row, so that the GEMM with beta = 1 adds it inside its
+// fp32 epilogue: one rounding of (x·w + b), as the CPU kernel computes it.
 __global__ void BroadcastBiasKernel(const __nv_bfloat16* __restrict__ bias,
-                                    OutT* __restrict__ output,
+                                    float* __restrict__ output,
                                     int out_features) {
   const int o = blockIdx.y * blockDim.x + threadIdx.x;
   if (o >= out_features) return;
   output[static_cast<int64_t>(blockIdx.x) * out_features + o] =
-      cuda::FromFloat<OutT>(cuda::ToFloat(bias[o]));
+      cuda::ToFloat(bias[o]);
+}
+
+// Row-major Y[T, O] = X[T, I] · W[O, I]ᵀ is column-major Yᵀ[O, T] =
+// op(W)[O, I] · Xᵀ[I, T] where the row-major W buffer read column-major is
+// Wᵀ [I, O] (lda = I), hence CUBLAS_OP_T on it; X read column-major is
+// Xᵀ [I, T] (ldb = I); Yᵀ is [O, T] column-major (ldc = O).
+
+// bf16 output with a bias: cuBLASLt's BIAS epilogue adds the bias to the
+// fp32 accumulator before the single rounding to bf16. (cublasGemmEx with a
+// bf16 C and beta = 1 rounds x·w to bf16 before adding C on the H100: for a
+// bias that cancels most of x·w the result was off by several bf16 ulps.)
+// The descriptors are the stack-allocated opaque kind (no host allocation);
+// algo = nullptr lets cublasLtMatmul run its heuristic, and no workspace is
+// passed, so the call never allocates and is capturable.
+cublasStatus_t BiasedBf16Gemm(const LinearCudaParams& p, cudaStream_t stream,
+                              cublasHandle_t cublas) {
+  // A cuBLAS handle is documented to be usable as a cuBLASLt handle.
+  cublasLtHandle_t lt = reinterpret_cast<cublasLtHandle_t>(cublas);
+  cublasLtMatmulDescOpaque_t desc;
+  cublasStatus_t s =
+      cublasLtMatmulDescInit(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+  const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
+  const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+  const cudaDataType_t bias_type = CUDA_R_16BF;
+  const void* bias = p.bias;
+  auto set = [&](cublasLtMatmulDescAttributes_t attribute, const void* value,
+                 size_t size) {
+    if (s == CUBLAS_STATUS_SUCCESS) {
+      s = cublasLtMatmulDescSetAttribute(&desc, attribute, value, size);
+    }
+  };
+  set(CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a));
+  set(CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b));
+  set(CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue));
+  set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias));
+  set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type));
+  if (s != CUBLAS_STATUS_SUCCESS) return s;
+  cublasLtMatrixLayoutOpaque_t a, b, d;
+  s = cublasLtMatrixLayoutInit(&a, CUDA_R_16BF, p.in_features, p.out_features,
+                               p.in_features);
+  if (s == CUBLAS_STATUS_SUCCESS) {
+    s = cublasLtMatrixLayoutInit(&b, CUDA_R_16BF, p.in_features, p.num_tokens,
+                                 p.in_features);
+  }
+  if (s == CUBLAS_STATUS_SUCCESS) {
+    s = cublasLtMatrixLayoutInit(&d, CUDA_R_16BF, p.out_features, p.num_tokens,
+                                 p.out_features);
+  }
+  if (s != CUBLAS_STATUS_SUCCESS) return s;
+  const float alpha = 1.0f, beta = 0.0f;
+  return cublasLtMatmul(lt, &desc, &alpha, p.weight, &a, p.input, &b, &beta,
+                        p.output, &d, p.output, &d, /*algo=*/nullptr,
+                        /*workspace=*/nullptr, 0, stream);
 }
 
 }  // namespace
@@ -28,27 +82,23 @@ LinearCudaResult LaunchLinearCuda(const LinearCudaParams& p,
                                   cudaStream_t stream, cublasHandle_t cublas) {
   LinearCudaResult result;
   const bool fp32_out = p.output_type == LinearCudaOutput::kFloat32;
+  if (p.bias != nullptr && !fp32_out) {
+    result.cublas = BiasedBf16Gemm(p, stream, cublas);
+    return result;
+  }
   float beta = 0.0f;
-  if (p.bias != nullptr) {
+  if (p.bias != nullptr) {  // fp32 output: bias first, then C += x·w
     const dim3 grid(p.num_tokens, cuda::NumBlocks(p.out_features, kThreads));
-    if (fp32_out) {
-      BroadcastBiasKernel<<<grid, kThreads, 0, stream>>>(
-          p.bias, static_cast<float*>(p.output), p.out_features);
-    } else {
-      BroadcastBiasKernel<<<grid, kThreads, 0, stream>>>(
-          p.bias, static_cast<__nv_bfloat16*>(p.output), p.out_features);
-    }
+    BroadcastBiasKernel<<<grid, kThreads, 0, stream>>>(
+        p.bias, static_cast<float*>(p.output), p.out_features);
     result.launch = cudaGetLastError();
     if (result.launch != cudaSuccess) return result;
     beta = 1.0f;
   }
-  // Row-major Y[T, O] = X[T, I] · W[O, I]ᵀ is column-major Yᵀ[O, T] =
-  // op(W)[O, I] · Xᵀ[I, T] where the row-major W buffer read column-major is
-  // Wᵀ [I, O] (lda = I), hence CUBLAS_OP_T on it; X read column-major is
-  // Xᵀ [I, T] (ldb = I); Yᵀ is [O, T] column-major (ldc = O). alpha and beta
-  // are host scalars: cuBLAS reads them at enqueue time (and bakes them into
-  // a captured graph). The algorithm is cuBLAS's heuristic for (O, T, I):
-  // deterministic for a given shape, possibly different across token counts.
+  // alpha and beta are host scalars: cuBLAS reads them at enqueue time (and
+  // bakes them into a captured graph). The algorithm is cuBLAS's heuristic
+  // for (O, T, I): deterministic for a given shape, possibly different across
+  // token counts.
   const float alpha = 1.0f;
   result.cublas =
       cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, p.out_features,

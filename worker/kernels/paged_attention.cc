@@ -22,7 +22,23 @@ namespace {
 #if PDW_HAVE_CUDA
 static_assert(kCudaAttentionMaxUniformQueryLen == kCudaAttentionMaxRowsPerCta,
               "one CTA holds every query token of a request");
+static_assert(kCudaDecodeMinSplitKeys == kCudaAttentionMinSplitKeys &&
+                  kCudaDecodeMaxSplits == kCudaAttentionMaxSplits,
+              "the host and the kernels agree on the decode split");
 #endif
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Exact workspace bytes of one CUDA decode launch.
+size_t DecodeLaunchWorkspaceBytes(const PagedAttentionParams& p) {
+  const int64_t max_context =
+      static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
+  const int splits =
+      CudaDecodeNumSplits(p.num_tokens, p.uniform_query_len, p.num_heads,
+                          p.num_kv_heads, max_context);
+  return sizeof(float) * static_cast<size_t>(p.num_tokens) * p.num_heads *
+         splits * (p.head_dim + 2);
+}
 
 // Scores of one cache block live in a stack array; vLLM's block sizes are
 // 8..128, so this bound is generous.
@@ -236,10 +252,19 @@ absl::Status CheckAndResolve(const Stream& stream, const char* op,
   }
 #if PDW_HAVE_CUDA
   if (on_cuda &&
-      (p.head_dim % 2 != 0 || p.head_dim > kCudaAttentionMaxHeadDim)) {
+      (p.head_dim % 8 != 0 || p.head_dim > kCudaAttentionMaxHeadDim)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: the CUDA kernels need an even head_dim <= %d, got %d", op,
-        kCudaAttentionMaxHeadDim, p.head_dim));
+        "%s: the CUDA kernels need a head_dim that is a multiple of 8 and <= "
+        "%d, got %d",
+        op, kCudaAttentionMaxHeadDim, p.head_dim));
+  }
+  // 16-byte loads of K and V rows (head_dim % 8 == 0 keeps every row
+  // aligned once the base is).
+  if (on_cuda &&
+      (reinterpret_cast<uintptr_t>(p.key_cache.data()) % 16 != 0 ||
+       reinterpret_cast<uintptr_t>(p.value_cache.data()) % 16 != 0)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: the CUDA kernels need 16-byte aligned key and value caches", op));
   }
 #endif
   if (!(p.scale >= 0.0f) || std::isinf(p.scale)) {
@@ -323,10 +348,9 @@ absl::Status CheckAndResolve(const Stream& stream, const char* op,
                            p.num_tokens, p.num_heads, p.head_dim, type)),
        needs_workspace
            ? CheckBuffer(op, "workspace", p.workspace,
-                         static_cast<int64_t>(PagedAttentionWorkspaceBytes(
-                             p.num_tokens, p.num_heads, p.head_dim,
-                             p.max_blocks_per_seq, p.block_size)),
-                         1, "PagedAttentionWorkspaceBytes(...) bytes")
+                         static_cast<int64_t>(DecodeLaunchWorkspaceBytes(p)), 1,
+                         "(head_dim + 2) * 4 * num_tokens * num_heads * "
+                         "CudaDecodeNumSplits(...) bytes")
            : absl::OkStatus()});
   if (!status.ok()) return status;
   // The output is written while q and the caches are still being read.
@@ -364,7 +388,10 @@ PagedAttentionCudaParams ToCudaParams(const PagedAttentionParams& p) {
   c.query_row_stride = p.query_row_stride;
   c.scale = p.scale;
   c.uniform_query_len = p.uniform_query_len;
-  c.partition_tokens = kCudaAttentionPartitionTokens;
+  c.num_splits = CudaDecodeNumSplits(
+      p.num_tokens, std::max(p.uniform_query_len, 1), p.num_heads,
+      p.num_kv_heads,
+      static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size);
   return c;
 }
 #endif
@@ -376,6 +403,27 @@ AttentionCGSupport PagedAttentionCGSupport(DeviceKind kind) {
                                    : kCpuPagedAttentionCGSupport;
 }
 
+int CudaDecodeNumSplits(int num_tokens, int uniform_query_len, int num_heads,
+                        int num_kv_heads, int64_t max_context) {
+  if (num_tokens <= 0 || uniform_query_len <= 0 || num_heads <= 0 ||
+      num_kv_heads <= 0 || max_context <= 0) {
+    return 1;
+  }
+  const int64_t requests = std::max(num_tokens / uniform_query_len, 1);
+  const int64_t group = std::max(num_heads / num_kv_heads, 1);
+  // As LaunchPagedAttentionDecodeCuda splits a GQA group over CTAs.
+  const int64_t heads_per_cta = std::max<int64_t>(
+      1, std::min<int64_t>(
+             group, kCudaAttentionMaxUniformQueryLen / uniform_query_len));
+  const int64_t ctas = requests * num_kv_heads * CeilDiv(group, heads_per_cta);
+  int64_t splits = CeilDiv(kCudaDecodeTargetCtas, ctas);
+  splits = std::min<int64_t>(splits, kCudaDecodeMaxSplits);
+  splits = std::min(splits, CeilDiv(max_context, kCudaDecodeMinSplitKeys));
+  splits = std::min(splits, kCudaDecodeMaxWorkspaceSlots /
+                                (static_cast<int64_t>(num_tokens) * num_heads));
+  return static_cast<int>(std::max<int64_t>(splits, 1));
+}
+
 size_t PagedAttentionWorkspaceBytes(int max_decode_tokens, int num_heads,
                                     int head_dim, int max_blocks_per_seq,
                                     int block_size) {
@@ -383,13 +431,18 @@ size_t PagedAttentionWorkspaceBytes(int max_decode_tokens, int num_heads,
       max_blocks_per_seq <= 0 || block_size <= 0) {
     return 0;
   }
+  // tokens × heads × CudaDecodeNumSplits(tokens, ...) for any tokens <= the
+  // maximum T: splits <= cap, and splits <= 16384 / (tokens × heads) unless
+  // that is below 1, so the product is at most max(min(cap·T·H, 16384), T·H).
   const int64_t max_context =
       static_cast<int64_t>(max_blocks_per_seq) * block_size;
-  const int64_t partitions = (max_context + kCudaAttentionPartitionTokens - 1) /
-                             kCudaAttentionPartitionTokens;
-  // Per (token, head, partition): head_dim outputs, a max and a sum.
-  return sizeof(float) * static_cast<size_t>(max_decode_tokens) * num_heads *
-         partitions * (head_dim + 2);
+  const int64_t cap = std::min<int64_t>(
+      kCudaDecodeMaxSplits, CeilDiv(max_context, kCudaDecodeMinSplitKeys));
+  const int64_t rows = static_cast<int64_t>(max_decode_tokens) * num_heads;
+  const int64_t slots =
+      std::max(std::min(cap * rows, kCudaDecodeMaxWorkspaceSlots), rows);
+  // Per (token, head, split): head_dim outputs, a max and a sum.
+  return sizeof(float) * static_cast<size_t>(slots) * (head_dim + 2);
 }
 
 absl::Status LaunchPagedAttention(Stream& stream,

@@ -2,24 +2,28 @@
 // softmax and accumulation, bf16 output.
 //
 // Both routines are built from one CTA-level loop, AttendKeyRange: a CTA
-// holds up to kMaxRows query rows that share one kv head (the query heads of
-// a GQA group, times the query tokens of one request for decode) and walks a
-// range of cache positions in tiles of kKeyTile keys:
-//   (a) locate each key of the tile through the block table,
-//   (b) scores: one warp per key, lanes over head_dim pairs, a shuffle tree
-//       per row (q is staged in shared memory as fp32),
-//   (c) online softmax: one warp per row rescales the running max and sum,
-//   (d) accumulation: thread (group, pair) adds p·V for its dims (2·pair,
-//       2·pair + 1) over the keys j ≡ group (mod groups) of the tile.
-// At the end the per-group accumulators are summed in a fixed order. No
+// holds up to kRows query rows that share one kv head (the query heads of a
+// GQA group, times the query tokens of one request for decode) and walks a
+// range of cache positions in tiles of keys. Thread t of the CTA owns dims
+// [8·sub, 8·sub + 8) (sub = t mod Lp, Lp = head_dim / 8 rounded up to a
+// power of two) of the tile keys j ≡ t / Lp (mod kThreads / Lp). Per tile:
+//   (a) locate each key through the block table;
+//   (b) load K and V of the thread's keys (16-byte loads, all of them in
+//       flight together), dot K with every row's query (staged in shared
+//       memory as fp32), sum the Lp lanes of a key with shuffles;
+//   (c) online softmax: one warp per row rescales the running max and sum;
+//   (d) acc[row][0..8) = acc · rescale + Σ p · V from the V registers.
+// At the end the threads' accumulators are summed in a fixed order
+// (shuffles within a warp, then warp by warp through shared memory). No
 // atomics anywhere, so results are deterministic: an eager launch and a
 // graph replay of the same shape give the same bits.
 //
 // Grids come only from the fixed shape (num_tokens, heads, max_num_seqs,
-// max_blocks_per_seq); lengths, query offsets and block tables are read on
-// the device, and CTAs with nothing to do return at once. One captured graph
+// num_splits); lengths, query offsets and block tables are read on the
+// device, and CTAs with nothing to do return at once. One captured graph
 // therefore serves every step of its padded shape.
 #include <cmath>
+#include <cstdint>
 
 #include "worker/kernels/cuda_common.cuh"
 #include "worker/kernels/paged_attention_cuda.h"
@@ -32,37 +36,44 @@ using cuda::FromFloat;
 using cuda::ToFloat;
 using cuda::WarpMax;
 using cuda::WarpSum;
-using cuda::WarpSumToLane0;
 
 constexpr int kThreads = 128;
 constexpr int kNumWarps = kThreads / cuda::kWarpSize;
-constexpr int kKeyTile = 64;  // keys per softmax step
+constexpr int kVec = 8;    // bf16 elements per 16-byte load
+constexpr int kLoads = 4;  // K (and V) loads per thread per tile
+constexpr int kMaxKeyTile = 64;
 constexpr int kMaxRows = kCudaAttentionMaxRowsPerCta;
 constexpr int kMaxHeadDim = kCudaAttentionMaxHeadDim;
 constexpr int kReduceThreads = 128;
-// Partition CTAs per (request, head chunk); more partitions are looped over.
-// 32 × 512 keys: a 16k-token context still gets one CTA per partition.
-constexpr int kMaxPartitionCtas = 32;
 constexpr float kNegInf = -INFINITY;
 
-static_assert(kMaxHeadDim / 2 <= kThreads,
-              "one thread per head_dim pair must fit in the CTA");
+static_assert(kMaxHeadDim / kVec <= cuda::kWarpSize,
+              "the lanes of one key must fit in a warp");
 
 // Everything a CTA keeps in shared memory (about 19 KB).
-struct SharedState {
-  float2 q[kMaxRows][kMaxHeadDim / 2];  // query rows, fp32, by dim pair
-  float probs[kMaxRows][kKeyTile];      // scores, then exp weights, of a tile
-  float row_max[kMaxRows];              // running max of each row
-  float row_sum[kMaxRows];              // running softmax denominator
-  float row_rescale[kMaxRows];          // this tile's correction factor
-  int last_position[kMaxRows];          // causal limit: keys <= this
+struct alignas(16) SharedState {
+  float q[kMaxRows][kMaxHeadDim];      // query rows, fp32
+  float out[kMaxRows][kMaxHeadDim];    // the CTA's unnormalized output
+  float probs[kMaxRows][kMaxKeyTile];  // scores, then exp weights, of a tile
+  float row_max[kMaxRows];             // running max of each row
+  float row_sum[kMaxRows];             // running softmax denominator
+  float row_rescale[kMaxRows];         // this tile's correction factor
+  int last_position[kMaxRows];         // causal limit: keys <= this
   // Element offset of each tile key's K/V row (kv head applied) in the
   // caches; -1 when its block id is outside the cache.
-  int64_t key_offset[kKeyTile];
-  // Per-group partial outputs: [groups][kMaxRows][head_dim] with groups *
-  // head_dim / 2 <= kThreads.
-  float partial[kThreads * 2 * kMaxRows];
+  int64_t key_offset[kMaxKeyTile];
 };
+
+// The 8 bf16 of a 16-byte load as floats (a bf16 is the top half of the
+// fp32 with the same value; element 2i is the low half of word i).
+__device__ __forceinline__ void Bf16x8ToFloat(const uint4& v, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
 
 // Max over the warp of an int, in every lane.
 __device__ __forceinline__ int WarpMaxInt(int v) {
@@ -72,22 +83,28 @@ __device__ __forceinline__ int WarpMaxInt(int v) {
   return v;
 }
 
+// Lanes per key: head_dim / kVec rounded up to a power of two (<= 32).
+__device__ __forceinline__ int LanesPerKey(int head_dim) {
+  const int lanes = head_dim / kVec;
+  int lp = 1;
+  while (lp < lanes) lp *= 2;
+  return lp;
+}
+
 // Stages query rows [0, num_rows) into s.q and resets their softmax state.
 // Row `row` is head first_head + row / k of token row token_base + row % k
 // (k query tokens per request; varlen CTAs have one token, k = 1). Called
-// by all threads (strided over rows × dim pairs); the caller synchronizes.
+// by all threads (strided over rows × dims); the caller synchronizes.
 __device__ void StageQueryRows(SharedState& s,
                                const PagedAttentionCudaParams& p, int num_rows,
                                int token_base, int k, int first_head) {
-  const int pairs = p.head_dim / 2;
-  for (int idx = threadIdx.x; idx < num_rows * pairs; idx += kThreads) {
-    const int row = idx / pairs;
-    const int i = idx % pairs;
-    const __nv_bfloat16* q =
-        p.query +
-        static_cast<int64_t>(token_base + row % k) * p.query_row_stride +
-        static_cast<int64_t>(first_head + row / k) * p.head_dim + 2 * i;
-    s.q[row][i] = make_float2(ToFloat(q[0]), ToFloat(q[1]));
+  for (int idx = threadIdx.x; idx < num_rows * p.head_dim; idx += kThreads) {
+    const int row = idx / p.head_dim;
+    const int d = idx % p.head_dim;
+    s.q[row][d] = ToFloat(
+        p.query[static_cast<int64_t>(token_base + row % k) *
+                    p.query_row_stride +
+                static_cast<int64_t>(first_head + row / k) * p.head_dim + d]);
   }
   if (threadIdx.x < num_rows) {
     s.row_max[threadIdx.x] = kNegInf;
@@ -97,30 +114,36 @@ __device__ void StageQueryRows(SharedState& s,
 
 // The CTA loop described at the top of the file, over cache positions
 // [key_begin, key_end) of the sequence whose block-table row is
-// `block_table`. Rows [0, num_rows) must be staged (q, last_position,
-// row_max = -inf, row_sum = 0) and synchronized. On return (synchronized),
-// s.row_max / s.row_sum hold each row's softmax statistics and s.partial
-// the per-group unnormalized outputs; call SumPartials next.
+// `block_table`. Rows [0, num_rows) (num_rows <= kRows) must be staged (q,
+// last_position, row_max = -inf, row_sum = 0) and synchronized. On return
+// (synchronized), s.row_max / s.row_sum hold each row's softmax statistics
+// and s.out[row][d] its unnormalized output.
+template <int kRows>
 __device__ void AttendKeyRange(SharedState& s,
                                const PagedAttentionCudaParams& p, int num_rows,
                                int kv_head, const int32_t* block_table,
                                int key_begin, int key_end) {
   const int lane = threadIdx.x % cuda::kWarpSize;
   const int warp = threadIdx.x / cuda::kWarpSize;
-  const int pairs = p.head_dim / 2;
-  const int groups = kThreads / pairs;
-  const int group = threadIdx.x / pairs;
-  const int pair = threadIdx.x % pairs;
-  const bool accumulates = group < groups;
+  const int lp = LanesPerKey(p.head_dim);
+  const int sub = threadIdx.x % lp;   // dims [8·sub, 8·sub + 8)
+  const int slot = threadIdx.x / lp;  // keys slot, slot + slots, ...
+  const int slots = kThreads / lp;
+  const bool has_dims = sub * kVec < p.head_dim;
+  const int tile_keys = min(kMaxKeyTile, kLoads * slots);
   const int64_t kv_row = static_cast<int64_t>(p.num_kv_heads) * p.head_dim;
   const int64_t head_offset = static_cast<int64_t>(kv_head) * p.head_dim;
+  const int dim0 = sub * kVec;
 
-  float acc[kMaxRows][2];
+  float acc[kRows][kVec];
 #pragma unroll
-  for (int r = 0; r < kMaxRows; ++r) acc[r][0] = acc[r][1] = 0.0f;
+  for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc[r][e] = 0.0f;
+  }
 
-  for (int tile = key_begin; tile < key_end; tile += kKeyTile) {
-    const int n = min(kKeyTile, key_end - tile);
+  for (int tile = key_begin; tile < key_end; tile += tile_keys) {
+    const int n = min(tile_keys, key_end - tile);
 
     // (a) Where each key lives. A block id outside the cache (a corrupt
     // table; the KV cache manager never writes one) is skipped, as the CPU
@@ -137,31 +160,50 @@ __device__ void AttendKeyRange(SharedState& s,
     }
     __syncthreads();
 
-    // (b) Scores, one warp per key. Loop bounds are warp-uniform, so every
-    // lane takes part in the shuffles.
-    for (int j = warp; j < n; j += kNumWarps) {
-      const int64_t offset = s.key_offset[j];
-      float dot[kMaxRows];
+    // (b) K and V of this thread's keys, every load issued before the first
+    // use; then the scores. u · slots is the same in every thread, so the
+    // break is CTA-uniform and every lane takes part in the shuffles.
+    uint4 k_raw[kLoads], v_raw[kLoads];
 #pragma unroll
-      for (int r = 0; r < kMaxRows; ++r) dot[r] = 0.0f;
+    for (int u = 0; u < kLoads; ++u) {
+      const int j = u * slots + slot;
+      const int64_t offset = has_dims && j < n ? s.key_offset[j] : -1;
+      k_raw[u] = v_raw[u] = make_uint4(0, 0, 0, 0);
       if (offset >= 0) {
-        const __nv_bfloat162* key =
-            reinterpret_cast<const __nv_bfloat162*>(p.key_cache + offset);
-        for (int i = lane; i < pairs; i += cuda::kWarpSize) {
-          const float2 k = __bfloat1622float2(key[i]);
+        k_raw[u] =
+            __ldg(reinterpret_cast<const uint4*>(p.key_cache + offset + dim0));
+        v_raw[u] = __ldg(
+            reinterpret_cast<const uint4*>(p.value_cache + offset + dim0));
+      }
+    }
 #pragma unroll
-          for (int r = 0; r < kMaxRows; ++r) {
-            if (r < num_rows) dot[r] += s.q[r][i].x * k.x + s.q[r][i].y * k.y;
-          }
+    for (int u = 0; u < kLoads; ++u) {
+      if (u * slots >= n) break;
+      const int j = u * slots + slot;
+      float k[kVec];
+      Bf16x8ToFloat(k_raw[u], k);
+      float dot[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        dot[r] = 0.0f;
+        if (r < num_rows && has_dims) {
+          const float4 q0 = *reinterpret_cast<const float4*>(&s.q[r][dim0]);
+          const float4 q1 = *reinterpret_cast<const float4*>(&s.q[r][dim0 + 4]);
+          dot[r] = q0.x * k[0] + q0.y * k[1] + q0.z * k[2] + q0.w * k[3] +
+                   q1.x * k[4] + q1.y * k[5] + q1.z * k[6] + q1.w * k[7];
+        }
+        for (int offset = lp / 2; offset > 0; offset /= 2) {
+          dot[r] += __shfl_xor_sync(cuda::kFullMask, dot[r], offset);
         }
       }
+      if (sub == 0 && j < n) {
+        const bool cached = s.key_offset[j] >= 0;
 #pragma unroll
-      for (int r = 0; r < kMaxRows; ++r) {
-        if (r >= num_rows) break;
-        const float total = WarpSumToLane0(dot[r]);
-        if (lane == 0) {
-          const bool visible = offset >= 0 && tile + j <= s.last_position[r];
-          s.probs[r][j] = visible ? total * p.scale : kNegInf;
+        for (int r = 0; r < kRows; ++r) {
+          if (r < num_rows) {
+            const bool visible = cached && tile + j <= s.last_position[r];
+            s.probs[r][j] = visible ? dot[r] * p.scale : kNegInf;
+          }
         }
       }
     }
@@ -197,27 +239,28 @@ __device__ void AttendKeyRange(SharedState& s,
     }
     __syncthreads();
 
-    // (d) acc = acc · rescale + Σ_j p_j · V_j over this thread's keys.
-    if (accumulates) {
+    // (d) acc = acc · rescale + Σ_j p_j · V_j over this thread's keys (V
+    // of a key outside the cache was loaded as zeros, and its p is 0).
 #pragma unroll
-      for (int r = 0; r < kMaxRows; ++r) {
-        if (r < num_rows) {
-          acc[r][0] *= s.row_rescale[r];
-          acc[r][1] *= s.row_rescale[r];
-        }
+    for (int r = 0; r < kRows; ++r) {
+      if (r < num_rows) {
+        const float rescale = s.row_rescale[r];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[r][e] *= rescale;
       }
-      for (int j = group; j < n; j += groups) {
-        const int64_t offset = s.key_offset[j];
-        if (offset < 0) continue;
-        const float2 v =
-            __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(
-                p.value_cache + offset)[pair]);
+    }
 #pragma unroll
-        for (int r = 0; r < kMaxRows; ++r) {
+    for (int u = 0; u < kLoads; ++u) {
+      const int j = u * slots + slot;
+      if (j < n) {
+        float v[kVec];
+        Bf16x8ToFloat(v_raw[u], v);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
           if (r < num_rows) {
             const float w = s.probs[r][j];
-            acc[r][0] += w * v.x;
-            acc[r][1] += w * v.y;
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) acc[r][e] += w * v[e];
           }
         }
       }
@@ -225,30 +268,32 @@ __device__ void AttendKeyRange(SharedState& s,
     __syncthreads();  // the next tile rewrites probs and key_offset
   }
 
-  if (accumulates) {
+  // Sum the accumulators of the threads that own the same dims: the slots
+  // of a warp by shuffles (lanes lp apart), then the warps in order.
 #pragma unroll
-    for (int r = 0; r < kMaxRows; ++r) {
-      if (r < num_rows) {
-        float* out = s.partial + (group * kMaxRows + r) * p.head_dim;
-        out[2 * pair] = acc[r][0];
-        out[2 * pair + 1] = acc[r][1];
+  for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      for (int offset = lp; offset < cuda::kWarpSize; offset *= 2) {
+        acc[r][e] += __shfl_xor_sync(cuda::kFullMask, acc[r][e], offset);
       }
     }
   }
-  __syncthreads();
-}
-
-// Output element `d` of row `row`, unnormalized: the per-group partials
-// summed in group order (fixed, so deterministic).
-__device__ __forceinline__ float SumPartials(const SharedState& s,
-                                             const PagedAttentionCudaParams& p,
-                                             int row, int d) {
-  const int groups = kThreads / (p.head_dim / 2);
-  float o = 0.0f;
-  for (int g = 0; g < groups; ++g) {
-    o += s.partial[(g * kMaxRows + row) * p.head_dim + d];
+  for (int w = 0; w < kNumWarps; ++w) {
+    if (warp == w && lane < lp && has_dims) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (r < num_rows) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            float& o = s.out[r][dim0 + e];
+            o = w == 0 ? acc[r][e] : o + acc[r][e];
+          }
+        }
+      }
+    }
+    __syncthreads();
   }
-  return o;
 }
 
 // The kv head and query heads [first_head, first_head + num_heads_here) a
@@ -274,6 +319,7 @@ __device__ __forceinline__ HeadChunk ChunkOf(const PagedAttentionCudaParams& p,
 // ---------------------------------------------------------------------------
 // Varlen (prefill / mixed). grid: [num_tokens, num_kv_heads * chunks].
 // ---------------------------------------------------------------------------
+template <int kRows>
 __global__ void __launch_bounds__(kThreads)
     VarlenAttentionKernel(PagedAttentionCudaParams p, int heads_per_cta) {
   __shared__ SharedState s;
@@ -328,23 +374,24 @@ __global__ void __launch_bounds__(kThreads)
 
   const int32_t* block_table =
       p.block_tables + static_cast<int64_t>(request) * p.max_blocks_per_seq;
-  AttendKeyRange(s, p, num_rows, chunk.kv_head, block_table, 0,
-                 static_cast<int>(context_len));
+  AttendKeyRange<kRows>(s, p, num_rows, chunk.kv_head, block_table, 0,
+                        static_cast<int>(context_len));
 
   for (int i = threadIdx.x; i < num_rows * p.head_dim; i += kThreads) {
     const int row = i / p.head_dim;
     const float sum = s.row_sum[row];
-    const float o = SumPartials(s, p, row, i % p.head_dim);
+    const float o = s.out[row][i % p.head_dim];
     out[i] = FromFloat<__nv_bfloat16>(sum > 0.0f ? o / sum : 0.0f);
   }
 }
 
 // ---------------------------------------------------------------------------
-// Uniform decode, split-K. Partition kernel grid: [num_tokens / k,
-// num_kv_heads * chunks, min(max_partitions, kMaxPartitionCtas)]; reduce
-// kernel grid: [num_tokens, num_heads]. Workspace (fp32): partial outputs
-// [num_tokens, num_heads, max_partitions, head_dim], then maxima and sums
-// [num_tokens, num_heads, max_partitions] each.
+// Uniform decode, split-K (flash-decoding). Split kernel grid: [num_tokens /
+// k, num_kv_heads * chunks, num_splits]; CTA z attends keys [z·span,
+// (z + 1)·span) of its request (CudaDecodeSplitSpan). Reduce kernel grid:
+// [num_tokens, num_heads]. Workspace (fp32): normalized partial outputs
+// [num_tokens, num_heads, num_splits, head_dim], then maxima and sums
+// [num_tokens, num_heads, num_splits] each.
 // ---------------------------------------------------------------------------
 struct DecodeWorkspace {
   float* out;
@@ -353,9 +400,9 @@ struct DecodeWorkspace {
 };
 
 __device__ __forceinline__ DecodeWorkspace
-Carve(const PagedAttentionCudaParams& p, int max_partitions) {
+Carve(const PagedAttentionCudaParams& p) {
   const int64_t slots =
-      static_cast<int64_t>(p.num_tokens) * p.num_heads * max_partitions;
+      static_cast<int64_t>(p.num_tokens) * p.num_heads * p.num_splits;
   DecodeWorkspace w;
   w.out = p.workspace;
   w.max = p.workspace + slots * p.head_dim;
@@ -363,11 +410,19 @@ Carve(const PagedAttentionCudaParams& p, int max_partitions) {
   return w;
 }
 
+__device__ __forceinline__ int ContextLen(const PagedAttentionCudaParams& p,
+                                          int seq_len) {
+  return static_cast<int>(
+      min(static_cast<int64_t>(seq_len),
+          static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size));
+}
+
+template <int kRows>
 __global__ void __launch_bounds__(kThreads)
-    DecodePartitionKernel(PagedAttentionCudaParams p, int heads_per_cta,
-                          int max_partitions) {
+    DecodeSplitKernel(PagedAttentionCudaParams p, int heads_per_cta) {
   __shared__ SharedState s;
   const int request = blockIdx.x;
+  const int split = blockIdx.z;
   const int k = p.uniform_query_len;
   const HeadChunk chunk = ChunkOf(p, heads_per_cta);
   const int num_rows = chunk.num_heads * k;  // row = head_in_chunk * k + j
@@ -375,58 +430,47 @@ __global__ void __launch_bounds__(kThreads)
   // seq_len 0: a padding request (the reduce kernel writes its zeros).
   const int seq_len = p.seq_lens[request];
   if (seq_len <= 0) return;
-  const int context_len = static_cast<int>(
-      min(static_cast<int64_t>(seq_len),
-          static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size));
+  const int context_len = ContextLen(p, seq_len);
+  const int span = CudaDecodeSplitSpan(context_len, p.num_splits);
+  const int key_begin = split * span;
+  if (key_begin >= context_len) return;  // the reduce kernel reads no more
+  const int key_end = min(key_begin + span, context_len);
+
+  StageQueryRows(s, p, num_rows, request * k, k, chunk.first_head);
+  if (threadIdx.x < num_rows) {
+    // Query token j sits at position seq_len - k + j and sees keys up to it
+    // (negative: sees nothing, and the row comes out as zeros).
+    s.last_position[threadIdx.x] = seq_len - k + threadIdx.x % k;
+  }
+  __syncthreads();
+
   const int32_t* block_table =
       p.block_tables + static_cast<int64_t>(request) * p.max_blocks_per_seq;
-  const DecodeWorkspace w = Carve(p, max_partitions);
+  AttendKeyRange<kRows>(s, p, num_rows, chunk.kv_head, block_table, key_begin,
+                        key_end);
 
-  // Partitions blockIdx.z, blockIdx.z + gridDim.z, ...: the grid holds at
-  // most kMaxPartitionCtas partitions per (request, head chunk), so a large
-  // max_model_len does not launch a sea of empty CTAs, while contexts up to
-  // kMaxPartitionCtas partitions are still spread one partition per CTA.
-  for (int partition = blockIdx.z; partition < max_partitions;
-       partition += gridDim.z) {
-    const int key_begin = partition * p.partition_tokens;
-    if (key_begin >= context_len) break;  // beyond this request's context
-    const int key_end = min(key_begin + p.partition_tokens, context_len);
-
-    StageQueryRows(s, p, num_rows, request * k, k, chunk.first_head);
-    if (threadIdx.x < num_rows) {
-      // Query token j sits at position seq_len - k + j and sees keys up to
-      // it (negative: sees nothing, and the row comes out as zeros).
-      s.last_position[threadIdx.x] = seq_len - k + threadIdx.x % k;
+  // Every row of a split that has keys is written (max -inf and sum 0 for a
+  // row masked throughout it), so the reduce kernel may read all splits
+  // below ceil(context_len / span).
+  const DecodeWorkspace w = Carve(p);
+  for (int i = threadIdx.x; i < num_rows * p.head_dim; i += kThreads) {
+    const int row = i / p.head_dim;
+    const int d = i % p.head_dim;
+    const int64_t token = static_cast<int64_t>(request) * k + row % k;
+    const int64_t slot =
+        (token * p.num_heads + chunk.first_head + row / k) * p.num_splits +
+        split;
+    const float sum = s.row_sum[row];
+    w.out[slot * p.head_dim + d] = sum > 0.0f ? s.out[row][d] / sum : 0.0f;
+    if (d == 0) {
+      w.max[slot] = s.row_max[row];
+      w.sum[slot] = sum;
     }
-    __syncthreads();
-
-    AttendKeyRange(s, p, num_rows, chunk.kv_head, block_table, key_begin,
-                   key_end);
-
-    // Every row of a partition that has keys is written (max -inf and sum 0
-    // for a row masked throughout it), so the reduce kernel may read all
-    // partitions below ceil(context_len / partition_tokens).
-    for (int i = threadIdx.x; i < num_rows * p.head_dim; i += kThreads) {
-      const int row = i / p.head_dim;
-      const int d = i % p.head_dim;
-      const int64_t token = static_cast<int64_t>(request) * k + row % k;
-      const int64_t slot =
-          (token * p.num_heads + chunk.first_head + row / k) * max_partitions +
-          partition;
-      const float sum = s.row_sum[row];
-      const float o = SumPartials(s, p, row, d);
-      w.out[slot * p.head_dim + d] = sum > 0.0f ? o / sum : 0.0f;
-      if (d == 0) {
-        w.max[slot] = s.row_max[row];
-        w.sum[slot] = sum;
-      }
-    }
-    __syncthreads();  // the next partition restages the shared state
   }
 }
 
 __global__ void __launch_bounds__(kReduceThreads)
-    DecodeReduceKernel(PagedAttentionCudaParams p, int max_partitions) {
+    DecodeReduceKernel(PagedAttentionCudaParams p) {
   const int token = blockIdx.x;
   const int head = blockIdx.y;
   const int k = p.uniform_query_len;
@@ -434,20 +478,18 @@ __global__ void __launch_bounds__(kReduceThreads)
   __nv_bfloat16* out =
       p.output +
       (static_cast<int64_t>(token) * p.num_heads + head) * p.head_dim;
-  const int64_t context_len =
-      min(static_cast<int64_t>(seq_len),
-          static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size);
-  const int num_partitions =
-      context_len <= 0
-          ? 0
-          : static_cast<int>((context_len + p.partition_tokens - 1) /
-                             p.partition_tokens);
-  const DecodeWorkspace w = Carve(p, max_partitions);
+  const int context_len = seq_len <= 0 ? 0 : ContextLen(p, seq_len);
+  int num_splits = 0;
+  if (context_len > 0) {
+    const int span = CudaDecodeSplitSpan(context_len, p.num_splits);
+    num_splits = (context_len + span - 1) / span;
+  }
+  const DecodeWorkspace w = Carve(p);
   const int64_t base =
-      (static_cast<int64_t>(token) * p.num_heads + head) * max_partitions;
+      (static_cast<int64_t>(token) * p.num_heads + head) * p.num_splits;
 
   float global_max = kNegInf;
-  for (int q = 0; q < num_partitions; ++q) {
+  for (int q = 0; q < num_splits; ++q) {
     global_max = fmaxf(global_max, w.max[base + q]);
   }
   if (global_max == kNegInf) {  // padding request or nothing visible
@@ -456,15 +498,15 @@ __global__ void __launch_bounds__(kReduceThreads)
     }
     return;
   }
-  // Partition q contributes exp(max_q - global_max) · sum_q of the total
-  // mass; its stored output is already divided by sum_q.
+  // Split q contributes exp(max_q - global_max) · sum_q of the total mass;
+  // its stored output is already divided by sum_q.
   float total = 0.0f;
-  for (int q = 0; q < num_partitions; ++q) {
+  for (int q = 0; q < num_splits; ++q) {
     total += expf(w.max[base + q] - global_max) * w.sum[base + q];
   }
   for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
     float o = 0.0f;
-    for (int q = 0; q < num_partitions; ++q) {
+    for (int q = 0; q < num_splits; ++q) {
       const float weight = expf(w.max[base + q] - global_max) * w.sum[base + q];
       o += weight * w.out[(base + q) * p.head_dim + d];
     }
@@ -484,7 +526,12 @@ cudaError_t LaunchPagedAttentionVarlenCuda(const PagedAttentionCudaParams& p,
   const int group_size = p.num_heads / p.num_kv_heads;
   const int heads_per_cta = min(group_size, kMaxRows);
   const dim3 grid(p.num_tokens, p.num_kv_heads * NumChunks(p, heads_per_cta));
-  VarlenAttentionKernel<<<grid, kThreads, 0, stream>>>(p, heads_per_cta);
+  if (heads_per_cta <= 4) {
+    VarlenAttentionKernel<4><<<grid, kThreads, 0, stream>>>(p, heads_per_cta);
+  } else {
+    VarlenAttentionKernel<kMaxRows>
+        <<<grid, kThreads, 0, stream>>>(p, heads_per_cta);
+  }
   return cudaGetLastError();
 }
 
@@ -493,20 +540,18 @@ cudaError_t LaunchPagedAttentionDecodeCuda(const PagedAttentionCudaParams& p,
   const int k = p.uniform_query_len;
   const int group_size = p.num_heads / p.num_kv_heads;
   const int heads_per_cta = max(1, min(group_size, kMaxRows / k));
-  const int64_t max_context =
-      static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
-  const int max_partitions = static_cast<int>(
-      (max_context + p.partition_tokens - 1) / p.partition_tokens);
   const dim3 grid(p.num_tokens / k,
-                  p.num_kv_heads * NumChunks(p, heads_per_cta),
-                  min(max_partitions, kMaxPartitionCtas));
-  DecodePartitionKernel<<<grid, kThreads, 0, stream>>>(p, heads_per_cta,
-                                                       max_partitions);
+                  p.num_kv_heads * NumChunks(p, heads_per_cta), p.num_splits);
+  if (heads_per_cta * k <= 4) {
+    DecodeSplitKernel<4><<<grid, kThreads, 0, stream>>>(p, heads_per_cta);
+  } else {
+    DecodeSplitKernel<kMaxRows>
+        <<<grid, kThreads, 0, stream>>>(p, heads_per_cta);
+  }
   cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) return error;
   const dim3 reduce_grid(p.num_tokens, p.num_heads);
-  DecodeReduceKernel<<<reduce_grid, kReduceThreads, 0, stream>>>(
-      p, max_partitions);
+  DecodeReduceKernel<<<reduce_grid, kReduceThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -33,32 +33,47 @@ constexpr AttentionCGSupport kCpuPagedAttentionCGSupport =
 // query_start_loc, seq_lens, block_tables, slots) is read by the kernels on
 // the device, and every grid is sized from the params' fixed shape only
 // (padded num_tokens, max_num_seqs, heads, max_blocks_per_seq); CTAs with no
-// work return at once (the decode routine launches at most 32 partition CTAs
-// per request and loops over longer contexts). Its split-K partials live in a
-// workspace allocated at startup for the largest decode batch and the
-// longest context. Both routines are therefore safe inside FULL graphs for
-// any batch (mixed prefill/decode included).
+// work return at once (the decode routine's split count comes from the
+// launch shape, and each split takes an even share of its request's
+// context). Its split-K partials live in a workspace allocated at startup
+// for the largest decode batch. Both routines are therefore safe inside FULL
+// graphs for any batch (mixed prefill/decode included).
 constexpr AttentionCGSupport kCudaPagedAttentionCGSupport =
     AttentionCGSupport::kAlways;
 
 // The support constant of the kernels that run on `kind`.
 AttentionCGSupport PagedAttentionCGSupport(DeviceKind kind);
 
-// CUDA uniform decode (flash-decoding): cache positions per split-K
-// partition. 512 keys of a 128-wide head are 256 KiB of K and V per (request,
-// kv head) partition: long enough to amortize the partition's fixed cost,
-// short enough that a single 16k-token sequence still spreads over
-// 32 × num_kv_heads CTAs.
-inline constexpr int kCudaAttentionPartitionTokens = 512;
+// CUDA uniform decode (flash-decoding): each (request, kv head [, head
+// chunk]) is split over up to kCudaDecodeMaxSplits CTAs, each taking an even
+// share of the context but at least kCudaDecodeMinSplitKeys keys. The split
+// count depends on the launch shape only (so one captured graph serves every
+// step of it): enough CTAs to fill an H100 (kCudaDecodeTargetCtas) at small
+// batches, one split when the batch alone fills it, and never more partial
+// rows (tokens × heads × splits) than kCudaDecodeMaxWorkspaceSlots unless
+// one split already exceeds it. Example, Llama-3.2-1B (32 heads, 8 kv
+// heads): batch 1 gets 64 splits, batch 8 gets 8, batch 64 and more get 1.
+inline constexpr int kCudaDecodeMinSplitKeys = 32;
+inline constexpr int kCudaDecodeMaxSplits = 64;
+inline constexpr int kCudaDecodeTargetCtas = 512;
+inline constexpr int64_t kCudaDecodeMaxWorkspaceSlots = 16384;
+
+// Split-K CTAs per (request, kv head [, head chunk]) for a CUDA uniform
+// decode launch of `num_tokens` query rows of `uniform_query_len` tokens per
+// request, against contexts of at most `max_context` tokens.
+int CudaDecodeNumSplits(int num_tokens, int uniform_query_len, int num_heads,
+                        int num_kv_heads, int64_t max_context);
 
 // The CUDA uniform decode routine handles query lengths up to this (1 +
 // speculative tokens); a CTA holds at most 8 query rows.
 inline constexpr int kCudaAttentionMaxUniformQueryLen = 8;
 
 // Bytes of the CUDA decode routine's workspace (fp32 partial outputs, maxima
-// and sums per partition) for launches of up to `max_decode_tokens` query
-// rows (max_num_seqs × uniform_query_len) against contexts of up to
-// max_blocks_per_seq × block_size tokens. The CPU kernels need none.
+// and sums per split) for launches of up to `max_decode_tokens` query rows
+// (max_num_seqs × uniform_query_len) against contexts of up to
+// max_blocks_per_seq × block_size tokens: at most
+// (head_dim + 2) · 4 · max(16384, max_decode_tokens · num_heads) bytes. The
+// CPU kernels need none.
 size_t PagedAttentionWorkspaceBytes(int max_decode_tokens, int num_heads,
                                     int head_dim, int max_blocks_per_seq,
                                     int block_size);
@@ -124,9 +139,10 @@ absl::Status LaunchPagedAttention(Stream& stream,
 // of uniform_query_len tokens each; query_start_loc and num_reqs are not
 // read. A request with seq_len 0 (padding) gets zeros, never NaN.
 // CPU: the varlen inner loop, so both routines give the same bits. CUDA:
-// split-K over partitions of kCudaAttentionPartitionTokens keys plus a
+// split-K over CudaDecodeNumSplits CTAs per request and kv head plus a
 // reduce kernel (uniform_query_len <= 8); its bits differ from the varlen
-// routine's (another summation order), but are fixed for a given shape.
+// routine's (another summation order), and from a launch of another shape
+// (another split), but are fixed for a given shape.
 absl::Status LaunchPagedAttentionUniformDecode(Stream& stream,
                                                const PagedAttentionParams& p);
 

@@ -16,9 +16,14 @@ namespace kernels {
 // they share every K/V load. The uniform decode routine needs
 // uniform_query_len <= this; larger GQA groups are split across CTAs.
 inline constexpr int kCudaAttentionMaxRowsPerCta = 8;
-// Largest head_dim: query rows are staged in shared memory and one thread
-// per pair of dims accumulates the output (128 threads per CTA).
+// Largest head_dim: query rows are staged in shared memory, and the 8-dim
+// slices of one key (16-byte loads) must fit in a warp's 32 lanes. head_dim
+// must also be a multiple of 8.
 inline constexpr int kCudaAttentionMaxHeadDim = 256;
+// Uniform decode: fewest keys a split-K CTA takes (shorter contexts use
+// fewer splits), most splits per (request, kv head).
+inline constexpr int kCudaAttentionMinSplitKeys = 32;
+inline constexpr int kCudaAttentionMaxSplits = 64;
 
 struct PagedAttentionCudaParams {
   // Step metadata, read on device (so a captured graph serves any step).
@@ -36,26 +41,41 @@ struct PagedAttentionCudaParams {
   int max_num_seqs = 0;
   int num_heads = 0;
   int num_kv_heads = 0;
-  int head_dim = 0;  // even, <= kCudaAttentionMaxHeadDim
+  int head_dim = 0;  // a multiple of 8, <= kCudaAttentionMaxHeadDim
   int block_size = 0;
   int num_blocks = 0;
   int max_blocks_per_seq = 0;
   int query_row_stride = 0;
   float scale = 0.0f;         // resolved (never 0 here)
   int uniform_query_len = 0;  // decode only
-  int partition_tokens = 0;   // decode only: keys per split-K partition
+  // Decode only: split-K CTAs per (request, kv head [, head chunk]), from
+  // the launch shape alone (CudaDecodeNumSplits), so one graph serves every
+  // step of its shape.
+  int num_splits = 0;
 };
+
+// Keys one decode split CTA takes from a context of `context_len` tokens:
+// the context shared evenly over `num_splits`, at least
+// kCudaAttentionMinSplitKeys. The reduce kernel reads the first
+// ceil(context_len / span) splits.
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+    inline int
+    CudaDecodeSplitSpan(int context_len, int num_splits) {
+  const int even = (context_len + num_splits - 1) / num_splits;
+  return even > kCudaAttentionMinSplitKeys ? even : kCudaAttentionMinSplitKeys;
+}
 
 // Varlen causal attention: one CTA per (token row, kv head [, head chunk]);
 // writes every output row (zeros for rows no request owns).
 cudaError_t LaunchPagedAttentionVarlenCuda(const PagedAttentionCudaParams& p,
                                            cudaStream_t stream);
 
-// Uniform decode, flash-decoding: CTAs per (request, kv head [, head
-// chunk], partition slot) write normalized partial outputs of
-// partition_tokens keys each, with their max and sum, into the workspace (at
-// most 32 partition CTAs per request and chunk; longer contexts loop); a
-// reduce kernel (one CTA per (token, head)) combines each row's partitions.
+// Uniform decode, flash-decoding: num_splits CTAs per (request, kv head [,
+// head chunk]) each write the normalized partial output of one slice of the
+// context, with its max and sum, into the workspace; a reduce kernel (one
+// CTA per (token, head)) combines each row's splits.
 cudaError_t LaunchPagedAttentionDecodeCuda(const PagedAttentionCudaParams& p,
                                            cudaStream_t stream);
 

@@ -122,11 +122,14 @@ absl::Status StepInputs::Build(absl::Span<const StepSequence> seqs,
     slot_mapping_[p] = -1;
   }
   // Padding requests (uniform keys only): empty context, so attention gives
-  // zeros and never touches a real sequence's blocks.
+  // zeros and never touches a real sequence's blocks. Their logits index is
+  // -1 (a zero row, so zero logits): their padding token's hidden state is
+  // not zero (embedding of token 0 plus the MLP), and rows nobody reads
+  // should not look like real logits.
   for (int r = num_reqs; r < shape.num_reqs; ++r) {
     seq_lens_[r] = 0;
     query_start_loc_[r + 1] = query_start_loc_[r] + shape.padding_query_len;
-    logits_indices_[r] = query_start_loc_[r + 1] - 1;
+    logits_indices_[r] = -1;
     int32_t* row =
         &block_tables_[static_cast<size_t>(r) * limits_.max_blocks_per_seq];
     std::fill(row, row + limits_.max_blocks_per_seq, 0);
