@@ -82,8 +82,11 @@ TEST_P(RmsNormCudaTest, FusedAddMatchesTheCpuKernel) {
 
 // Tiny-model width, Llama-1B width, and a width that is no multiple of the
 // block size.
+// 64 and 2048: the one-pass kernel with one 16-byte vector per thread (or
+// fewer threads than vectors); 3072: two per thread; 5120: four; 100 (not a
+// multiple of 8): the two-pass kernel.
 INSTANTIATE_TEST_SUITE_P(Widths, RmsNormCudaTest,
-                         ::testing::Values(64, 2048, 100));
+                         ::testing::Values(64, 2048, 100, 3072, 5120));
 
 TEST_F(CudaKernelTest, RmsNormGraphReplayMatchesEager) {
   const int hidden = 256, tokens = 8;

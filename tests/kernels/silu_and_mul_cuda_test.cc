@@ -18,6 +18,7 @@ using testing::RandomBf16Floats;
 class SiluAndMulCudaTest : public CudaKernelTest {};
 
 TEST_F(SiluAndMulCudaTest, MatchesTheCpuKernel) {
+  // 128 and 8192: the 16-byte kernel; 300 (not a multiple of 8): the scalar.
   for (const int inter : {128, 8192, 300}) {
     const int tokens = 3;
     std::vector<float> x = RandomBf16Floats(tokens * 2 * inter, inter, -8, 8);

@@ -1,4 +1,6 @@
 // RMSNorm and fused residual-add + RMSNorm on CUDA (bf16, fp32 statistics).
+#include <cstdint>
+
 #include "worker/kernels/cuda_common.cuh"
 #include "worker/kernels/rms_norm_cuda.h"
 
@@ -57,11 +59,104 @@ __global__ void RmsNormKernel(const __nv_bfloat16* input,
   }
 }
 
+// 8 bf16 <-> 8 floats (a bf16 is the top half of the fp32 of equal value;
+// element 2i is the low half of word i).
+__device__ __forceinline__ void Unpack(const uint4& v, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+__device__ __forceinline__ uint4 Pack(const float (&f)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    w[i] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The same math in one pass for rows of hidden_size % 8 == 0 elements and at
+// most kVecs · kThreads 16-byte vectors: thread i holds vectors i, i +
+// kThreads, ... in registers between the statistic and the normalization,
+// so each element is read once (the two-pass kernel reads it twice, and
+// re-reads the residual it just stored). In place is fine for the same
+// reason as above: a thread writes only the vectors it read.
+template <int kVecs>
+__global__ void __launch_bounds__(kThreads)
+    RmsNormVecKernel(const __nv_bfloat16* input, __nv_bfloat16* residual,
+                     const __nv_bfloat16* __restrict__ weight,
+                     __nv_bfloat16* output, int hidden_size, float epsilon) {
+  __shared__ float scratch[32];
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * hidden_size;
+  const int vectors = hidden_size / 8;
+  const uint4* x = reinterpret_cast<const uint4*>(input + row);
+  uint4* res =
+      residual == nullptr ? nullptr : reinterpret_cast<uint4*>(residual + row);
+  float v[kVecs][8];
+  float sum_squares = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    const int i = threadIdx.x + k * kThreads;
+    if (i >= vectors) break;
+    Unpack(x[i], v[k]);
+    if (res != nullptr) {
+      float r[8];
+      Unpack(res[i], r);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) r[e] += v[k][e];
+      const uint4 updated = Pack(r);  // the norm sees the rounded residual
+      res[i] = updated;
+      Unpack(updated, v[k]);
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sum_squares += v[k][e] * v[k][e];
+  }
+  sum_squares = BlockSum(sum_squares, scratch);
+  const float inv_rms =
+      1.0f / sqrtf(sum_squares / static_cast<float>(hidden_size) + epsilon);
+  const uint4* w = reinterpret_cast<const uint4*>(weight);
+  uint4* out = reinterpret_cast<uint4*>(output + row);
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    const int i = threadIdx.x + k * kThreads;
+    if (i >= vectors) break;
+    float g[8];
+    Unpack(w[i], g);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) g[e] = v[k][e] * inv_rms * g[e];
+    out[i] = Pack(g);
+  }
+}
+
+bool Aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
 }  // namespace
 
 cudaError_t LaunchRmsNormCuda(const RmsNormCudaParams& p, cudaStream_t stream) {
-  RmsNormKernel<<<p.num_tokens, kThreads, 0, stream>>>(
-      p.input, p.residual, p.weight, p.output, p.hidden_size, p.epsilon);
+  const int vectors = p.hidden_size / 8;
+  const bool vectorized = p.hidden_size % 8 == 0 && Aligned16(p.input) &&
+                          Aligned16(p.weight) && Aligned16(p.output) &&
+                          (p.residual == nullptr || Aligned16(p.residual));
+  if (vectorized && vectors <= kThreads) {
+    RmsNormVecKernel<1><<<p.num_tokens, kThreads, 0, stream>>>(
+        p.input, p.residual, p.weight, p.output, p.hidden_size, p.epsilon);
+  } else if (vectorized && vectors <= 2 * kThreads) {
+    RmsNormVecKernel<2><<<p.num_tokens, kThreads, 0, stream>>>(
+        p.input, p.residual, p.weight, p.output, p.hidden_size, p.epsilon);
+  } else if (vectorized && vectors <= 4 * kThreads) {
+    RmsNormVecKernel<4><<<p.num_tokens, kThreads, 0, stream>>>(
+        p.input, p.residual, p.weight, p.output, p.hidden_size, p.epsilon);
+  } else {
+    RmsNormKernel<<<p.num_tokens, kThreads, 0, stream>>>(
+        p.input, p.residual, p.weight, p.output, p.hidden_size, p.epsilon);
+  }
   return cudaGetLastError();
 }
 

@@ -1,4 +1,6 @@
 // SiLU-gated MLP activation on CUDA: out = silu(gate) * up (bf16, fp32 math).
+#include <cstdint>
+
 #include "worker/kernels/cuda_common.cuh"
 #include "worker/kernels/silu_and_mul_cuda.h"
 
@@ -28,13 +30,54 @@ __global__ void SiluAndMulKernel(const __nv_bfloat16* __restrict__ input,
       FromFloat<__nv_bfloat16>(g / (1.0f + expf(-g)) * ToFloat(up[i]));
 }
 
+// The same, 8 elements per thread through 16-byte loads and stores, for
+// intermediate % 8 == 0 and 16-byte aligned rows. grid: [num_tokens,
+// ceil(intermediate / 8 / kThreads)].
+__global__ void SiluAndMulVecKernel(const __nv_bfloat16* __restrict__ input,
+                                    __nv_bfloat16* __restrict__ output,
+                                    int intermediate) {
+  const int i = blockIdx.y * blockDim.x + threadIdx.x;  // vector index
+  if (i >= intermediate / 8) return;
+  const int64_t t = blockIdx.x;
+  const uint4* gate =
+      reinterpret_cast<const uint4*>(input + t * 2 * intermediate);
+  const uint4* up = reinterpret_cast<const uint4*>(
+      input + t * 2 * intermediate + intermediate);
+  const uint4 g4 = gate[i], u4 = up[i];
+  const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&g4);
+  const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&u4);
+  uint4 o4;
+  __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&o4);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 g = __bfloat1622float2(g2[e]);
+    const float2 u = __bfloat1622float2(u2[e]);
+    o2[e] = __floats2bfloat162_rn(g.x / (1.0f + expf(-g.x)) * u.x,
+                                  g.y / (1.0f + expf(-g.y)) * u.y);
+  }
+  reinterpret_cast<uint4*>(output + t * intermediate)[i] = o4;
+}
+
+bool Aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
 }  // namespace
 
 cudaError_t LaunchSiluAndMulCuda(const SiluAndMulCudaParams& p,
                                  cudaStream_t stream) {
-  const dim3 grid(p.num_tokens, cuda::NumBlocks(p.intermediate_size, kThreads));
-  SiluAndMulKernel<<<grid, kThreads, 0, stream>>>(p.input, p.output,
-                                                  p.intermediate_size);
+  if (p.intermediate_size % 8 == 0 && Aligned16(p.input) &&
+      Aligned16(p.output)) {
+    const dim3 grid(p.num_tokens,
+                    cuda::NumBlocks(p.intermediate_size / 8, kThreads));
+    SiluAndMulVecKernel<<<grid, kThreads, 0, stream>>>(p.input, p.output,
+                                                       p.intermediate_size);
+  } else {
+    const dim3 grid(p.num_tokens,
+                    cuda::NumBlocks(p.intermediate_size, kThreads));
+    SiluAndMulKernel<<<grid, kThreads, 0, stream>>>(p.input, p.output,
+                                                    p.intermediate_size);
+  }
   return cudaGetLastError();
 }
 
