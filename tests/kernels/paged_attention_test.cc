@@ -438,3 +438,67 @@ TEST_F(PagedAttentionErrorsTest, RejectsBadBuffersAndShapes) {
 }  // namespace
 }  // namespace kernels
 }  // namespace pdworker
+
+namespace pdworker {
+namespace kernels {
+namespace {
+
+// The CUDA decode routine's split count and workspace are host arithmetic,
+// checked here on every machine: the workspace a worker allocates at startup
+// (PagedAttentionWorkspaceBytes for its largest decode batch) must hold what
+// any smaller launch of the same model uses, since the launch check refuses
+// a short workspace and a captured graph bakes the split count in.
+TEST(CudaDecodeSplitTest, StartupWorkspaceHoldsEverySmallerLaunch) {
+  struct Model {
+    int heads, kv_heads, head_dim;
+  };
+  for (const Model m : {Model{32, 8, 64}, Model{14, 2, 64}, Model{32, 32, 128},
+                        Model{8, 1, 256}, Model{4, 4, 16}}) {
+    for (const int max_blocks : {4, 64, 2048}) {
+      const int64_t max_context = int64_t{max_blocks} * 16;
+      for (const int k : {1, 2, 3, 8}) {
+        for (const int max_tokens : {8, 64, 1024}) {
+          const size_t allocated = PagedAttentionWorkspaceBytes(
+              max_tokens, m.heads, m.head_dim, max_blocks, 16);
+          for (int tokens = k; tokens <= max_tokens; tokens += k) {
+            const int splits = CudaDecodeNumSplits(tokens, k, m.heads,
+                                                   m.kv_heads, max_context);
+            ASSERT_GE(splits, 1);
+            ASSERT_LE(splits, kCudaDecodeMaxSplits);
+            // Never more splits than the longest context can give keys.
+            ASSERT_LE(splits, (max_context + kCudaDecodeMinSplitKeys - 1) /
+                                  kCudaDecodeMinSplitKeys);
+            const size_t used =
+                sizeof(float) * tokens * m.heads * splits * (m.head_dim + 2);
+            ASSERT_LE(used, allocated)
+                << "heads " << m.heads << " kv " << m.kv_heads << " k " << k
+                << " tokens " << tokens << " of " << max_tokens;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Small batches are spread over many CTAs and large ones are not split
+// (paged_attention.h's example for Llama-3.2-1B: 32 heads, 8 kv heads).
+TEST(CudaDecodeSplitTest, SplitsShrinkAsTheBatchFillsTheGpu) {
+  const int64_t context = 131072;
+  int previous = kCudaDecodeMaxSplits + 1;
+  for (const int batch : {1, 2, 4, 8, 16, 32, 64, 128, 256}) {
+    const int splits = CudaDecodeNumSplits(batch, 1, 32, 8, context);
+    EXPECT_LE(splits, previous) << "batch " << batch;
+    EXPECT_GE(int64_t{splits} * batch * 8, kCudaDecodeTargetCtas)
+        << "batch " << batch << ": too few CTAs";
+    previous = splits;
+  }
+  EXPECT_EQ(CudaDecodeNumSplits(1, 1, 32, 8, context), kCudaDecodeMaxSplits);
+  EXPECT_EQ(CudaDecodeNumSplits(64, 1, 32, 8, context), 1);
+  // A short maximum context caps the split: 100 tokens give 4 splits of >=
+  // 32 keys at most.
+  EXPECT_EQ(CudaDecodeNumSplits(1, 1, 32, 8, 100), 4);
+}
+
+}  // namespace
+}  // namespace kernels
+}  // namespace pdworker
