@@ -331,7 +331,7 @@ TEST_P(PagedAttentionCudaTest, DecodeGraphReplayIsBitIdenticalToEager) {
   auto graph = stream.EndCapture();
   ASSERT_TRUE(graph.ok()) << graph.status();
 
-  // Fewer requests, other lengths (one grows by a partition), other blocks.
+  // Fewer requests, other lengths (one grows past 1500), other blocks.
   const Batch next = {{{1, 30}, {1, 1537}, {1, 16}}, 8, 1};
   WriteStep(next, 601);
   ASSERT_TRUE((*graph)->Replay().ok());
@@ -389,7 +389,7 @@ INSTANTIATE_TEST_SUITE_P(
         AttentionConfig{4, 1, 128, 16},  // MQA, head_dim 128
         AttentionConfig{16, 1, 64, 16},  // GQA group 16 > 8 rows per CTA
         AttentionConfig{8, 4, 256, 8},   // the largest head_dim
-        AttentionConfig{8, 2, 64, 16, 17408}),  // > 32 partitions
+        AttentionConfig{8, 2, 64, 16, 17408}),  // a 17k-token context
     Name);
 
 }  // namespace
