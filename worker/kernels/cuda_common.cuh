@@ -50,6 +50,22 @@ __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
   return __float2bfloat16(x);  // round to nearest even
 }
 
+// True when `p` may be read or written with 16-byte (uint4) accesses.
+inline bool Aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+// The 8 bf16 of a 16-byte load as floats, exactly (a bf16 is the top half of
+// the fp32 of equal value; element 2i is the low half of word i).
+__device__ __forceinline__ void Bf16x8ToFloat(const uint4& v, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
 // Sum over the warp, valid in lane 0 only (shuffle-down tree: a fixed order).
 __device__ __forceinline__ float WarpSumToLane0(float v) {
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {

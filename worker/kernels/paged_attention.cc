@@ -29,15 +29,19 @@ static_assert(kCudaDecodeMinSplitKeys == kCudaAttentionMinSplitKeys &&
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The split count of a CUDA uniform decode launch of `p` (varlen launches
+// carry it too and ignore it).
+int DecodeSplits(const PagedAttentionParams& p) {
+  return CudaDecodeNumSplits(
+      p.num_tokens, std::max(p.uniform_query_len, 1), p.num_heads,
+      p.num_kv_heads,
+      static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size);
+}
+
 // Exact workspace bytes of one CUDA decode launch.
 size_t DecodeLaunchWorkspaceBytes(const PagedAttentionParams& p) {
-  const int64_t max_context =
-      static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
-  const int splits =
-      CudaDecodeNumSplits(p.num_tokens, p.uniform_query_len, p.num_heads,
-                          p.num_kv_heads, max_context);
   return sizeof(float) * static_cast<size_t>(p.num_tokens) * p.num_heads *
-         splits * (p.head_dim + 2);
+         DecodeSplits(p) * (p.head_dim + 2);
 }
 
 // Scores of one cache block live in a stack array; vLLM's block sizes are
@@ -388,10 +392,7 @@ PagedAttentionCudaParams ToCudaParams(const PagedAttentionParams& p) {
   c.query_row_stride = p.query_row_stride;
   c.scale = p.scale;
   c.uniform_query_len = p.uniform_query_len;
-  c.num_splits = CudaDecodeNumSplits(
-      p.num_tokens, std::max(p.uniform_query_len, 1), p.num_heads,
-      p.num_kv_heads,
-      static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size);
+  c.num_splits = DecodeSplits(p);
   return c;
 }
 #endif

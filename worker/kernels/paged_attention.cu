@@ -32,6 +32,7 @@ namespace pdworker {
 namespace kernels {
 namespace {
 
+using cuda::Bf16x8ToFloat;
 using cuda::FromFloat;
 using cuda::ToFloat;
 using cuda::WarpMax;
@@ -63,17 +64,6 @@ struct alignas(16) SharedState {
   // caches; -1 when its block id is outside the cache.
   int64_t key_offset[kMaxKeyTile];
 };
-
-// The 8 bf16 of a 16-byte load as floats (a bf16 is the top half of the
-// fp32 with the same value; element 2i is the low half of word i).
-__device__ __forceinline__ void Bf16x8ToFloat(const uint4& v, float (&f)[8]) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
 
 // Max over the warp of an int, in every lane.
 __device__ __forceinline__ int WarpMaxInt(int v) {

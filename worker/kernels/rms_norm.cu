@@ -8,6 +8,8 @@ namespace pdworker {
 namespace kernels {
 namespace {
 
+using cuda::Aligned16;
+using cuda::Bf16x8ToFloat;
 using cuda::BlockSum;
 using cuda::FromFloat;
 using cuda::ToFloat;
@@ -59,17 +61,8 @@ __global__ void RmsNormKernel(const __nv_bfloat16* input,
   }
 }
 
-// 8 bf16 <-> 8 floats (a bf16 is the top half of the fp32 of equal value;
-// element 2i is the low half of word i).
-__device__ __forceinline__ void Unpack(const uint4& v, float (&f)[8]) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
-
+// 8 floats -> 8 bf16 (round to nearest even), the inverse of
+// cuda::Bf16x8ToFloat.
 __device__ __forceinline__ uint4 Pack(const float (&f)[8]) {
   uint32_t w[4];
 #pragma unroll
@@ -103,15 +96,15 @@ __global__ void __launch_bounds__(kThreads)
   for (int k = 0; k < kVecs; ++k) {
     const int i = threadIdx.x + k * kThreads;
     if (i >= vectors) break;
-    Unpack(x[i], v[k]);
+    Bf16x8ToFloat(x[i], v[k]);
     if (res != nullptr) {
       float r[8];
-      Unpack(res[i], r);
+      Bf16x8ToFloat(res[i], r);
 #pragma unroll
       for (int e = 0; e < 8; ++e) r[e] += v[k][e];
       const uint4 updated = Pack(r);  // the norm sees the rounded residual
       res[i] = updated;
-      Unpack(updated, v[k]);
+      Bf16x8ToFloat(updated, v[k]);
     }
 #pragma unroll
     for (int e = 0; e < 8; ++e) sum_squares += v[k][e] * v[k][e];
@@ -126,15 +119,11 @@ __global__ void __launch_bounds__(kThreads)
     const int i = threadIdx.x + k * kThreads;
     if (i >= vectors) break;
     float g[8];
-    Unpack(w[i], g);
+    Bf16x8ToFloat(w[i], g);
 #pragma unroll
     for (int e = 0; e < 8; ++e) g[e] = v[k][e] * inv_rms * g[e];
     out[i] = Pack(g);
   }
-}
-
-bool Aligned16(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
 }  // namespace

@@ -8,6 +8,7 @@ namespace pdworker {
 namespace kernels {
 namespace {
 
+using cuda::Aligned16;
 using cuda::FromFloat;
 using cuda::ToFloat;
 
@@ -56,10 +57,6 @@ __global__ void SiluAndMulVecKernel(const __nv_bfloat16* __restrict__ input,
                                   g.y / (1.0f + expf(-g.y)) * u.y);
   }
   reinterpret_cast<uint4*>(output + t * intermediate)[i] = o4;
-}
-
-bool Aligned16(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
 }  // namespace
