@@ -110,7 +110,7 @@ std::vector<double> InProcessDecodes(ModelRunner& r, int rounds, int steps) {
 
 // Per decode call: client-side latency, and that minus the model time of
 // the step that answered it (StepInfo.step_micros) — what the call spent in
-// gRPC, the queue and the executor.
+// gRPC, the queue and the engine.
 struct CallTimes {
   std::vector<double> latency_us;
   std::vector<double> overhead_us;
@@ -189,7 +189,7 @@ ConcurrentResult ConcurrentDecodes(ServerUnderTest& s, int clients, int steps) {
   std::vector<CallTimes> per_client(clients);
   std::vector<std::thread> threads;
   threads.reserve(clients);
-  const int64_t steps_before = s.server->executor().snapshot().steps;
+  const int64_t steps_before = s.server->engine().snapshot().steps;
   const auto t0 = Clock::now();
   for (int c = 0; c < clients; ++c) {
     threads.emplace_back([&, c] {
@@ -200,8 +200,7 @@ ConcurrentResult ConcurrentDecodes(ServerUnderTest& s, int clients, int steps) {
   for (std::thread& t : threads) t.join();
   const double seconds =
       std::chrono::duration<double>(Clock::now() - t0).count();
-  const int64_t steps_run =
-      s.server->executor().snapshot().steps - steps_before;
+  const int64_t steps_run = s.server->engine().snapshot().steps - steps_before;
   CallTimes all;
   for (const CallTimes& c : per_client) all.Append(c);
   ConcurrentResult r;
@@ -276,7 +275,7 @@ int Main(int argc, char** argv) {
       "| --- | ---: | ---: |\n"
       "| in-process ModelRunner::Execute | %.0f | %.0f |\n"
       "| Forward over loopback gRPC | %.0f | %.0f |\n"
-      "| Forward minus its step's time (gRPC + queue + executor) | %.0f | "
+      "| Forward minus its step's time (gRPC + queue + engine) | %.0f | "
       "%.0f |\n"
       "| ratio Forward / in-process | %.2f | %.2f |\n\n",
       in_process.p50, in_process.p99, rpc.p50, rpc.p99, rpc_overhead.p50,

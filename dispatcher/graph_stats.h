@@ -39,7 +39,7 @@ struct GraphStatsHeader {
   std::vector<int> capture_sizes;
 };
 
-// Thread-safe. Record() is called once per step by the executor; Snapshot()
+// Thread-safe. Record() is called once per step by the engine; Snapshot()
 // and RenderTable() by exporters and loggers on other threads. Counts live
 // in kNumShards mutex-protected maps; each recording thread gets its own
 // shard (round-robin slot), so one recorder pays one uncontended lock plus

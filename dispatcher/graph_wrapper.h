@@ -60,7 +60,7 @@ struct GraphWrapperCounters {
 // inner ones, in NONE neither.
 //
 // The runnable must write its outputs into static buffers (captured graphs
-// have no outputs of their own). Not thread-safe: one executor thread calls
+// have no outputs of their own). Not thread-safe: one engine thread calls
 // Run. The backend and capture phase must outlive the wrapper.
 class GraphWrapper {
  public:

@@ -206,7 +206,7 @@ WorkerMetrics::WorkerMetrics(const WorkerInfo& info,
            .Add({}, RequestBuckets());
   queue_depth_ = &prometheus::BuildGauge()
                       .Name("pdworker_executor_queue_depth")
-                      .Help("Forward calls waiting in the executor queue.")
+                      .Help("Forward calls waiting in the engine queue.")
                       .Register(r)
                       .Add({});
 

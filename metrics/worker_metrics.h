@@ -10,7 +10,7 @@
 // dashboards see zeros instead of missing series.
 //
 // Thread safety: everything may be called concurrently (ObserveStep from the
-// executor thread, the rest from gRPC threads, Collect() from exposer
+// engine thread, the rest from gRPC threads, Collect() from exposer
 // threads). prometheus-cpp metrics are thread-safe; WorkerMetrics holds no
 // other mutable state.
 #ifndef PDWORKER_METRICS_WORKER_METRICS_H_
@@ -122,7 +122,7 @@ class WorkerMetrics {
   // KV cache blocks; also sets the usage ratio used / (used + free).
   void SetKvBlocks(int64_t used, int64_t free);
 
-  // Forward calls waiting in the executor queue.
+  // Forward calls waiting in the engine queue.
   void SetQueueDepth(int64_t depth);
 
   // What CaptureGraphs() reported (graphs, seconds and memory per mode;

@@ -277,7 +277,7 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
   }
 
   c.server.max_receive_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  c.server.executor.max_queue = absl::GetFlag(FLAGS_max_queue);
+  c.server.engine.max_queue = absl::GetFlag(FLAGS_max_queue);
   c.server.advertise_address = absl::GetFlag(FLAGS_advertise_address);
   struct DurationFlag {
     const char* flag;
@@ -300,7 +300,7 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
             &c.server.keepalive.min_client_ping_interval,
             ZeroDuration::kRefused},
            {"sequence_idle_timeout", absl::GetFlag(FLAGS_sequence_idle_timeout),
-            &c.server.executor.sequence_idle_timeout, ZeroDuration::kAllowed},
+            &c.server.engine.sequence_idle_timeout, ZeroDuration::kAllowed},
            {"drain_timeout", absl::GetFlag(FLAGS_drain_timeout),
             &c.server.drain_timeout, ZeroDuration::kAllowed}}) {
     if (absl::Status s = ParseMillisFlag(f.flag, f.text, f.zero, f.out);

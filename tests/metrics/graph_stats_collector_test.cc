@@ -213,7 +213,7 @@ TEST(GraphStatsCollectorTest, DetachedCollectorExportsNothing) {
   EXPECT_THAT(collector.Collect(), IsEmpty());
 }
 
-// Scrapes on two threads while the executor records: each scraper sees
+// Scrapes on two threads while the engine records: each scraper sees
 // every series monotonic (TSan checks the locking).
 TEST(GraphStatsCollectorTest, ConcurrentScrapesWhileRecording) {
   GraphStats stats;

@@ -1,7 +1,7 @@
 // A deterministic regression test, first found by random_calls_test: a
 // chunked call dropped between its chunks by its deadline must be undone
 // before a later call on the same sequence runs, so that the later call
-// never sees the half-run state (fixed in worker/server/executor.cc,
+// never sees the half-run state (fixed in worker/engine/engine.cc,
 // DropExpiredCalls).
 #include <chrono>
 #include <cstdint>
@@ -29,7 +29,7 @@ constexpr int kVocab = 256;  // SmallRunnerOptions' vocabulary
 // A chunked call whose deadline passes between its chunks is dropped and its
 // chunks are undone, and a later call on the same sequence (queued behind it:
 // per-sequence arrival order) must see it undone, never the half-run state.
-// Made deterministic with tasks posted to the executor: it runs the first
+// Made deterministic with tasks posted to the engine: it runs the first
 // chunk, pauses, and is held until the deadline has passed while the later
 // call waits in its queue; then it resumes, and the same loop iteration drops
 // the chunked call and plans the later one.
@@ -63,7 +63,7 @@ TEST(DroppedChunkedCallTest, LaterCallsSeeADroppedChunkedCallUndone) {
       }
       ~Gate() { Open(); }
     } gate;
-    Executor& executor = w->server->executor();
+    Engine& engine = w->server->engine();
     v1::ForwardResponse response;
     if (c.live_before) {
       ASSERT_TRUE(server_testing::Forward(
@@ -74,10 +74,10 @@ TEST(DroppedChunkedCallTest, LaterCallsSeeADroppedChunkedCallUndone) {
                       .ok());
     }
     const v1::WorkerStatus before = w->Status();
-    const int64_t steps_before = executor.snapshot().steps;
+    const int64_t steps_before = engine.snapshot().steps;
 
     // 100 tokens: two steps, 64 + 36.
-    executor.Pause();
+    engine.Pause();
     const auto sent = std::chrono::system_clock::now();
     const auto timeout = std::chrono::seconds(1);
     auto chunked =
@@ -85,22 +85,21 @@ TEST(DroppedChunkedCallTest, LaterCallsSeeADroppedChunkedCallUndone) {
                      [&](grpc::ClientContext* context) {
                        context->set_deadline(sent + timeout);
                      });
-    ASSERT_TRUE(WaitFor([&] { return executor.snapshot().queued_calls == 1; }));
+    ASSERT_TRUE(WaitFor([&] { return engine.snapshot().queued_calls == 1; }));
     // The server's deadline for the call is the timeout from when it read
     // the call (gRPC sends a timeout, not a time): no later than now.
     const auto server_deadline = std::chrono::system_clock::now() + timeout;
     // This loop iteration resumes and runs the first chunk; the next one
     // pauses before the second.
-    ASSERT_TRUE(executor
-                    .Post([&executor](ModelRunner&) {
-                      executor.Resume();
-                      executor
-                          .Post([&executor](ModelRunner&) { executor.Pause(); })
+    ASSERT_TRUE(engine
+                    .Post([&engine](ModelRunner&) {
+                      engine.Resume();
+                      engine.Post([&engine](ModelRunner&) { engine.Pause(); })
                           .IgnoreError();
                     })
                     .ok());
     ASSERT_TRUE(
-        WaitFor([&] { return executor.snapshot().steps > steps_before; }));
+        WaitFor([&] { return engine.snapshot().steps > steps_before; }));
 
     // The later call on "x" waits behind the chunked one.
     std::unique_ptr<server_testing::PendingForward> step;
@@ -118,14 +117,14 @@ TEST(DroppedChunkedCallTest, LaterCallsSeeADroppedChunkedCallUndone) {
                                   release_done->set_value(s);
                                 });
     }
-    ASSERT_TRUE(WaitFor([&] { return executor.snapshot().queued_calls == 2; }));
-    // Hold the executor (both calls now in its queue) past the deadline,
+    ASSERT_TRUE(WaitFor([&] { return engine.snapshot().queued_calls == 2; }));
+    // Hold the engine (both calls now in its queue) past the deadline,
     // then resume in the same iteration.
     std::shared_future<void> held = gate.future;
-    ASSERT_TRUE(executor
-                    .Post([&executor, held](ModelRunner&) {
+    ASSERT_TRUE(engine
+                    .Post([&engine, held](ModelRunner&) {
                       held.wait();
-                      executor.Resume();
+                      engine.Resume();
                     })
                     .ok());
     std::this_thread::sleep_until(server_deadline +

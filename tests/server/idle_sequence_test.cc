@@ -24,7 +24,7 @@ using Clock = std::chrono::steady_clock;
 std::unique_ptr<TestWorker> StartWithIdleTimeout(
     std::chrono::milliseconds timeout) {
   WorkerServerOptions options;
-  options.executor.sequence_idle_timeout = timeout;
+  options.engine.sequence_idle_timeout = timeout;
   return StartWorker(SmallRunnerOptions(), options);
 }
 
@@ -38,7 +38,7 @@ grpc::Status Release(v1::Worker::Stub& stub, const std::string& id,
 }
 
 int64_t Expired(TestWorker& w) {
-  return w.server->executor().snapshot().sequences_expired;
+  return w.server->engine().snapshot().sequences_expired;
 }
 
 TEST(IdleSequenceTest, AbandonedSequenceIsReleasedAndLateCallsLearnWhy) {
@@ -130,7 +130,7 @@ TEST(IdleSequenceTest, QueuedCallKeepsItsSequenceWhileTheWorkerIsPaused) {
                       &response)
                   .ok());
   const int32_t next = response.sequences(0).token_id();
-  w->server->executor().Pause();
+  w->server->engine().Pause();
   auto pending =
       StartForward(*w->stub, Request({Input("queued", {next}, false)}));
   // The sweep runs while paused ("other" goes) but spares "queued", whose
@@ -138,7 +138,7 @@ TEST(IdleSequenceTest, QueuedCallKeepsItsSequenceWhileTheWorkerIsPaused) {
   ASSERT_TRUE(WaitFor([&] { return Expired(*w) == 1; }));
   std::this_thread::sleep_for(std::chrono::milliseconds(400));
   EXPECT_EQ(Expired(*w), 1);
-  w->server->executor().Resume();
+  w->server->engine().Resume();
   const grpc::Status s = pending->result.get();
   EXPECT_TRUE(s.ok()) << s.error_message();
   EXPECT_EQ(pending->response.sequences(0).num_tokens(), 4);

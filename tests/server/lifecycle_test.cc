@@ -4,7 +4,7 @@
 // sequences finish, new ones are refused, health NOT_SERVING, bounded by
 // the drain timeout); reflection.
 //
-// "Busy" is made deterministic with Executor::Pause(), never with timing.
+// "Busy" is made deterministic with Engine::Pause(), never with timing.
 #include <grpcpp/generic/generic_stub.h>
 
 #include <chrono>
@@ -63,27 +63,27 @@ TEST(LifecycleTest, ExpiredCallIsDroppedBeforeItRuns) {
   auto w = StartWorker(SmallRunnerOptions());
   ASSERT_NE(w, nullptr);
   const v1::WorkerStatus before = w->Status();
-  Executor& executor = w->server->executor();
-  executor.Pause();  // the executor is "busy"
+  Engine& engine = w->server->engine();
+  engine.Pause();  // the engine is "busy"
   // The deadline only has to be long enough for the call to reach the
-  // queue; the paused executor then holds it there until it passes.
+  // queue; the paused engine then holds it there until it passes.
   auto late =
       StartForward(*w->stub, Request({Input("late", {1, 2, 3}, true)}),
                    [](grpc::ClientContext* context) {
                      context->set_deadline(std::chrono::system_clock::now() +
                                            std::chrono::seconds(1));
                    });
-  ASSERT_TRUE(WaitFor([&] { return executor.snapshot().queued_calls == 1; }));
+  ASSERT_TRUE(WaitFor([&] { return engine.snapshot().queued_calls == 1; }));
   EXPECT_EQ(late->result.get().error_code(),
             grpc::StatusCode::DEADLINE_EXCEEDED);
-  // The executor drops the call on its own, even while paused: at its
+  // The engine drops the call on its own, even while paused: at its
   // deadline, or when gRPC cancels the expired call (whichever it sees
   // first).
   ASSERT_TRUE(WaitFor([&] {
-    const ExecutorSnapshot s = executor.snapshot();
+    const EngineSnapshot s = engine.snapshot();
     return s.dropped_deadline + s.dropped_cancelled == 1 && s.queued_calls == 0;
   }));
-  executor.Resume();
+  engine.Resume();
 
   const v1::WorkerStatus after = w->Status();
   EXPECT_EQ(after.kv_blocks_free(), before.kv_blocks_free());
@@ -99,17 +99,17 @@ TEST(LifecycleTest, CancelledCallIsDroppedBeforeItRuns) {
   auto w = StartWorker(SmallRunnerOptions());
   ASSERT_NE(w, nullptr);
   const v1::WorkerStatus before = w->Status();
-  Executor& executor = w->server->executor();
-  executor.Pause();
+  Engine& engine = w->server->engine();
+  engine.Pause();
   auto call = StartForward(*w->stub, Request({Input("gone", {4, 5}, true)}));
-  ASSERT_TRUE(WaitFor([&] { return executor.snapshot().queued_calls == 1; }));
+  ASSERT_TRUE(WaitFor([&] { return engine.snapshot().queued_calls == 1; }));
   call->context.TryCancel();
   EXPECT_EQ(call->result.get().error_code(), grpc::StatusCode::CANCELLED);
   ASSERT_TRUE(WaitFor([&] {
-    return executor.snapshot().dropped_cancelled == 1 &&
-           executor.snapshot().queued_calls == 0;
+    return engine.snapshot().dropped_cancelled == 1 &&
+           engine.snapshot().queued_calls == 0;
   }));
-  executor.Resume();
+  engine.Resume();
 
   const v1::WorkerStatus after = w->Status();
   EXPECT_EQ(after.kv_blocks_free(), before.kv_blocks_free());
@@ -122,20 +122,20 @@ TEST(LifecycleTest, CancelledCallIsDroppedBeforeItRuns) {
 
 TEST(LifecycleTest, FullQueueGetsResourceExhausted) {
   WorkerServerOptions server_options;
-  server_options.executor.max_queue = 2;
+  server_options.engine.max_queue = 2;
   auto w = StartWorker(SmallRunnerOptions(), server_options);
   ASSERT_NE(w, nullptr);
-  Executor& executor = w->server->executor();
-  executor.Pause();
+  Engine& engine = w->server->engine();
+  engine.Pause();
   auto first = StartForward(*w->stub, Request({Input("q1", {1}, true)}));
   auto second = StartForward(*w->stub, Request({Input("q2", {2}, true)}));
-  ASSERT_TRUE(WaitFor([&] { return executor.snapshot().queued_calls == 2; }));
+  ASSERT_TRUE(WaitFor([&] { return engine.snapshot().queued_calls == 2; }));
   v1::ForwardResponse response;
   const grpc::Status full =
       Forward(*w->stub, Request({Input("q3", {3}, true)}), &response);
   EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_THAT(full.error_message(), HasSubstr("max_queue=2"));
-  executor.Resume();
+  engine.Resume();
   EXPECT_TRUE(first->result.get().ok());
   EXPECT_TRUE(second->result.get().ok());
   EXPECT_EQ(w->Status().num_sequences(), 2);
@@ -155,16 +155,16 @@ grpc::Status Release(v1::Worker::Stub& stub, const std::string& id) {
 TEST(LifecycleTest, DrainLetsLiveSequencesFinishAndRefusesNewOnes) {
   auto w = StartWorker(SmallRunnerOptions());
   ASSERT_NE(w, nullptr);
-  Executor& executor = w->server->executor();
+  Engine& engine = w->server->engine();
   v1::ForwardResponse response;
   ASSERT_TRUE(
       Forward(*w->stub, Request({Input("live", {1, 2, 3}, true)}), &response)
           .ok());
   const int32_t live_next = response.sequences(0).token_id();
-  executor.Pause();
+  engine.Pause();
   auto in_flight =
       StartForward(*w->stub, Request({Input("inflight", {1, 2}, true)}));
-  ASSERT_TRUE(WaitFor([&] { return executor.snapshot().queued_calls == 1; }));
+  ASSERT_TRUE(WaitFor([&] { return engine.snapshot().queued_calls == 1; }));
 
   w->server->BeginDrain();
   EXPECT_EQ(w->Health(""), HealthCheckResponse::NOT_SERVING);
@@ -185,7 +185,7 @@ TEST(LifecycleTest, DrainLetsLiveSequencesFinishAndRefusesNewOnes) {
   }
 
   auto drained = std::async(std::launch::async, [&] { w->server->Drain(); });
-  executor.Resume();
+  engine.Resume();
   const grpc::Status done = in_flight->result.get();
   EXPECT_TRUE(done.ok()) << done.error_message();
   EXPECT_EQ(in_flight->response.sequences(0).num_tokens(), 2);
@@ -227,10 +227,10 @@ TEST(LifecycleTest, DrainStopsAfterItsTimeout) {
 TEST(LifecycleTest, DestroyingTheServerFailsQueuedCalls) {
   auto w = StartWorker(SmallRunnerOptions());
   ASSERT_NE(w, nullptr);
-  w->server->executor().Pause();
+  w->server->engine().Pause();
   auto queued = StartForward(*w->stub, Request({Input("q", {1}, true)}));
   ASSERT_TRUE(WaitFor(
-      [&] { return w->server->executor().snapshot().queued_calls == 1; }));
+      [&] { return w->server->engine().snapshot().queued_calls == 1; }));
   w->server.reset();
   EXPECT_EQ(queued->result.get().error_code(), grpc::StatusCode::UNAVAILABLE);
 }

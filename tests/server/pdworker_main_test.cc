@@ -140,7 +140,7 @@ TEST(PdworkerMainTest, ServesThenDrainsOnSigterm) {
                 .error_code(),
             grpc::StatusCode::ALREADY_EXISTS);
 
-  // The executor and the service feed the Prometheus metrics.
+  // The engine and the service feed the Prometheus metrics.
   const int metrics_port = NumberAfter((*worker)->Output(), "metrics on port ");
   ASSERT_GT(metrics_port, 0);
   const std::string metrics = ScrapeMetrics(metrics_port);

@@ -374,13 +374,13 @@ class ClientThread::Impl {
   }
 
   // A call the client gave up on (DEADLINE_EXCEEDED or CANCELLED seen
-  // here) may still be on its way to the executor: gRPC does not keep the
+  // here) may still be on its way to the engine: gRPC does not keep the
   // order of calls on one channel, so a probe sent now may overtake it, and
   // the worker may then run it after the probe (a cancellation it has not
   // seen yet does not stop it). Its deadline does: the server reads the
   // call's headers before those of any later call on the connection, so
   // once a later call (GetStatus) is answered, the call's server-side
-  // deadline is at most abandon_timeout_ away, and past it the executor
+  // deadline is at most abandon_timeout_ away, and past it the engine
   // never starts it.
   void WaitOutAbandonedCall() {
     grpc::ClientContext context;

@@ -97,7 +97,7 @@ TEST(RandomCallsTest, ShadowModelAgreesWithWorker) {
   }
   for (std::thread& t : threads) t.join();
 
-  const ExecutorSnapshot snapshot = w->server->executor().snapshot();
+  const EngineSnapshot snapshot = w->server->engine().snapshot();
   std::cout << "ok " << counters.ok << " (chunked " << counters.chunked_ok
             << "), released " << counters.released << ", INVALID_ARGUMENT "
             << counters.invalid_argument << ", NOT_FOUND " << counters.not_found
@@ -125,7 +125,7 @@ TEST(RandomCallsTest, ShadowModelAgreesWithWorker) {
   // Calls the clients gave up on are finished on the worker too (the probes
   // that followed them already ran, so this is only a formality).
   ASSERT_TRUE(WaitFor(
-      [&] { return w->server->executor().snapshot().queued_calls == 0; }));
+      [&] { return w->server->engine().snapshot().queued_calls == 0; }));
   v1::WorkerStatus status = w->Status();
   EXPECT_EQ(status.num_sequences(), 0);
   EXPECT_EQ(status.kv_blocks_free(), status.kv_blocks_total());

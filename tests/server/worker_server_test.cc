@@ -214,7 +214,7 @@ TEST(WorkerServerTest, ChunkedPromptsEqualUnchunkedRuns) {
 }
 
 // 64 clients, one sequence each: a prompt and five greedy decode steps.
-// The prompt round and two decode rounds are lined up (the executor is
+// The prompt round and two decode rounds are lined up (the engine is
 // paused until all 64 calls are queued), so those steps are batched by
 // construction; the last three rounds run free. Every client gets what its
 // sequence alone gives in-process.
@@ -280,16 +280,16 @@ TEST(WorkerServerTest, CoalescesConcurrentClientsWithoutChangingResults) {
     });
   }
   for (int round = 0; round < kLinedUpRounds; ++round) {
-    w->server->executor().Pause();
+    w->server->engine().Pause();
     {
       std::lock_guard<std::mutex> lock(mu);
       go_round = round;
     }
     cv.notify_all();
     ASSERT_TRUE(WaitFor([&] {
-      return w->server->executor().snapshot().queued_calls == kClients;
+      return w->server->engine().snapshot().queued_calls == kClients;
     }));
-    w->server->executor().Resume();
+    w->server->engine().Resume();
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return done == kClients * (round + 1); });
   }
@@ -333,14 +333,14 @@ TEST(WorkerServerTest, CoalescesConcurrentClientsWithoutChangingResults) {
 TEST(WorkerServerTest, FailedMergedStepOnlyFailsTheBadCall) {
   auto w = StartWorker(SmallRunnerOptions());
   ASSERT_NE(w, nullptr);
-  Executor& executor = w->server->executor();
-  executor.Pause();
+  Engine& engine = w->server->engine();
+  engine.Pause();
   auto good1 =
       StartForward(*w->stub, Request({Input("good1", {1, 2, 3}, true)}));
   auto ghost = StartForward(*w->stub, Request({Input("ghost", {4}, false)}));
   auto good2 = StartForward(*w->stub, Request({Input("good2", {5, 6}, true)}));
-  ASSERT_TRUE(WaitFor([&] { return executor.snapshot().queued_calls == 3; }));
-  executor.Resume();
+  ASSERT_TRUE(WaitFor([&] { return engine.snapshot().queued_calls == 3; }));
+  engine.Resume();
 
   const grpc::Status ghost_status = ghost->result.get();
   EXPECT_EQ(ghost_status.error_code(), grpc::StatusCode::NOT_FOUND);
@@ -372,20 +372,20 @@ TEST(WorkerServerTest, MergedKvDemandTooBigOnlyFailsWhatDoesNotFit) {
 
   // 10 blocks each; merged they need 30 of the 25 free. Queued one at a
   // time so the queue order is a, b, c.
-  Executor& executor = w->server->executor();
-  executor.Pause();
+  Engine& engine = w->server->engine();
+  engine.Pause();
   std::vector<std::unique_ptr<server_testing::PendingForward>> calls;
   for (const char* id : {"a", "b", "c"}) {
     calls.push_back(
         StartForward(*w->stub, Request({Input(id, Range(40, id[0]), true)})));
     const int64_t queued = static_cast<int64_t>(calls.size());
     ASSERT_TRUE(
-        WaitFor([&] { return executor.snapshot().queued_calls == queued; }));
+        WaitFor([&] { return engine.snapshot().queued_calls == queued; }));
   }
   auto& a = calls[0];
   auto& b = calls[1];
   auto& c = calls[2];
-  executor.Resume();
+  engine.Resume();
   EXPECT_TRUE(a->result.get().ok());
   EXPECT_TRUE(b->result.get().ok());
   const grpc::Status c_status = c->result.get();
@@ -399,11 +399,11 @@ TEST(WorkerServerTest, MergedKvDemandTooBigOnlyFailsWhatDoesNotFit) {
 TEST(WorkerServerTest, CallsOnOneSequenceRunInArrivalOrder) {
   auto w = StartWorker(SmallRunnerOptions());
   ASSERT_NE(w, nullptr);
-  Executor& executor = w->server->executor();
-  executor.Pause();
+  Engine& engine = w->server->engine();
+  engine.Pause();
   // Start, release, start again: any reordering fails one of them.
   auto first = StartForward(*w->stub, Request({Input("o", {1, 2}, true)}));
-  ASSERT_TRUE(WaitFor([&] { return executor.snapshot().queued_calls == 1; }));
+  ASSERT_TRUE(WaitFor([&] { return engine.snapshot().queued_calls == 1; }));
   grpc::ClientContext release_context;
   server_testing::SetGenerousDeadline(&release_context);
   v1::ReleaseRequest release;
@@ -414,10 +414,10 @@ TEST(WorkerServerTest, CallsOnOneSequenceRunInArrivalOrder) {
   w->stub->async()->Release(
       &release_context, &release, &released,
       [release_done](const grpc::Status& s) { release_done->set_value(s); });
-  ASSERT_TRUE(WaitFor([&] { return executor.snapshot().queued_calls == 2; }));
+  ASSERT_TRUE(WaitFor([&] { return engine.snapshot().queued_calls == 2; }));
   auto again = StartForward(*w->stub, Request({Input("o", {3}, true)}));
-  ASSERT_TRUE(WaitFor([&] { return executor.snapshot().queued_calls == 3; }));
-  executor.Resume();
+  ASSERT_TRUE(WaitFor([&] { return engine.snapshot().queued_calls == 3; }));
+  engine.Resume();
   EXPECT_TRUE(first->result.get().ok());
   const grpc::Status release_status = release_result.get();
   EXPECT_TRUE(release_status.ok()) << release_status.error_message();

@@ -430,7 +430,7 @@ TEST_F(KvHandoffTest, DecodeDrainWaitsForImportsInFlight) {
   EXPECT_GE(std::chrono::steady_clock::now() - start,
             std::chrono::milliseconds(500));
   close(silent);
-  // Drained (no RPCs any more, executor stopped): the runner itself shows
+  // Drained (no RPCs any more, engine stopped): the runner itself shows
   // the reserved blocks were given back.
   const KvCacheStats kv = decode_->runner.runner->kv_cache().Stats();
   EXPECT_EQ(kv.free_blocks, kv.total_blocks);

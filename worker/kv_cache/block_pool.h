@@ -11,7 +11,7 @@
 namespace pdworker {
 
 // Hands out block ids in [0, num_blocks). Allocation is all-or-nothing.
-// Not thread-safe: owned by the KvCacheManager, which the executor thread
+// Not thread-safe: owned by the KvCacheManager, which the engine thread
 // drives.
 class BlockPool {
  public:

@@ -38,7 +38,7 @@ struct SequenceKv {
   std::vector<int32_t> blocks;
   int32_t num_tokens = 0;  // tokens whose K/V is (or is being) cached
   // When a step last appended to it, or an import installed it: what the
-  // executor's idle-sequence sweep reads (an abandoned sequence's router
+  // engine's idle-sequence sweep reads (an abandoned sequence's router
   // stopped stepping it and will never release it).
   std::chrono::steady_clock::time_point last_active{};
 };
@@ -62,8 +62,8 @@ struct KvCacheStats {
   int32_t detached_blocks = 0;  // held by leases and imports (in used_blocks)
 };
 
-// Not thread-safe: the executor thread owns it; others read snapshots the
-// executor publishes.
+// Not thread-safe: the engine thread owns it; others read snapshots the
+// engine publishes.
 class KvCacheManager {
  public:
   // `max_model_len` caps every sequence's length (tokens).
@@ -84,7 +84,7 @@ class KvCacheManager {
 
   // Shortens a sequence to its first `num_tokens` tokens and frees the blocks
   // past them (their K/V bytes are simply dead). Undoes earlier steps, which
-  // Undo cannot: the executor rolls back a chunked call whose later chunk
+  // Undo cannot: the engine rolls back a chunked call whose later chunk
   // failed. NOT_FOUND when unknown; INVALID_ARGUMENT unless
   // 0 <= num_tokens <= the current length. Changes nothing on error.
   absl::Status Truncate(absl::string_view sequence_id, int32_t num_tokens);

@@ -107,7 +107,7 @@ class ModelRunner {
   // no sequence advanced): INVALID_ARGUMENT (bad ids, tokens, sampling,
   // duplicate sequence, too many sequences or tokens, past max_model_len),
   // NOT_FOUND / ALREADY_EXISTS (per SequenceStep::creation),
-  // RESOURCE_EXHAUSTED (KV cache full). Not thread-safe: one executor thread.
+  // RESOURCE_EXHAUSTED (KV cache full). Not thread-safe: one engine thread.
   absl::StatusOr<StepResult> Execute(absl::Span<const SequenceStep> batch);
 
   // Frees a sequence's KV blocks. NOT_FOUND when unknown.

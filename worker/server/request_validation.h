@@ -1,6 +1,6 @@
 // Stateless checks of Forward and Release requests, done on the gRPC thread
 // before anything is queued: a request that fails here never reaches the
-// executor. What needs the worker's state (unknown or live sequence ids, a
+// engine. What needs the worker's state (unknown or live sequence ids, a
 // sequence growing past max_model_len, a full KV cache) is checked by the
 // model runner, which changes nothing when it refuses.
 #ifndef PDWORKER_WORKER_SERVER_REQUEST_VALIDATION_H_
@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "proto/worker.pb.h"
+#include "worker/engine/step_calls.h"
 #include "worker/runner/model_runner.h"
 
 namespace pdworker {
@@ -26,24 +27,6 @@ struct RequestLimits {
   int max_num_seqs = 0;   // sequences per call
   int vocab_size = 0;     // token ids in [0, vocab_size)
   int max_model_len = 0;  // tokens per sequence
-};
-
-// What happens to the sequence's KV cache after the call's last step.
-enum class AfterStep {
-  kKeep,            // stays live for the next call
-  kRelease,         // release_after_step: freed
-  kHoldForHandoff,  // hold_for_handoff: moved into a lease for a decode worker
-};
-
-// A Forward call that passed every stateless check.
-struct ForwardCallSpec {
-  // In request order. creation: start -> kMustBeNew, otherwise kMustExist
-  // (a router talking to a restarted worker gets NOT_FOUND, never a silently
-  // new sequence). Sampling with top_p 0 normalized to 1 (both mean off) and
-  // an unset seed replaced by DefaultSeed(sequence_id).
-  std::vector<SequenceStep> sequences;
-  std::vector<AfterStep> after_step;  // parallel to `sequences`
-  int64_t total_tokens = 0;           // sum of token_ids sizes
 };
 
 // INVALID_ARGUMENT naming the field (e.g. "sequences[2].token_ids[5]=999 is

@@ -127,9 +127,9 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
         "the keepalive time, timeout and minimum client ping interval must "
         "be positive");
   }
-  if (options.executor.max_queue <= 0) {
+  if (options.engine.max_queue <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "max_queue must be positive, got ", options.executor.max_queue));
+        "max_queue must be positive, got ", options.engine.max_queue));
   }
 
   if (options.drain_timeout.count() < 0) {
@@ -148,18 +148,18 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   s->metrics_ = metrics;
   s->drain_timeout_ = options.drain_timeout;
   WorkerServer* self = s.get();
-  // Lease blocks go back to the pool on the executor thread, between steps.
+  // Lease blocks go back to the pool on the engine thread, between steps.
   s->leases_ = std::make_unique<KvLeaseTable>(
       options.kv_lease_ttl,
       [self](SequenceKv kv) {
-        const absl::Status posted = self->executor_->Post(
+        const absl::Status posted = self->engine_->Post(
             [kv](ModelRunner& r) mutable { r.FreeDetached(kv); });
         LOG_IF(WARNING, !posted.ok())
-            << "KV lease blocks not freed (executor stopped): " << posted;
+            << "KV lease blocks not freed (engine stopped): " << posted;
       },
       metrics);
-  s->executor_ = std::make_unique<Executor>(runner, options.executor, metrics,
-                                            s->leases_.get());
+  s->engine_ = std::make_unique<Engine>(runner, options.engine, metrics,
+                                        s->leases_.get());
   PeerTls peer_tls =
       options.peer_tls.enabled ? options.peer_tls : DefaultPeerTls(options.tls);
   peer_tls.server_name_override = options.peer_tls.server_name_override;
@@ -167,7 +167,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
                                              options.max_receive_message_bytes);
   const KvCacheView view = runner.kv_cache_view();
   const std::string fingerprint = runner.model_config().Fingerprint();
-  s->importer_ = std::make_unique<KvImporter>(*s->executor_, runner.device(),
+  s->importer_ = std::make_unique<KvImporter>(*s->engine_, runner.device(),
                                               view, fingerprint, *s->peers_,
                                               options.importer, metrics);
   s->transfer_service_ = std::make_unique<KvTransferService>(
@@ -186,7 +186,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   // after BuildAndStart (before it serves any Forward).
   const std::string& advertise = options.advertise_address;
   s->service_ = std::make_unique<WorkerService>(
-      runner, *s->executor_, metrics, options.device_name,
+      runner, *s->engine_, metrics, options.device_name,
       HandoffParts{s->leases_.get(), s->importer_.get(), advertise,
                    s->transfer_service_->offers_cuda_ipc(),
                    s->transfer_service_->offers_nccl()});
@@ -224,7 +224,7 @@ absl::StatusOr<CaptureSummary> WorkerServer::CaptureGraphsAndServe() {
   CaptureSummary summary;
   int graphs = 0;
   const absl::Status captured =
-      executor_->RunExclusive([&](ModelRunner& runner) -> absl::Status {
+      engine_->RunExclusive([&](ModelRunner& runner) -> absl::Status {
         absl::StatusOr<CaptureSummary> s = runner.CaptureGraphs();
         if (!s.ok()) return s.status();
         summary = *std::move(s);
@@ -243,7 +243,7 @@ absl::StatusOr<CaptureSummary> WorkerServer::CaptureGraphsAndServe() {
 
 void WorkerServer::BeginDrain() {
   service_->SetState(ServingState::kDraining);
-  executor_->BeginDrain();
+  engine_->BeginDrain();
   SetHealth(false);
 }
 
@@ -252,7 +252,7 @@ void WorkerServer::Drain() {
   // What still holds the worker: requests in flight (live sequences, calls,
   // imports) and prompts prefilled for decode workers (leases).
   const auto held = [this] {
-    const ExecutorSnapshot s = executor_->snapshot();
+    const EngineSnapshot s = engine_->snapshot();
     return std::make_tuple(int64_t{s.kv.num_sequences}, s.queued_calls,
                            static_cast<int64_t>(importer_->in_flight()),
                            static_cast<int64_t>(leases_->size()));
@@ -275,7 +275,7 @@ void WorkerServer::Drain() {
                  << " calls and " << leases << " KV leases";
   }
   // Accepted imports finish (each is bounded by the pull timeout): they need
-  // the executor to install or give back their blocks.
+  // the engine to install or give back their blocks.
   while (importer_->in_flight() > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
@@ -286,9 +286,9 @@ void WorkerServer::Drain() {
 void WorkerServer::Shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
-  // Executor first: whatever is still queued fails with UNAVAILABLE, so no
+  // Engine first: whatever is still queued fails with UNAVAILABLE, so no
   // reactor waits on it while the server shuts down.
-  executor_->Stop();
+  engine_->Stop();
   // Our calls are all finished; the grace is for the others (e.g. health
   // Watch streams), which are then cancelled.
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));

@@ -1,6 +1,6 @@
 // WorkerServer: a running pdworker gRPC server around one ModelRunner — the
 // Worker service, the standard health service (grpc.health.v1) and server
-// reflection, the executor, optional TLS/mTLS, and the lifecycle
+// reflection, the engine, optional TLS/mTLS, and the lifecycle
 //
 //   Start (health NOT_SERVING) -> CaptureGraphsAndServe (SERVING)
 //     -> Drain (NOT_SERVING, new calls UNAVAILABLE, in-flight complete) -> gone
@@ -18,9 +18,9 @@
 
 #include "absl/status/statusor.h"
 #include "metrics/worker_metrics.h"
+#include "worker/engine/engine.h"
 #include "worker/runner/model_runner.h"
 #include "worker/runtime/capture_session.h"
-#include "worker/server/executor.h"
 #include "worker/server/worker_service.h"
 #include "worker/transfer/kv_importer.h"
 #include "worker/transfer/kv_lease_table.h"
@@ -64,7 +64,7 @@ struct WorkerServerOptions {
   // before reaching any handler. gRPC's own default is 4 MiB.
   int max_receive_message_bytes = 4 << 20;
   KeepalivePolicy keepalive;
-  ExecutorOptions executor;
+  EngineOptions engine;
   // GetStatus.device, e.g. "cpu".
   std::string device_name = "cpu";
 
@@ -94,7 +94,7 @@ class WorkerServer {
  public:
   // Listens and answers GetStatus / health (NOT_SERVING) at once; Forward
   // and Release answer UNAVAILABLE until CaptureGraphsAndServe(). `runner`
-  // and `metrics` (may be null) must outlive the server; the executor thread
+  // and `metrics` (may be null) must outlive the server; the engine thread
   // owns `runner` from now on. INVALID_ARGUMENT for inconsistent TLS
   // options, UNAVAILABLE when the address cannot be bound.
   static absl::StatusOr<std::unique_ptr<WorkerServer>> Start(
@@ -110,7 +110,7 @@ class WorkerServer {
 
   int port() const { return port_; }
 
-  // Captures every CUDA graph on the executor thread (progress is logged),
+  // Captures every CUDA graph on the engine thread (progress is logged),
   // then serves: health SERVING, Forward accepted.
   absl::StatusOr<CaptureSummary> CaptureGraphsAndServe();
 
@@ -125,11 +125,11 @@ class WorkerServer {
   // SGLang let in-flight requests finish on SIGTERM), no queued call, no
   // KV import, no held lease (PullKv and ReleaseKv keep being served). Then
   // wait for accepted imports (each bounded by the pull timeout), stop the
-  // executor (calls still queued get UNAVAILABLE) and stop listening (other
+  // engine (calls still queued get UNAVAILABLE) and stop listening (other
   // RPCs get a one-second grace).
   void Drain();
 
-  Executor& executor() { return *executor_; }
+  Engine& engine() { return *engine_; }
   KvLeaseTable& leases() { return *leases_; }
   const std::string& advertise_address() const { return advertise_address_; }
   grpc::Server& grpc_server() { return *server_; }
@@ -146,8 +146,8 @@ class WorkerServer {
   std::chrono::milliseconds drain_timeout_{0};
   // Destroyed in reverse: the gRPC server (whose reactors call into the
   // rest) goes first; the importer joins its pulls; the lease table hands
-  // its blocks to the (stopped) executor last.
-  std::unique_ptr<Executor> executor_;
+  // its blocks to the (stopped) engine last.
+  std::unique_ptr<Engine> engine_;
   std::unique_ptr<KvLeaseTable> leases_;
   std::unique_ptr<PeerChannels> peers_;
   std::unique_ptr<KvImporter> importer_;

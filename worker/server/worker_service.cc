@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
-#include "worker/server/forward_call.h"
+#include "worker/engine/step_calls.h"
 #include "worker/server/status_mapping.h"
 #include "worker/transfer/cuda_ipc.h"
 #include "worker/transfer/kv_transfer_service.h"
@@ -69,15 +69,15 @@ void FillResponse(const v1::ForwardRequest& request,
   response->set_num_steps(outcome.num_steps);
 }
 
-// One Forward RPC. Finished exactly once, by Complete (from the executor
+// One Forward RPC. Finished exactly once, by Complete (from the engine
 // thread, or inline when refused); gRPC deletes it in OnDone.
 class ForwardReactor final : public grpc::ServerUnaryReactor {
  public:
-  ForwardReactor(Executor& executor, WorkerMetrics* metrics,
+  ForwardReactor(Engine& engine, WorkerMetrics* metrics,
                  const v1::KvHandle& handle_template,
                  const v1::ForwardRequest* request,
                  v1::ForwardResponse* response)
-      : executor_(executor),
+      : engine_(engine),
         metrics_(metrics),
         handle_template_(handle_template),
         request_(request),
@@ -105,12 +105,12 @@ class ForwardReactor final : public grpc::ServerUnaryReactor {
 
   void OnCancel() override {
     control_->cancelled.store(true, std::memory_order_release);
-    executor_.NotifyCancelled();
+    engine_.NotifyCancelled();
   }
   void OnDone() override { delete this; }
 
  private:
-  Executor& executor_;
+  Engine& engine_;
   WorkerMetrics* const metrics_;
   const v1::KvHandle& handle_template_;
   const v1::ForwardRequest* const request_;
@@ -121,8 +121,8 @@ class ForwardReactor final : public grpc::ServerUnaryReactor {
 
 class ReleaseReactor final : public grpc::ServerUnaryReactor {
  public:
-  ReleaseReactor(Executor& executor, v1::ReleaseResponse* response)
-      : executor_(executor),
+  ReleaseReactor(Engine& engine, v1::ReleaseResponse* response)
+      : engine_(engine),
         response_(response),
         control_(std::make_shared<CallControl>()) {}
 
@@ -135,12 +135,12 @@ class ReleaseReactor final : public grpc::ServerUnaryReactor {
 
   void OnCancel() override {
     control_->cancelled.store(true, std::memory_order_release);
-    executor_.NotifyCancelled();
+    engine_.NotifyCancelled();
   }
   void OnDone() override { delete this; }
 
  private:
-  Executor& executor_;
+  Engine& engine_;
   v1::ReleaseResponse* const response_;
   const std::shared_ptr<CallControl> control_;
 };
@@ -165,11 +165,11 @@ v1::KvHandle HandleTemplate(const ModelRunner& runner,
 
 }  // namespace
 
-WorkerService::WorkerService(const ModelRunner& runner, Executor& executor,
+WorkerService::WorkerService(const ModelRunner& runner, Engine& engine,
                              WorkerMetrics* metrics,
                              const std::string& device_name,
                              const HandoffParts& handoff)
-    : executor_(executor),
+    : engine_(engine),
       metrics_(metrics),
       graph_stats_(runner.graph_stats()),
       table_header_{runner.resolved_mode(),
@@ -226,7 +226,7 @@ absl::Status WorkerService::CheckServing(WhileDraining while_draining) const {
       return absl::UnavailableError(
           "the worker is starting (capturing CUDA graphs); retry shortly");
     case ServingState::kDraining:
-      if (while_draining == WhileDraining::kLetTheExecutorDecide) {
+      if (while_draining == WhileDraining::kLetTheEngineDecide) {
         return absl::OkStatus();
       }
       return absl::UnavailableError(
@@ -239,9 +239,9 @@ absl::Status WorkerService::CheckServing(WhileDraining while_draining) const {
 grpc::ServerUnaryReactor* WorkerService::Forward(
     grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
     v1::ForwardResponse* response) {
-  auto* reactor = new ForwardReactor(executor_, metrics_, handle_template_,
+  auto* reactor = new ForwardReactor(engine_, metrics_, handle_template_,
                                      request, response);
-  if (absl::Status serving = CheckServing(WhileDraining::kLetTheExecutorDecide);
+  if (absl::Status serving = CheckServing(WhileDraining::kLetTheEngineDecide);
       !serving.ok()) {
     reactor->Complete(serving);
     return reactor;
@@ -260,15 +260,15 @@ grpc::ServerUnaryReactor* WorkerService::Forward(
     reactor->Complete(outcome);
   };
   // The reactor may be finished (and soon deleted) from here on.
-  executor_.Submit(std::move(call));
+  engine_.Submit(std::move(call));
   return reactor;
 }
 
 grpc::ServerUnaryReactor* WorkerService::Release(
     grpc::CallbackServerContext* context, const v1::ReleaseRequest* request,
     v1::ReleaseResponse* response) {
-  auto* reactor = new ReleaseReactor(executor_, response);
-  if (absl::Status serving = CheckServing(WhileDraining::kLetTheExecutorDecide);
+  auto* reactor = new ReleaseReactor(engine_, response);
+  if (absl::Status serving = CheckServing(WhileDraining::kLetTheEngineDecide);
       !serving.ok()) {
     reactor->Complete(serving);
     return reactor;
@@ -286,14 +286,14 @@ grpc::ServerUnaryReactor* WorkerService::Release(
   call->done = [reactor](const absl::StatusOr<ReleaseOutcome>& outcome) {
     reactor->Complete(outcome);
   };
-  executor_.Submit(std::move(call));
+  engine_.Submit(std::move(call));
   return reactor;
 }
 
 grpc::ServerUnaryReactor* WorkerService::GetStatus(
     grpc::CallbackServerContext* context, const v1::GetStatusRequest* /*req*/,
     v1::WorkerStatus* response) {
-  const ExecutorSnapshot snapshot = executor_.snapshot();
+  const EngineSnapshot snapshot = engine_.snapshot();
   {
     std::lock_guard<std::mutex> lock(mu_);
     *response = status_template_;

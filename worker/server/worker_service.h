@@ -1,6 +1,6 @@
 // WorkerService: the pdworker.v1.Worker RPC handlers on gRPC's callback API.
 // Handlers never block: Forward and Release are validated on the gRPC
-// thread, queued on the Executor and finished from the executor thread;
+// thread, queued on the Engine and finished from the engine thread;
 // GetStatus and GetGraphStats answer from published snapshots.
 #ifndef PDWORKER_WORKER_SERVER_WORKER_SERVICE_H_
 #define PDWORKER_WORKER_SERVER_WORKER_SERVICE_H_
@@ -16,8 +16,8 @@
 #include "dispatcher/graph_stats.h"
 #include "metrics/worker_metrics.h"
 #include "proto/worker.grpc.pb.h"
+#include "worker/engine/engine.h"
 #include "worker/runner/model_runner.h"
-#include "worker/server/executor.h"
 #include "worker/server/request_validation.h"
 #include "worker/transfer/kv_cache_view.h"
 #include "worker/transfer/kv_importer.h"
@@ -36,8 +36,8 @@ enum class ServingState {
 
 // What an RPC may do while the worker drains.
 enum class WhileDraining {
-  kRefuse,                // it would start new work (ImportKv)
-  kLetTheExecutorDecide,  // Forward and Release: steps of live sequences run
+  kRefuse,              // it would start new work (ImportKv)
+  kLetTheEngineDecide,  // Forward and Release: steps of live sequences run
 };
 
 // The KV handoff's parts, owned by the WorkerServer.
@@ -52,8 +52,8 @@ struct HandoffParts {
 class WorkerService final : public v1::Worker::CallbackService {
  public:
   // Reads the runner's static configuration now (before serving); from then
-  // on only `executor` touches the runner. `metrics` may be null.
-  WorkerService(const ModelRunner& runner, Executor& executor,
+  // on only `engine` touches the runner. `metrics` may be null.
+  WorkerService(const ModelRunner& runner, Engine& engine,
                 WorkerMetrics* metrics, const std::string& device_name,
                 const HandoffParts& handoff);
 
@@ -83,11 +83,11 @@ class WorkerService final : public v1::Worker::CallbackService {
                                      v1::ImportKvResponse* response) override;
 
  private:
-  // OK while serving (and while draining, for kLetTheExecutorDecide);
+  // OK while serving (and while draining, for kLetTheEngineDecide);
   // UNAVAILABLE naming why otherwise.
   absl::Status CheckServing(WhileDraining while_draining) const;
 
-  Executor& executor_;
+  Engine& engine_;
   WorkerMetrics* const metrics_;
   const GraphStats& graph_stats_;  // thread-safe
   const GraphStatsHeader table_header_;

@@ -157,7 +157,7 @@ absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& p,
                         bytes, &outcome);
   }
   if (result.ok()) {
-    // Ordered before the executor's next step reads these blocks.
+    // Ordered before the engine's next step reads these blocks.
     result = p.stream->Synchronize();
     if (!result.ok()) outcome = KvTransferOutcome::kInternal;
   }

@@ -32,10 +32,10 @@ absl::Status ValidateKvHandle(const v1::KvHandle& handle,
                          FromProto(handle.layout()), model_fingerprint, layout);
 }
 
-KvImporter::KvImporter(Executor& executor, Device& device, KvCacheView view,
+KvImporter::KvImporter(Engine& engine, Device& device, KvCacheView view,
                        std::string model_fingerprint, PeerChannels& peers,
                        const KvImporterOptions& options, WorkerMetrics* metrics)
-    : executor_(executor),
+    : engine_(engine),
       device_(device),
       view_(std::move(view)),
       fingerprint_(std::move(model_fingerprint)),
@@ -130,7 +130,7 @@ absl::StatusOr<KvImportResult> KvImporter::RunJob(
 
   // 1. Reserve, between steps.
   SequenceKv kv;
-  absl::Status reserved = executor_.RunExclusive([&](ModelRunner& runner) {
+  absl::Status reserved = engine_.RunExclusive([&](ModelRunner& runner) {
     if (runner.kv_cache().Find(id) != nullptr) {
       return absl::AlreadyExistsError(
           absl::StrCat("sequence '", id, "' already exists"));
@@ -163,7 +163,7 @@ absl::StatusOr<KvImportResult> KvImporter::RunJob(
   }
 
   // 3. Install (or give back), between steps.
-  absl::Status installed = executor_.RunExclusive([&](ModelRunner& runner) {
+  absl::Status installed = engine_.RunExclusive([&](ModelRunner& runner) {
     if (!pulled.ok()) {
       runner.FreeDetached(kv);
       return pulled;

@@ -1,15 +1,15 @@
 // KvImporter: the decode side of the KV handoff (Worker.ImportKv).
 //
 //   ImportKv ─▶ queue ─▶ importer thread:
-//       1. reserve detached blocks        (executor task, between steps)
+//       1. reserve detached blocks        (engine task, between steps)
 //       2. pull the KV into them          (this thread; steps go on)
-//       3. attach them as the sequence    (executor task, between steps)
+//       3. attach them as the sequence    (engine task, between steps)
 //       4. answer, then ReleaseKv on the source (the lease TTL is the
 //          backstop if that call is lost)
-//   Any failure after 1 frees the reserved blocks (executor task), so a
+//   Any failure after 1 frees the reserved blocks (engine task), so a
 //   failed import leaves nothing allocated.
 //
-// The pull runs on the importer's own threads, never the executor's, so a
+// The pull runs on the importer's own threads, never the engine's, so a
 // slow or dead prefill worker delays only the sequence being imported.
 #ifndef PDWORKER_WORKER_TRANSFER_KV_IMPORTER_H_
 #define PDWORKER_WORKER_TRANSFER_KV_IMPORTER_H_
@@ -30,8 +30,8 @@
 #include "absl/status/statusor.h"
 #include "metrics/worker_metrics.h"
 #include "proto/worker.pb.h"
+#include "worker/engine/engine.h"
 #include "worker/runtime/device.h"
-#include "worker/server/executor.h"
 #include "worker/transfer/cuda_ipc.h"
 #include "worker/transfer/grpc_kv_puller.h"
 #include "worker/transfer/kv_cache_view.h"
@@ -65,7 +65,7 @@ class KvImporter {
   using Done = std::function<void(const absl::StatusOr<KvImportResult>&)>;
 
   // Everything must outlive the importer; `metrics` may be null.
-  KvImporter(Executor& executor, Device& device, KvCacheView view,
+  KvImporter(Engine& engine, Device& device, KvCacheView view,
              std::string model_fingerprint, PeerChannels& peers,
              const KvImporterOptions& options, WorkerMetrics* metrics);
   // Fails queued imports with UNAVAILABLE, lets running pulls finish (each
@@ -98,7 +98,7 @@ class KvImporter {
                     KvPullStats* stats);
   void ReleaseLease(const v1::KvHandle& handle);
 
-  Executor& executor_;
+  Engine& engine_;
   Device& device_;
   const KvCacheView view_;
   const std::string fingerprint_;

@@ -2,7 +2,7 @@
 // hold_for_handoff detaches its sequence's blocks into a lease; a decode
 // worker pulls them once (PullKv) and releases them (ReleaseKv); a lease
 // nobody releases expires after its TTL. Either way the blocks go back to
-// the pool through `free_blocks` (which hands them to the executor thread,
+// the pool through `free_blocks` (which hands them to the engine thread,
 // the KV cache's owner).
 //
 //   Add ─▶ held ──BeginPull──▶ pulling ──EndPull(sent all)──▶ pulled

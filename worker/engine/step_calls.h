@@ -1,8 +1,8 @@
-// The calls the executor queues: a validated Forward or Release request, the
+// The calls the engine queues: a validated Forward or Release request, the
 // control block it shares with its RPC (deadline, cancellation), and the
 // completion callback that answers the RPC.
-#ifndef PDWORKER_WORKER_SERVER_FORWARD_CALL_H_
-#define PDWORKER_WORKER_SERVER_FORWARD_CALL_H_
+#ifndef PDWORKER_WORKER_ENGINE_STEP_CALLS_H_
+#define PDWORKER_WORKER_ENGINE_STEP_CALLS_H_
 
 #include <atomic>
 #include <chrono>
@@ -16,13 +16,30 @@
 #include "dispatcher/cudagraph_dispatcher.h"
 #include "dispatcher/cudagraph_mode.h"
 #include "worker/runner/model_runner.h"
-#include "worker/server/request_validation.h"
 #include "worker/transfer/kv_lease_table.h"
 
 namespace pdworker {
 
+// What happens to the sequence's KV cache after the call's last step.
+enum class AfterStep {
+  kKeep,            // stays live for the next call
+  kRelease,         // release_after_step: freed
+  kHoldForHandoff,  // hold_for_handoff: moved into a lease for a decode worker
+};
+
+// A Forward call that passed every stateless check.
+struct ForwardCallSpec {
+  // In request order. creation: start -> kMustBeNew, otherwise kMustExist
+  // (a router talking to a restarted worker gets NOT_FOUND, never a silently
+  // new sequence). Sampling with top_p 0 normalized to 1 (both mean off) and
+  // an unset seed replaced by DefaultSeed(sequence_id).
+  std::vector<SequenceStep> sequences;
+  std::vector<AfterStep> after_step;  // parallel to `sequences`
+  int64_t total_tokens = 0;           // sum of token_ids sizes
+};
+
 // Shared by the RPC (which may cancel it from a gRPC thread) and the
-// executor (which reads it before running the call).
+// engine (which reads it before running the call).
 struct CallControl {
   // gRPC deadlines are wall-clock; max() when the client set none.
   std::chrono::system_clock::time_point deadline =
@@ -55,7 +72,7 @@ struct ForwardOutcome {
 struct ForwardCall {
   ForwardCallSpec spec;
   std::shared_ptr<CallControl> control;
-  // Called exactly once, from the executor thread (or from Submit when the
+  // Called exactly once, from the engine thread (or from Submit when the
   // call is refused). Must not block.
   std::function<void(const absl::StatusOr<ForwardOutcome>&)> done;
 };
@@ -72,4 +89,4 @@ struct ReleaseCall {
 
 }  // namespace pdworker
 
-#endif  // PDWORKER_WORKER_SERVER_FORWARD_CALL_H_
+#endif  // PDWORKER_WORKER_ENGINE_STEP_CALLS_H_

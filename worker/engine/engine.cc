@@ -1,4 +1,4 @@
-#include "worker/server/executor.h"
+#include "worker/engine/engine.h"
 
 #include <algorithm>
 #include <chrono>
@@ -15,8 +15,8 @@
 
 namespace pdworker {
 
-// One queued call and the executor's bookkeeping for it.
-struct Executor::Entry {
+// One queued call and the engine's bookkeeping for it.
+struct Engine::Entry {
   // Exactly one of the two is set.
   std::unique_ptr<ForwardCall> forward;
   std::unique_ptr<ReleaseCall> release;
@@ -60,8 +60,8 @@ struct Executor::Entry {
   }
 };
 
-Executor::Executor(ModelRunner& runner, const ExecutorOptions& options,
-                   WorkerMetrics* metrics, KvLeaseTable* leases)
+Engine::Engine(ModelRunner& runner, const EngineOptions& options,
+               WorkerMetrics* metrics, KvLeaseTable* leases)
     : runner_(runner),
       options_(options),
       metrics_(metrics),
@@ -73,12 +73,12 @@ Executor::Executor(ModelRunner& runner, const ExecutorOptions& options,
   thread_ = std::thread([this] { Run(); });
 }
 
-Executor::~Executor() { Stop(); }
+Engine::~Engine() { Stop(); }
 
 // ---------------------------------------------------------------------------
 // The loop.
 
-void Executor::Run() {
+void Engine::Run() {
   while (WaitForWork()) {
     DropExpiredCalls();  // deadline passed or cancelled: never run
     if (!Paused()) {
@@ -92,12 +92,12 @@ void Executor::Run() {
   FailAll(absl::UnavailableError("the worker stopped before the call ran"));
 }
 
-bool Executor::Paused() const {
+bool Engine::Paused() const {
   std::lock_guard<std::mutex> lock(mu_);
   return paused_;
 }
 
-void Executor::PlanStep() {
+void Engine::PlanStep() {
   views_.clear();
   active_.clear();
   for (const std::unique_ptr<Entry>& e : pending_) {
@@ -108,7 +108,7 @@ void Executor::PlanStep() {
   planner_.Plan(views_, &plan_);
 }
 
-bool Executor::WaitForWork() {
+bool Engine::WaitForWork() {
   std::vector<std::function<void()>> tasks;
   {
     std::unique_lock<std::mutex> lock(mu_);
@@ -143,7 +143,7 @@ bool Executor::WaitForWork() {
   return true;
 }
 
-std::optional<std::chrono::nanoseconds> Executor::TimeUntilTimedWork() const {
+std::optional<std::chrono::nanoseconds> Engine::TimeUntilTimedWork() const {
   std::optional<std::chrono::nanoseconds> wake_in;
   if (!pending_.empty()) {
     auto earliest = std::chrono::system_clock::time_point::max();
@@ -167,7 +167,7 @@ std::optional<std::chrono::nanoseconds> Executor::TimeUntilTimedWork() const {
   return wake_in;
 }
 
-void Executor::DropExpiredCalls() {
+void Engine::DropExpiredCalls() {
   const auto now = std::chrono::system_clock::now();
   for (const std::unique_ptr<Entry>& e : pending_) {
     if (e->final_status.has_value()) continue;
@@ -193,7 +193,7 @@ void Executor::DropExpiredCalls() {
   }
 }
 
-void Executor::RunReleases() {
+void Engine::RunReleases() {
   for (const int i : plan_.releases) {
     Entry& e = *active_[i];
     // All or nothing: an unknown id frees nothing.
@@ -219,7 +219,7 @@ void Executor::RunReleases() {
   }
 }
 
-void Executor::RunStep() {
+void Engine::RunStep() {
   if (plan_.pieces.empty()) return;
   const int num_calls = static_cast<int>(plan_.forwards.size());
   absl::Status error;
@@ -244,8 +244,8 @@ void Executor::RunStep() {
   }
 }
 
-bool Executor::ExecutePieces(absl::Span<const StepPiece> pieces, int num_calls,
-                             absl::Status* error) {
+bool Engine::ExecutePieces(absl::Span<const StepPiece> pieces, int num_calls,
+                           absl::Status* error) {
   // The batch: each piece's slice of its sequence's tokens. A sequence's
   // first piece creates it as the request asked; later chunks continue it.
   batch_.resize(pieces.size());
@@ -313,7 +313,7 @@ bool Executor::ExecutePieces(absl::Span<const StepPiece> pieces, int num_calls,
   return true;
 }
 
-void Executor::CompleteFinishedCalls() {
+void Engine::CompleteFinishedCalls() {
   // 1. Finish the calls' effects on the KV cache.
   int64_t completed = 0;
   for (const std::unique_ptr<Entry>& e : pending_) {
@@ -361,7 +361,7 @@ void Executor::CompleteFinishedCalls() {
   }
 }
 
-void Executor::ReleaseIdleSequences() {
+void Engine::ReleaseIdleSequences() {
   const std::chrono::milliseconds timeout = options_.sequence_idle_timeout;
   if (timeout.count() <= 0) return;
   const auto now = std::chrono::steady_clock::now();
@@ -374,7 +374,7 @@ void Executor::ReleaseIdleSequences() {
   std::vector<std::string> idle = runner_.kv_cache().IdleSince(now - timeout);
   if (idle.empty()) return;
   // A queued call naming the sequence shows its router is still there (the
-  // executor may be paused, or the queue long).
+  // engine may be paused, or the queue long).
   absl::flat_hash_set<absl::string_view> named;
   for (const std::unique_ptr<Entry>& e : pending_) {
     named.insert(e->ids.begin(), e->ids.end());
@@ -411,7 +411,7 @@ void Executor::ReleaseIdleSequences() {
   if (released_any) PublishSnapshot();
 }
 
-void Executor::ExplainExpiredSequence(Entry& e) const {
+void Engine::ExplainExpiredSequence(Entry& e) const {
   if (expired_idle_seconds_.empty() || e.final_status->ok() ||
       !absl::IsNotFound(*e.final_status)) {
     return;
@@ -433,7 +433,7 @@ void Executor::ExplainExpiredSequence(Entry& e) const {
   }
 }
 
-void Executor::RollBack(Entry& e) {
+void Engine::RollBack(Entry& e) {
   if (e.forward == nullptr) return;
   for (size_t s = 0; s < e.length_before.size(); ++s) {
     if (e.length_before[s] < 0) continue;
@@ -449,7 +449,7 @@ void Executor::RollBack(Entry& e) {
   }
 }
 
-void Executor::FailAll(const absl::Status& status) {
+void Engine::FailAll(const absl::Status& status) {
   std::vector<std::function<void()>> tasks;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -466,7 +466,7 @@ void Executor::FailAll(const absl::Status& status) {
   CompleteFinishedCalls();
 }
 
-void Executor::PublishSnapshot() {
+void Engine::PublishSnapshot() {
   const KvCacheStats kv = runner_.kv_cache().Stats();
   int64_t queued;
   {
@@ -490,7 +490,7 @@ void Executor::PublishSnapshot() {
 // ---------------------------------------------------------------------------
 // Other threads.
 
-bool Executor::StartsSequences(const Entry& entry) {
+bool Engine::StartsSequences(const Entry& entry) {
   if (entry.forward == nullptr) return false;
   for (const SequenceStep& s : entry.forward->spec.sequences) {
     if (s.creation != SequenceCreation::kMustExist) return true;
@@ -498,7 +498,7 @@ bool Executor::StartsSequences(const Entry& entry) {
   return false;
 }
 
-void Executor::Submit(std::unique_ptr<ForwardCall> call) {
+void Engine::Submit(std::unique_ptr<ForwardCall> call) {
   auto e = std::make_unique<Entry>();
   const ForwardCallSpec& spec = call->spec;
   const size_t n = spec.sequences.size();
@@ -522,7 +522,7 @@ void Executor::Submit(std::unique_ptr<ForwardCall> call) {
   Enqueue(std::move(e));
 }
 
-void Executor::Submit(std::unique_ptr<ReleaseCall> call) {
+void Engine::Submit(std::unique_ptr<ReleaseCall> call) {
   auto e = std::make_unique<Entry>();
   e->control = call->control.get();
   for (const std::string& id : call->sequence_ids) e->ids.push_back(id);
@@ -532,7 +532,7 @@ void Executor::Submit(std::unique_ptr<ReleaseCall> call) {
   Enqueue(std::move(e));
 }
 
-void Executor::Enqueue(std::unique_ptr<Entry> entry) {
+void Engine::Enqueue(std::unique_ptr<Entry> entry) {
   const absl::Status refused = Admit(entry);
   if (refused.ok()) {
     work_cv_.notify_one();
@@ -542,7 +542,7 @@ void Executor::Enqueue(std::unique_ptr<Entry> entry) {
   entry->Finish();
 }
 
-absl::Status Executor::Admit(std::unique_ptr<Entry>& entry) {
+absl::Status Engine::Admit(std::unique_ptr<Entry>& entry) {
   absl::Status refused;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -565,7 +565,7 @@ absl::Status Executor::Admit(std::unique_ptr<Entry>& entry) {
   return refused;
 }
 
-absl::Status Executor::RunExclusive(
+absl::Status Engine::RunExclusive(
     std::function<absl::Status(ModelRunner&)> task) {
   // Shared with the task so the promise outlives set_value even when the
   // caller wakes up and returns first.
@@ -573,7 +573,7 @@ absl::Status Executor::RunExclusive(
   std::future<absl::Status> result = promise->get_future();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) return absl::UnavailableError("the executor has stopped");
+    if (stopping_) return absl::UnavailableError("the engine has stopped");
     tasks_.push_back([this, task = std::move(task), promise] {
       promise->set_value(task(runner_));
     });
@@ -582,10 +582,10 @@ absl::Status Executor::RunExclusive(
   return result.get();
 }
 
-absl::Status Executor::Post(std::function<void(ModelRunner&)> task) {
+absl::Status Engine::Post(std::function<void(ModelRunner&)> task) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) return absl::UnavailableError("the executor has stopped");
+    if (stopping_) return absl::UnavailableError("the engine has stopped");
     tasks_.push_back(
         [this, task = std::move(task)]() mutable { task(runner_); });
   }
@@ -593,7 +593,7 @@ absl::Status Executor::Post(std::function<void(ModelRunner&)> task) {
   return absl::OkStatus();
 }
 
-void Executor::NotifyCancelled() {
+void Engine::NotifyCancelled() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     wake_ = true;
@@ -601,17 +601,17 @@ void Executor::NotifyCancelled() {
   work_cv_.notify_one();
 }
 
-void Executor::BeginDrain() {
+void Engine::BeginDrain() {
   std::lock_guard<std::mutex> lock(mu_);
   draining_ = true;
 }
 
-void Executor::Pause() {
+void Engine::Pause() {
   std::lock_guard<std::mutex> lock(mu_);
   paused_ = true;
 }
 
-void Executor::Resume() {
+void Engine::Resume() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     paused_ = false;
@@ -619,7 +619,7 @@ void Executor::Resume() {
   work_cv_.notify_one();
 }
 
-void Executor::Stop() {
+void Engine::Stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
@@ -628,8 +628,8 @@ void Executor::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-ExecutorSnapshot Executor::snapshot() const {
-  ExecutorSnapshot s;
+EngineSnapshot Engine::snapshot() const {
+  EngineSnapshot s;
   {
     std::lock_guard<std::mutex> lock(snapshot_mu_);
     s = snapshot_;

@@ -1,4 +1,4 @@
-#include "worker/server/step_planner.h"
+#include "worker/engine/step_planner.h"
 
 #include <algorithm>
 

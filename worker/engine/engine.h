@@ -1,5 +1,5 @@
-// Executor: the one thread that owns the ModelRunner (DESIGN.md, "One
-// step"). gRPC handlers validate and Submit; the executor merges pending
+// Engine: the one thread that owns the ModelRunner (DESIGN.md, "One
+// step"). gRPC handlers validate and Submit; the engine merges pending
 // calls into model steps and completes them:
 //
 //   Submit ──▶ queue ──coalesce──▶ ModelRunner::Execute(batch) ──▶ done()
@@ -12,12 +12,12 @@
 //    truncated to their old length).
 //  - Calls whose deadline passed or whose client cancelled are dropped
 //    before they run (DEADLINE_EXCEEDED / CANCELLED), even while a step
-//    runs for others or the executor is paused.
+//    runs for others or the engine is paused.
 //  - Per sequence, calls run in arrival order (see StepPlanner).
 // Synchronization is std::mutex / std::condition_variable / std::atomic
 // (TSan sees them; Debian's absl::Mutex is not instrumented).
-#ifndef PDWORKER_WORKER_SERVER_EXECUTOR_H_
-#define PDWORKER_WORKER_SERVER_EXECUTOR_H_
+#ifndef PDWORKER_WORKER_ENGINE_ENGINE_H_
+#define PDWORKER_WORKER_ENGINE_ENGINE_H_
 
 #include <chrono>
 #include <condition_variable>
@@ -35,15 +35,15 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "metrics/worker_metrics.h"
+#include "worker/engine/step_calls.h"
+#include "worker/engine/step_planner.h"
 #include "worker/kv_cache/kv_cache_manager.h"
 #include "worker/runner/model_runner.h"
-#include "worker/server/forward_call.h"
-#include "worker/server/step_planner.h"
 #include "worker/transfer/kv_lease_table.h"
 
 namespace pdworker {
 
-struct ExecutorOptions {
+struct EngineOptions {
   // Calls queued or running (Forward and Release); beyond it Submit answers
   // RESOURCE_EXHAUSTED at once instead of letting latency grow unbounded.
   int max_queue = 1024;
@@ -55,28 +55,28 @@ struct ExecutorOptions {
 };
 
 // What other threads may read, published after every loop iteration.
-struct ExecutorSnapshot {
+struct EngineSnapshot {
   KvCacheStats kv;
-  int64_t queued_calls = 0;       // submitted, not yet finished by the executor
+  int64_t queued_calls = 0;       // submitted, not yet finished by the engine
   int64_t steps = 0;              // model steps run (retries included)
   int64_t dropped_deadline = 0;   // calls dropped: deadline passed
   int64_t dropped_cancelled = 0;  // calls dropped: client cancelled
   int64_t sequences_expired = 0;  // released by the idle-sequence sweep
 };
 
-class Executor {
+class Engine {
  public:
   // Starts the thread. `runner` and `metrics` (may be null) must outlive
-  // the executor; from now on only the executor thread touches `runner`.
+  // the engine; from now on only the engine thread touches `runner`.
   // `leases` (may be null: hold_for_handoff calls then just keep their
   // sequence) receives the sequences of hold_for_handoff calls.
-  Executor(ModelRunner& runner, const ExecutorOptions& options,
-           WorkerMetrics* metrics, KvLeaseTable* leases = nullptr);
+  Engine(ModelRunner& runner, const EngineOptions& options,
+         WorkerMetrics* metrics, KvLeaseTable* leases = nullptr);
   // Stop(), then joins.
-  ~Executor();
+  ~Engine();
 
-  Executor(const Executor&) = delete;
-  Executor& operator=(const Executor&) = delete;
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
 
   // Queues the call, or completes it at once (call->done, on this thread)
   // with UNAVAILABLE (stopped, or draining and the call starts a sequence)
@@ -84,11 +84,11 @@ class Executor {
   void Submit(std::unique_ptr<ForwardCall> call);
   void Submit(std::unique_ptr<ReleaseCall> call);
 
-  // Runs `task` on the executor thread between steps (e.g. graph capture)
+  // Runs `task` on the engine thread between steps (e.g. graph capture)
   // and returns its status; blocks the caller until then.
   absl::Status RunExclusive(std::function<absl::Status(ModelRunner&)> task);
   // Queues `task` to run between steps and returns at once; UNAVAILABLE
-  // (and the task never runs) once the executor has stopped.
+  // (and the task never runs) once the engine has stopped.
   absl::Status Post(std::function<void(ModelRunner&)> task);
 
   // A queued call's CallControl changed (cancelled): look at it now rather
@@ -110,7 +110,7 @@ class Executor {
   // first) and joins the thread. Idempotent.
   void Stop();
 
-  ExecutorSnapshot snapshot() const;
+  EngineSnapshot snapshot() const;
 
  private:
   struct Entry;
@@ -147,15 +147,15 @@ class Executor {
   void FailAll(const absl::Status& status);
 
   ModelRunner& runner_;
-  const ExecutorOptions options_;
+  const EngineOptions options_;
   WorkerMetrics* const metrics_;
   KvLeaseTable* const leases_;
 
   mutable std::mutex mu_;
-  std::condition_variable work_cv_;  // the executor waits for work
+  std::condition_variable work_cv_;  // the engine waits for work
   std::deque<std::unique_ptr<Entry>> incoming_ ABSL_GUARDED_BY(mu_);
   std::vector<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
-  // Submitted and not yet finished by the executor (what the queue bound,
+  // Submitted and not yet finished by the engine (what the queue bound,
   // the snapshot and WorkerServer::Drain count). Stop() answers the rest.
   int64_t queued_ ABSL_GUARDED_BY(mu_) = 0;
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
@@ -164,9 +164,9 @@ class Executor {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 
   mutable std::mutex snapshot_mu_;
-  ExecutorSnapshot snapshot_ ABSL_GUARDED_BY(snapshot_mu_);
+  EngineSnapshot snapshot_ ABSL_GUARDED_BY(snapshot_mu_);
 
-  // Executor thread only.
+  // Engine thread only.
   std::deque<std::unique_ptr<Entry>> pending_;
   StepPlanner planner_;
   StepPlan plan_;
@@ -190,4 +190,4 @@ class Executor {
 
 }  // namespace pdworker
 
-#endif  // PDWORKER_WORKER_SERVER_EXECUTOR_H_
+#endif  // PDWORKER_WORKER_ENGINE_ENGINE_H_

@@ -1,5 +1,5 @@
 // The coalescing rules of StepPlanner, on hand-made queues.
-#include "worker/server/step_planner.h"
+#include "worker/engine/step_planner.h"
 
 #include <string>
 #include <vector>

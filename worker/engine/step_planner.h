@@ -15,8 +15,8 @@
 //    budget has left, sequence by sequence in request order.
 // The oldest call always gets an empty budget, so every step makes progress
 // and no call starves.
-#ifndef PDWORKER_WORKER_SERVER_STEP_PLANNER_H_
-#define PDWORKER_WORKER_SERVER_STEP_PLANNER_H_
+#ifndef PDWORKER_WORKER_ENGINE_STEP_PLANNER_H_
+#define PDWORKER_WORKER_ENGINE_STEP_PLANNER_H_
 
 #include <cstdint>
 #include <vector>
@@ -84,4 +84,4 @@ class StepPlanner {
 
 }  // namespace pdworker
 
-#endif  // PDWORKER_WORKER_SERVER_STEP_PLANNER_H_
+#endif  // PDWORKER_WORKER_ENGINE_STEP_PLANNER_H_
