@@ -22,6 +22,13 @@ absl::Status CheckPositive(absl::string_view op, absl::string_view field,
       absl::StrFormat("%s: %s must be positive, got %d", op, field, value));
 }
 
+absl::Status CheckNonNegative(absl::string_view op, absl::string_view field,
+                              int64_t value) {
+  if (value >= 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrFormat("%s: %s must not be negative, got %d", op, field, value));
+}
+
 absl::Status CheckBuffer(absl::string_view op, absl::string_view buffer_name,
                          const DeviceBuffer& buffer, int64_t num_elements,
                          size_t element_bytes, absl::string_view layout) {

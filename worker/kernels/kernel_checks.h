@@ -35,6 +35,11 @@ absl::Status FirstError(std::initializer_list<absl::Status> statuses);
 absl::Status CheckPositive(absl::string_view op, absl::string_view field,
                            int64_t value);
 
+// OK when `value` >= 0; otherwise INVALID_ARGUMENT "<op>: <field> must not be
+// negative, got <value>". For host counts where 0 means "launch nothing".
+absl::Status CheckNonNegative(absl::string_view op, absl::string_view field,
+                              int64_t value);
+
 // OK when `buffer` holds at least `num_elements` elements of `element_bytes`
 // bytes each and is not null. `layout` describes the expected shape in the
 // message, e.g. "[num_tokens=8, hidden_size=64] fp32".
