@@ -185,7 +185,7 @@ void MeasurePrefill(ModelRunner& r, int length, int reps, std::mt19937& rng,
     const auto t1 = std::chrono::steady_clock::now();
     CHECK(result.ok()) << result.status();
     CHECK(r.Release("prefill").ok());
-    out.prefill_ran_as[length] = std::string(RuntimeModeName(result->mode));
+    out.prefill_ran_as[length] = std::string(RuntimeModeName(result->info.mode));
     if (rep >= 1) {
       times.push_back(
           std::chrono::duration<double, std::milli>(t1 - t0).count());
@@ -242,7 +242,7 @@ DecodeResult MeasureDecode(Device& device, const std::string& dir,
       auto result = r->Execute(step);
       const auto t1 = std::chrono::steady_clock::now();
       CHECK(result.ok()) << result.status();
-      out.ran_as[batch] = std::string(RuntimeModeName(result->mode));
+      out.ran_as[batch] = std::string(RuntimeModeName(result->info.mode));
       if (rep >= 2) {
         times.push_back(
             std::chrono::duration<double, std::milli>(t1 - t0).count());

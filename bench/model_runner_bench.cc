@@ -77,7 +77,7 @@ double TimeStep(ModelRunner& r, const std::vector<SequenceStep>& batch,
   auto result = r.Execute(batch);
   const auto t1 = std::chrono::steady_clock::now();
   CHECK(result.ok()) << result.status();
-  *mode = std::string(RuntimeModeName(result->mode));
+  *mode = std::string(RuntimeModeName(result->info.mode));
   return std::chrono::duration<double, std::milli>(t1 - t0).count();
 }
 

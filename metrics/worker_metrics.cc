@@ -324,18 +324,15 @@ WorkerMetrics::~WorkerMetrics() {
   table_->Detach();
 }
 
-void WorkerMetrics::ObserveStep(RuntimeMode mode, FallbackReason reason,
-                                int unpadded_tokens, int /*padded_tokens*/,
-                                int num_sequences, int num_calls,
-                                double step_seconds) {
-  const int reason_index = static_cast<int>(reason);
+void WorkerMetrics::ObserveStep(const StepInfo& step) {
+  const int reason_index = static_cast<int>(step.fallback_reason);
   if (reason_index > 0 && reason_index < kNumFallbackReasons) {
     fallbacks_[reason_index]->Increment();
   }
-  step_duration_[ModeIndex(mode)]->Observe(step_seconds);
-  step_tokens_->Observe(unpadded_tokens);
-  step_sequences_->Observe(num_sequences);
-  step_calls_->Observe(num_calls);
+  step_duration_[ModeIndex(step.mode)]->Observe(step.device_seconds);
+  step_tokens_->Observe(step.unpadded_tokens);
+  step_sequences_->Observe(step.num_sequences);
+  step_calls_->Observe(step.num_calls);
 }
 
 void WorkerMetrics::ObserveForwardCall(absl::StatusCode code, double seconds) {

@@ -26,6 +26,7 @@
 #include "dispatcher/cudagraph_dispatcher.h"
 #include "dispatcher/cudagraph_mode.h"
 #include "dispatcher/graph_stats.h"
+#include "dispatcher/step_info.h"
 #include "metrics/composite_registry.h"
 #include "metrics/graph_stats_collector.h"
 #include "prometheus/counter.h"
@@ -112,9 +113,7 @@ class WorkerMetrics {
   // into GraphStats; this adds what the table does not have: the fallback
   // reason (counted when != kNone), the step duration by mode, and the
   // coalesced batch size (tokens, sequences, Forward calls merged).
-  void ObserveStep(RuntimeMode mode, FallbackReason reason, int unpadded_tokens,
-                   int padded_tokens, int num_sequences, int num_calls,
-                   double step_seconds);
+  void ObserveStep(const StepInfo& step);
 
   // Every Forward RPC, by its final status, with its end-to-end duration.
   void ObserveForwardCall(absl::StatusCode code, double seconds);

@@ -7,9 +7,25 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "dispatcher/step_info.h"
 #include "prometheus/collectable.h"
 
 namespace pdworker::testing {
+
+// A StepInfo with the fields WorkerMetrics::ObserveStep reads.
+inline StepInfo Step(RuntimeMode mode, FallbackReason reason,
+                     int unpadded_tokens, int padded_tokens, int num_sequences,
+                     int num_calls, double device_seconds) {
+  StepInfo step;
+  step.mode = mode;
+  step.fallback_reason = reason;
+  step.unpadded_tokens = unpadded_tokens;
+  step.padded_tokens = padded_tokens;
+  step.num_sequences = num_sequences;
+  step.num_calls = num_calls;
+  step.device_seconds = device_seconds;
+  return step;
+}
 
 // The Prometheus text exposition of everything `collectable` collects.
 std::string Serialize(const prometheus::Collectable& collectable);

@@ -188,8 +188,9 @@ TEST(PrometheusScrapeTest, RealPrometheusScrapesTheStatisticsTable) {
   for (int i = 0; i < 3; ++i) stats.Record(3, 4, RuntimeMode::kFull);
   stats.Record(2, 2, RuntimeMode::kNone);
   for (int i = 0; i < 2; ++i) stats.Record(40, 40, RuntimeMode::kNone);
-  metrics.ObserveStep(RuntimeMode::kNone, FallbackReason::kNoKeyForBatchShape,
-                      40, 40, 2, 2, 0.01);
+  metrics.ObserveStep(testing::Step(RuntimeMode::kNone,
+                                    FallbackReason::kNoKeyForBatchShape, 40, 40,
+                                    2, 2, 0.01));
 
   absl::StatusOr<std::unique_ptr<MetricsServer>> exporter =
       MetricsServer::Start("127.0.0.1:0", metrics.registry());

@@ -43,10 +43,11 @@ TEST(PromtoolCheckTest, ScrapedWorkerMetricsAreLintClean) {
   for (int i = 0; i < 2; ++i) stats.Record(3, 4, RuntimeMode::kPiecewise);
   stats.Record(2, 2, RuntimeMode::kNone);
   stats.Record(2, 2, RuntimeMode::kPiecewise);
-  metrics.ObserveStep(RuntimeMode::kFull, FallbackReason::kNone, 1, 1, 1, 1,
-                      0.0002);
-  metrics.ObserveStep(RuntimeMode::kNone, FallbackReason::kAboveMaxCaptureSize,
-                      100, 100, 3, 2, 0.05);
+  metrics.ObserveStep(testing::Step(RuntimeMode::kFull, FallbackReason::kNone,
+                                    1, 1, 1, 1, 0.0002));
+  metrics.ObserveStep(testing::Step(RuntimeMode::kNone,
+                                    FallbackReason::kAboveMaxCaptureSize, 100,
+                                    100, 3, 2, 0.05));
   metrics.ObserveForwardCall(absl::StatusCode::kOk, 0.01);
   metrics.ObserveForwardCall(absl::StatusCode::kResourceExhausted, 0.001);
   metrics.SetKvBlocks(10, 90);

@@ -166,12 +166,15 @@ TEST(WorkerMetricsTest, FallbackReasonsArePreInitialisedToZero) {
 
 TEST(WorkerMetricsTest, ObserveStepCountsFallbacksLatencyAndBatchSizes) {
   WorkerMetrics metrics(DecodeInfo(), nullptr, Header());
-  metrics.ObserveStep(RuntimeMode::kFull, FallbackReason::kNone, 3, 4,
-                      /*num_sequences=*/2, /*num_calls=*/1, 0.0003);
-  metrics.ObserveStep(RuntimeMode::kNone, FallbackReason::kAboveMaxCaptureSize,
-                      100, 100, /*num_sequences=*/5, /*num_calls=*/3, 0.02);
-  metrics.ObserveStep(RuntimeMode::kNone, FallbackReason::kStillCapturing, 6, 6,
-                      /*num_sequences=*/1, /*num_calls=*/1, 2.0);
+  metrics.ObserveStep(
+      testing::Step(RuntimeMode::kFull, FallbackReason::kNone, 3, 4,
+                    /*num_sequences=*/2, /*num_calls=*/1, 0.0003));
+  metrics.ObserveStep(
+      testing::Step(RuntimeMode::kNone, FallbackReason::kAboveMaxCaptureSize,
+                    100, 100, /*num_sequences=*/5, /*num_calls=*/3, 0.02));
+  metrics.ObserveStep(testing::Step(RuntimeMode::kNone,
+                                    FallbackReason::kStillCapturing, 6, 6,
+                                    /*num_sequences=*/1, /*num_calls=*/1, 2.0));
   const std::string text = Text(metrics);
 
   EXPECT_THAT(

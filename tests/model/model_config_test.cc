@@ -562,6 +562,72 @@ TEST(ModelConfigTest, LoadsFromDirectory) {
               HasSubstr(dir + "/config.json"));
 }
 
+TEST(ModelConfigTest, GenerationConfigEosIdsReplaceConfigJsons) {
+  const std::string dir = model_testing::MakeUniqueTempDir("generation");
+  {
+    std::ofstream file(dir + "/config.json");
+    file << kLlama31Config;  // eos_token_id [128001, 128008, 128009]
+  }
+  auto config = LoadModelConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->eos_source, ModelConfig::EosSource::kConfig);
+  EXPECT_EQ(config->eos_token_ids,
+            (std::vector<int64_t>{128001, 128008, 128009}));
+
+  // An instruct checkpoint names its end-of-turn id only here.
+  {
+    std::ofstream file(dir + "/generation_config.json");
+    file << R"({"bos_token_id": 128000, "do_sample": true,
+                "eos_token_id": [128001, 128009], "temperature": 0.6})";
+  }
+  config = LoadModelConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->eos_source, ModelConfig::EosSource::kGenerationConfig);
+  EXPECT_EQ(config->eos_token_ids, (std::vector<int64_t>{128001, 128009}));
+
+  // One id, not a list.
+  {
+    std::ofstream file(dir + "/generation_config.json");
+    file << R"({"eos_token_id": 7})";
+  }
+  config = LoadModelConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->eos_token_ids, std::vector<int64_t>{7});
+
+  // Without eos_token_id (or null) config.json's ids stay.
+  for (const char* text :
+       {R"({"temperature": 0.7})", R"({"eos_token_id": null})"}) {
+    {
+      std::ofstream file(dir + "/generation_config.json");
+      file << text;
+    }
+    config = LoadModelConfig(dir);
+    ASSERT_TRUE(config.ok()) << config.status();
+    EXPECT_EQ(config->eos_source, ModelConfig::EosSource::kConfig) << text;
+    EXPECT_EQ(config->eos_token_ids.size(), 3u) << text;
+  }
+
+  // A bad file fails the load, naming the file and the field.
+  for (const auto& [text, field] :
+       std::vector<std::pair<std::string, std::string>>{
+           {R"({"eos_token_id": "2"})", "eos_token_id"},
+           {R"({"eos_token_id": [1, -3]})", "eos_token_id[1]"},
+           {R"({"eos_token_id": [1, 2.5]})", "eos_token_id[1]"},
+           {R"([1, 2])", "JSON object"},
+           {R"({"eos_token_id": )", "not valid JSON"}}) {
+    {
+      std::ofstream file(dir + "/generation_config.json");
+      file << text;
+    }
+    config = LoadModelConfig(dir);
+    ASSERT_FALSE(config.ok()) << text;
+    EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(config.status().message()),
+                HasSubstr(dir + "/generation_config.json"));
+    EXPECT_THAT(std::string(config.status().message()), HasSubstr(field));
+  }
+}
+
 TEST(ModelConfigTest, FingerprintIsStableAndIgnoresNonShapeFields) {
   const std::string a = ParseOrDie(kLlama31Config).Fingerprint();
   EXPECT_EQ(a.size(), 16u);

@@ -119,8 +119,8 @@ TEST_P(RunnerGpuTest, LogitsMatchTheCpuRunnerWithinBf16Tolerance) {
     auto c = cpu->Execute(batch);
     ASSERT_TRUE(g.ok()) << g.status();
     ASSERT_TRUE(c.ok()) << c.status();
-    EXPECT_EQ(g->mode, c->mode) << "step " << step;
-    EXPECT_EQ(g->padded_tokens, c->padded_tokens) << "step " << step;
+    EXPECT_EQ(g->info.mode, c->info.mode) << "step " << step;
+    EXPECT_EQ(g->info.padded_tokens, c->info.padded_tokens) << "step " << step;
     std::vector<float> gl, cl;
     ASSERT_TRUE(gpu->ReadLogits(static_cast<int>(batch.size()), &gl).ok());
     ASSERT_TRUE(cpu->ReadLogits(static_cast<int>(batch.size()), &cl).ok());

@@ -98,9 +98,9 @@ RunOutput RunMode(const ModeCase& c, TinyShape shape) {
         << c.mode << " step " << i << ": " << result.status();
     if (!result.ok()) return out;
     const Expected& e = c.steps[i];
-    EXPECT_EQ(result->unpadded_tokens, e.unpadded) << c.mode << " step " << i;
-    EXPECT_EQ(result->padded_tokens, e.padded) << c.mode << " step " << i;
-    EXPECT_EQ(result->mode, e.mode) << c.mode << " step " << i;
+    EXPECT_EQ(result->info.unpadded_tokens, e.unpadded) << c.mode << " step " << i;
+    EXPECT_EQ(result->info.padded_tokens, e.padded) << c.mode << " step " << i;
+    EXPECT_EQ(result->info.mode, e.mode) << c.mode << " step " << i;
     ++expected_rows[{e.unpadded, e.padded, e.mode}];
     std::vector<float> logits;
     EXPECT_TRUE(

@@ -8,7 +8,10 @@
 namespace pdworker {
 
 void BackendTest::SetUp() {
-  absl::StatusOr<std::unique_ptr<Device>> device = CreateDevice(kind());
+  DeviceOptions options;
+  options.cpu.stream_execution = cpu_stream_execution();
+  absl::StatusOr<std::unique_ptr<Device>> device =
+      CreateDevice(kind(), options);
   if (!device.ok()) {
     if (kind() == DeviceKind::kCuda) {
       GTEST_SKIP() << "CUDA backend not available here ("
@@ -21,11 +24,11 @@ void BackendTest::SetUp() {
   absl::StatusOr<std::unique_ptr<Stream>> stream = device_->CreateStream();
   ASSERT_TRUE(stream.ok()) << stream.status();
   stream_ = *std::move(stream);
-  ArenaOptions options;
-  options.capacity_bytes = kArenaBytes;
-  options.name = "test_arena";
+  ArenaOptions arena_options;
+  arena_options.capacity_bytes = kArenaBytes;
+  arena_options.name = "test_arena";
   absl::StatusOr<std::unique_ptr<Arena>> arena =
-      Arena::Create(*device_, options);
+      Arena::Create(*device_, arena_options);
   ASSERT_TRUE(arena.ok()) << arena.status();
   arena_ = *std::move(arena);
 
@@ -59,8 +62,23 @@ std::vector<float> BackendTest::Download(DeviceBuffer src) {
   return values;
 }
 
-std::string BackendParamName(const ::testing::TestParamInfo<DeviceKind>& info) {
-  return std::string(DeviceKindName(info.param));
+std::string BackendName(const BackendParam& param) {
+  std::string name(DeviceKindName(param.kind));
+  if (param.kind == DeviceKind::kCpu &&
+      param.cpu_stream_execution != CpuStreamExecution::kInline) {
+    name += "_";
+    name += std::string(CpuStreamExecutionName(param.cpu_stream_execution));
+  }
+  return name;
+}
+
+std::string BackendParamName(
+    const ::testing::TestParamInfo<BackendParam>& info) {
+  return BackendName(info.param);
+}
+
+void PrintTo(const BackendParam& param, std::ostream* os) {
+  *os << BackendName(param);
 }
 
 std::vector<float> Ramp(size_t n, float seed) {

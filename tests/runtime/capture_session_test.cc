@@ -166,7 +166,7 @@ TEST_P(CaptureSessionTest, RejectsIncompleteParams) {
             absl::StatusCode::kInvalidArgument);
 }
 
-PDW_INSTANTIATE_BACKEND_TESTS(CaptureSessionTest);
+PDW_INSTANTIATE_BACKEND_TESTS_WITH_THREADED_CPU(CaptureSessionTest);
 
 }  // namespace
 }  // namespace pdworker

@@ -1,6 +1,7 @@
 // CPU-backend specifics: exact memory accounting, poisoned allocations, the
 // recorded op list of a CpuGraph, and the device factory.
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -42,6 +43,18 @@ TEST(CpuDeviceTest, AccountsExactlyAndFreesThroughRaii) {
     EXPECT_EQ(device.GetMemoryStats()->used_bytes, 6000u);
   }
   EXPECT_EQ(device.GetMemoryStats()->used_bytes, 0u);
+}
+
+TEST(CpuDeviceTest, HostMemoryIsPoisonedAndNotDeviceMemory) {
+  CpuDeviceOptions options;
+  options.capacity_bytes = 256;
+  CpuDevice device(options);
+  absl::StatusOr<HostMemory> host = device.AllocateHost(4096);
+  ASSERT_TRUE(host.ok()) << host.status();
+  EXPECT_TRUE(std::isnan(host->as<float>()[0]));
+  EXPECT_EQ(host->as<int32_t>()[1023], -1);
+  EXPECT_EQ(device.GetMemoryStats()->used_bytes, 0u)
+      << "pinned host memory does not use the device's capacity";
 }
 
 TEST(CpuDeviceTest, ZeroByteAllocationIsInvalid) {

@@ -1,7 +1,9 @@
 // Behaviour every runtime backend must show, written once and run on the CPU
-// backend (runtime_conformance_test) and on CUDA
-// (runtime_conformance_gpu_test).
+// backend with inline and with threaded streams (runtime_conformance_test)
+// and on CUDA (runtime_conformance_gpu_test).
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -215,6 +217,16 @@ TEST_P(ForbiddenDuringCaptureTest, DeviceAllocation) {
   ExpectCaptureInvalidatedBy("Device::Allocate");
 }
 
+TEST_P(ForbiddenDuringCaptureTest, HostAllocation) {
+  ASSERT_TRUE(stream().BeginCapture().ok());
+  absl::StatusOr<HostMemory> memory = device().AllocateHost(4096);
+  ASSERT_FALSE(memory.ok());
+  EXPECT_EQ(memory.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(memory.status().message()),
+              HasSubstr("capturing a graph"));
+  ExpectCaptureInvalidatedBy("Device::AllocateHost");
+}
+
 TEST_P(ForbiddenDuringCaptureTest, ArenaAllocation) {
   ASSERT_TRUE(stream().BeginCapture().ok());
   const size_t used = arena().used_bytes();
@@ -251,6 +263,18 @@ TEST_P(ForbiddenDuringCaptureTest, CopyToHost) {
       stream().CopyToHost(host.data(), x, kN * sizeof(float));
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   ExpectCaptureInvalidatedBy("Stream::CopyToHost");
+}
+
+TEST_P(ForbiddenDuringCaptureTest, CopyToHostAsync) {
+  DeviceBuffer x = NewFloats(kN, "x");
+  absl::StatusOr<HostMemory> host = device().AllocateHost(kN * sizeof(float));
+  ASSERT_TRUE(host.ok()) << host.status();
+  ASSERT_TRUE(stream().BeginCapture().ok());
+  const absl::Status status =
+      stream().CopyToHostAsync(host->data(), x, kN * sizeof(float));
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("capturing a graph"));
+  ExpectCaptureInvalidatedBy("Stream::CopyToHostAsync");
 }
 
 TEST_P(ForbiddenDuringCaptureTest, CopyToDevice) {
@@ -371,6 +395,66 @@ TEST_P(RuntimeConformanceTest, CopiesCheckBufferBounds) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(stream().CopyToHost(host.data(), x, 8 * sizeof(float)).code(),
             absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(stream().CopyToHostAsync(host.data(), x, 8 * sizeof(float)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(stream().CopyToHostAsync(nullptr, x, 4 * sizeof(float)).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// The engine's read-back: results go to pinned memory without blocking the
+// host, and an event recorded after the copy says when they are there.
+TEST_P(RuntimeConformanceTest, CopyToHostAsyncDeliversBytesAtItsEvent) {
+  DeviceBuffer x = NewFloats(kN, "x");
+  absl::StatusOr<HostMemory> host = device().AllocateHost(kN * sizeof(float));
+  ASSERT_TRUE(host.ok()) << host.status();
+  absl::StatusOr<std::unique_ptr<Event>> copied = device().CreateEvent();
+  ASSERT_TRUE(copied.ok()) << copied.status();
+  const std::vector<float> values = Ramp(kN, 3.0f);
+  Upload(x, values);
+  ASSERT_TRUE(test_ops::Axpy(stream(), 1.0f, x, x).ok());  // x = 2 * values
+  ASSERT_TRUE(
+      stream().CopyToHostAsync(host->data(), x, kN * sizeof(float)).ok());
+  ASSERT_TRUE(stream().RecordEvent(**copied).ok());
+  ASSERT_TRUE((*copied)->Synchronize().ok());
+  absl::StatusOr<bool> done = (*copied)->Query();
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_TRUE(*done);
+  for (size_t i = 0; i < kN; ++i) {
+    ASSERT_EQ(host->as<float>()[i], 2.0f * values[i]) << "element " << i;
+  }
+  // Reusable: a second step into the same pinned buffer, same event.
+  ASSERT_TRUE(test_ops::Fill(stream(), x, -4.0f).ok());
+  ASSERT_TRUE(
+      stream().CopyToHostAsync(host->data(), x, kN * sizeof(float)).ok());
+  ASSERT_TRUE(stream().RecordEvent(**copied).ok());
+  ASSERT_TRUE((*copied)->Synchronize().ok());
+  EXPECT_EQ(host->as<float>()[kN - 1], -4.0f);
+}
+
+TEST_P(RuntimeConformanceTest, UnrecordedEventCannotBeWaitedFor) {
+  absl::StatusOr<std::unique_ptr<Event>> event = device().CreateEvent();
+  ASSERT_TRUE(event.ok()) << event.status();
+  EXPECT_EQ((*event)->Synchronize().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*event)->Query().status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_P(RuntimeConformanceTest, HostMemoryIsAlignedWritableAndMovable) {
+  EXPECT_EQ(device().AllocateHost(0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<HostMemory> memory = device().AllocateHost(1000);
+  ASSERT_TRUE(memory.ok()) << memory.status();
+  EXPECT_EQ(memory->size_bytes(), 1000u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(memory->data()) % 64, 0u);
+  std::memset(memory->data(), 0x5A, 1000);
+  void* const data = memory->data();
+  HostMemory moved = *std::move(memory);
+  EXPECT_EQ(moved.data(), data);
+  EXPECT_EQ(moved.as<unsigned char>()[999], 0x5A);
+  moved.Reset();
+  EXPECT_EQ(moved.data(), nullptr);
+  EXPECT_EQ(moved.size_bytes(), 0u);
 }
 
 TEST_P(RuntimeConformanceTest, EventsTimeStreamWork) {
@@ -407,8 +491,8 @@ TEST_P(RuntimeConformanceTest, MemoryStatsSeeAllocations) {
   EXPECT_LT(after->used_bytes, during->used_bytes);
 }
 
-PDW_INSTANTIATE_BACKEND_TESTS(RuntimeConformanceTest);
-PDW_INSTANTIATE_BACKEND_TESTS(ForbiddenDuringCaptureTest);
+PDW_INSTANTIATE_BACKEND_TESTS_WITH_THREADED_CPU(RuntimeConformanceTest);
+PDW_INSTANTIATE_BACKEND_TESTS_WITH_THREADED_CPU(ForbiddenDuringCaptureTest);
 
 }  // namespace
 }  // namespace pdworker

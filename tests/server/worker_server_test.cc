@@ -63,12 +63,12 @@ std::map<std::string, int32_t> ExpectSameStep(
   EXPECT_TRUE(expected.ok()) << expected.status();
   if (!status.ok() || !expected.ok()) return sampled;
   EXPECT_EQ(response.num_steps(), 1);
-  EXPECT_EQ(response.step().runtime_mode(), ProtoMode(expected->mode));
-  EXPECT_EQ(response.step().padded_tokens(), expected->padded_tokens);
-  EXPECT_EQ(response.step().unpadded_tokens(), expected->unpadded_tokens);
+  EXPECT_EQ(response.step().runtime_mode(), ProtoMode(expected->info.mode));
+  EXPECT_EQ(response.step().padded_tokens(), expected->info.padded_tokens);
+  EXPECT_EQ(response.step().unpadded_tokens(), expected->info.unpadded_tokens);
   EXPECT_EQ(response.step().num_sequences(), request.sequences_size());
   EXPECT_EQ(response.step().fallback_reason().empty(),
-            expected->fallback_reason == FallbackReason::kNone);
+            expected->info.fallback_reason == FallbackReason::kNone);
   EXPECT_EQ(response.sequences_size(), request.sequences_size());
   for (int i = 0; i < response.sequences_size() &&
                   i < static_cast<int>(expected->sequences.size());

@@ -141,7 +141,7 @@ absl::StatusOr<ProbeOutput> Probe(
                                        SequenceCreation::kMustExist));
     }
     PDW_ASSIGN_OR_RETURN(StepResult result, runner.Execute(batch));
-    out.ran_as.insert(std::string(RuntimeModeName(result.mode)));
+    out.ran_as.insert(std::string(RuntimeModeName(result.info.mode)));
     for (size_t p = 0; p < num_prompts; ++p) {
       out.greedy[p].push_back(result.sequences[p].token_id);
     }

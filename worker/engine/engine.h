@@ -1,8 +1,21 @@
-// Engine: the one thread that owns the ModelRunner (DESIGN.md, "One
-// step"). gRPC handlers validate and Submit; the engine merges pending
-// calls into model steps and completes them:
+// Engine: the one thread that owns the ModelRunner (DESIGN.md, "One step").
+// Two kinds of work share it, its steps, its captured graphs and its
+// statistics table:
+//  - step-level calls (Forward, Release): a router schedules every step and
+//    gets one token per sequence per call;
+//  - engine-owned requests: a prompt the engine admits, prefills (chunked),
+//    decodes step after step in whatever batch is running, and streams
+//    token by token until a stop condition ends it.
 //
-//   Submit ──▶ queue ──coalesce──▶ ModelRunner::Execute(batch) ──▶ done()
+//   Submit ──▶ queue ──plan──▶ ModelRunner::Launch(step N+1) ─┐
+//                               ModelRunner::Retire(step N) ◀─┘──▶ done() /
+//                                                               on_update()
+//
+// With StepOverlap::kOn the engine plans and enqueues step N+1 while step N
+// runs on the device; the tokens step N samples for running requests reach
+// step N+1's input on the device, and stop conditions are checked one step
+// late (the extra token is discarded), as vLLM's async scheduling and
+// SGLang's overlap scheduler do.
 //
 // Guarantees:
 //  - A call fails or succeeds as a whole, and a failed call changes nothing:
@@ -12,8 +25,19 @@
 //    truncated to their old length).
 //  - Calls whose deadline passed or whose client cancelled are dropped
 //    before they run (DEADLINE_EXCEEDED / CANCELLED), even while a step
-//    runs for others or the engine is paused.
+//    runs for others or the engine is paused. A call with a step on the
+//    device finishes.
 //  - Per sequence, calls run in arrival order (see StepPlanner).
+//  - Requests: decodes first, prefill chunks fill the rest of each step; a
+//    request that cannot grow preempts the most recently admitted request
+//    by recompute (its output is unchanged); no running request fails
+//    because another arrived. Step-level sequences are never preempted.
+//  - Aborted, finished and preempted requests give their KV back at once:
+//    a step still in flight writes their blocks before any later step can
+//    (one in-order stream), and work off the stream (KV imports) runs only
+//    with no step in flight.
+//  - A device error fails every call and request in the steps in flight,
+//    with their KV freed.
 // Synchronization is std::mutex / std::condition_variable / std::atomic
 // (TSan sees them; Debian's absl::Mutex is not instrumented).
 #ifndef PDWORKER_WORKER_ENGINE_ENGINE_H_
@@ -35,6 +59,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "metrics/worker_metrics.h"
+#include "worker/engine/request.h"
 #include "worker/engine/step_calls.h"
 #include "worker/engine/step_planner.h"
 #include "worker/kv_cache/kv_cache_manager.h"
@@ -43,15 +68,23 @@
 
 namespace pdworker {
 
+// Whether the engine enqueues step N+1 before it reads step N's samples.
+enum class StepOverlap { kOff, kOn };
+
 struct EngineOptions {
-  // Calls queued or running (Forward and Release); beyond it Submit answers
-  // RESOURCE_EXHAUSTED at once instead of letting latency grow unbounded.
+  // Step-level calls queued or running (Forward and Release); beyond it
+  // Submit answers RESOURCE_EXHAUSTED at once instead of letting latency
+  // grow unbounded.
   int max_queue = 1024;
-  // A live sequence that no step has appended to for this long, and that no
-  // queued call names, is released: its router went away without Release
-  // (crashed, restarted, lost track of it) and nothing else would ever free
-  // its KV. Later calls naming it get NOT_FOUND saying why. Zero: never.
+  // Engine-owned requests submitted and not yet admitted; beyond it a new
+  // request gets RESOURCE_EXHAUSTED.
+  int max_waiting_requests = 1024;
+  // A live step-level sequence that no step has appended to for this long,
+  // and that no queued call names, is released: its router went away
+  // without Release and nothing else would ever free its KV. Later calls
+  // naming it get NOT_FOUND saying why. Zero: never.
   std::chrono::milliseconds sequence_idle_timeout{0};
+  StepOverlap overlap = StepOverlap::kOn;
 };
 
 // What other threads may read, published after every loop iteration.
@@ -62,6 +95,17 @@ struct EngineSnapshot {
   int64_t dropped_deadline = 0;   // calls dropped: deadline passed
   int64_t dropped_cancelled = 0;  // calls dropped: client cancelled
   int64_t sequences_expired = 0;  // released by the idle-sequence sweep
+  // Engine-owned requests.
+  int64_t running_requests = 0;
+  int64_t waiting_requests = 0;   // submitted or preempted, not running
+  int64_t preemptions = 0;        // running requests preempted so far
+  int64_t finished_requests = 0;  // ended for any reason
+  // Device (stream) time over all steps: busy inside steps, idle between
+  // one step's end and the next one's start.
+  double device_busy_seconds = 0.0;
+  double device_idle_seconds = 0.0;
+  // The first device error, after which every step fails; OK until then.
+  absl::Status device_error;
 };
 
 class Engine {
@@ -83,21 +127,34 @@ class Engine {
   // or RESOURCE_EXHAUSTED (queue full). Never blocks on a step.
   void Submit(std::unique_ptr<ForwardCall> call);
   void Submit(std::unique_ptr<ReleaseCall> call);
+  // Queues the request, or ends it at once (its last update, on this
+  // thread): INVALID_ARGUMENT naming the field (empty prompt or id, a token
+  // outside the vocabulary, bad sampling or stop values, a prompt plus
+  // max_tokens past the model's maximum length or larger than the whole KV
+  // cache), UNAVAILABLE (stopped or draining), RESOURCE_EXHAUSTED (too many
+  // waiting). A request id already live ends the new one with
+  // ALREADY_EXISTS (on the engine thread).
+  void Submit(std::unique_ptr<EngineRequest> request);
+  // Aborts live requests (queued, prefilling or decoding): each gets its
+  // last update (finish reason abort) and its KV is freed before `done`
+  // runs. All or nothing: NOT_FOUND naming an id that is not live.
+  void Submit(std::unique_ptr<AbortCall> call);
 
-  // Runs `task` on the engine thread between steps (e.g. graph capture)
-  // and returns its status; blocks the caller until then.
+  // Runs `task` on the engine thread between steps, with no step in flight
+  // (e.g. graph capture, KV import), and returns its status; blocks the
+  // caller until then.
   absl::Status RunExclusive(std::function<absl::Status(ModelRunner&)> task);
-  // Queues `task` to run between steps and returns at once; UNAVAILABLE
-  // (and the task never runs) once the engine has stopped.
+  // Queues `task` to run between steps, with no step in flight, and returns
+  // at once; UNAVAILABLE (and the task never runs) once the engine stopped.
   absl::Status Post(std::function<void(ModelRunner&)> task);
 
-  // A queued call's CallControl changed (cancelled): look at it now rather
-  // than at the next step. Cheap; called from gRPC threads.
+  // A queued call's or request's CallControl changed (cancelled): look at
+  // it now rather than at the next step. Cheap; called from gRPC threads.
   void NotifyCancelled();
 
   // From now on Submit refuses calls that would create a sequence (start)
-  // with UNAVAILABLE; steps and releases of live sequences, and queued
-  // calls, still run.
+  // and new requests with UNAVAILABLE; steps and releases of live
+  // sequences, queued calls and live requests still run.
   void BeginDrain();
 
   // Holds steps (queued calls wait; cancellations and deadlines are still
@@ -106,34 +163,59 @@ class Engine {
   void Pause();
   void Resume();
 
-  // Completes every queued call with UNAVAILABLE (a running step finishes
-  // first) and joins the thread. Idempotent.
+  // Completes every queued call and live request with UNAVAILABLE (a
+  // running step finishes first) and joins the thread. Idempotent.
   void Stop();
 
   EngineSnapshot snapshot() const;
 
  private:
   struct Entry;
+  struct Request;
+  struct Piece;
+  struct InFlightStep;
 
   // The loop and its stages, in the order of DESIGN.md's diagram.
   void Run();
   bool WaitForWork();  // false when stopping
-  void DropExpiredCalls();
+  void DropExpiredWork();
   bool Paused() const;
+  void AdmitIncomingRequests();
+  void RunAborts();
   void PlanStep();
   void RunReleases();
-  void RunStep();
-  bool ExecutePieces(absl::Span<const StepPiece> pieces, int num_calls,
-                     absl::Status* error);
+  // Launches the plan; true when a step went to the device.
+  bool LaunchStep();
+  void RetireSteps(int keep_in_flight);
   void CompleteFinishedCalls();
   void ReleaseIdleSequences();
   void PublishSnapshot();
 
-  // How long WaitForWork may sleep before a queued call's deadline or the
-  // next idle-sequence sweep needs the loop; nullopt: until woken.
+  // Launches `pieces` as one step; false (with `error`) when the runner
+  // refused it, which changed nothing.
+  bool LaunchPieces(absl::Span<const Piece> pieces, absl::Status* error);
+  // Reads one step's samples into its calls and requests.
+  void ApplyStep(InFlightStep& step, const StepResult& result);
+  // A device error: the step and every later one in flight fail.
+  void FailStepsInFlight(const absl::Status& error);
+
+  // Requests.
+  int32_t WantedTokens(const Request& request) const;
+  void Preempt(const std::shared_ptr<Request>& request);
+  // Ends a live request: frees its KV, sends its last update, forgets it.
+  void FinishRequest(Request& request, std::optional<FinishReason> reason,
+                     absl::Status status = absl::OkStatus(),
+                     std::optional<int32_t> matched_token_id = std::nullopt);
+  void SendUpdate(Request& request);
+  // Static checks of a request against the model and the KV cache size.
+  absl::Status ValidateRequest(const RequestSpec& spec) const;
+
+  // How long WaitForWork may sleep before a queued deadline or the next
+  // idle-sequence sweep needs the loop; nullopt: until woken.
   std::optional<std::chrono::nanoseconds> TimeUntilTimedWork() const;
-  // A NOT_FOUND that names a sequence the idle sweep released says so.
-  void ExplainExpiredSequence(Entry& entry) const;
+  // Calls that would continue a sequence the idle sweep released get a
+  // NOT_FOUND saying so, before they run.
+  void ExplainExpiredSequences();
 
   // Queues `entry`, or completes it with the reason it was refused.
   void Enqueue(std::unique_ptr<Entry> entry);
@@ -150,14 +232,25 @@ class Engine {
   const EngineOptions options_;
   WorkerMetrics* const metrics_;
   KvLeaseTable* const leases_;
+  // Read-only facts from the runner, for Submit on other threads.
+  const int32_t vocab_size_;
+  const int32_t max_model_len_;
+  const int32_t kv_block_size_;
+  const int32_t kv_total_blocks_;
+  std::vector<int32_t> eos_token_ids_;
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;  // the engine waits for work
   std::deque<std::unique_ptr<Entry>> incoming_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::unique_ptr<EngineRequest>> incoming_requests_
+      ABSL_GUARDED_BY(mu_);
+  std::deque<std::unique_ptr<AbortCall>> incoming_aborts_ ABSL_GUARDED_BY(mu_);
   std::vector<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
   // Submitted and not yet finished by the engine (what the queue bound,
   // the snapshot and WorkerServer::Drain count). Stop() answers the rest.
   int64_t queued_ ABSL_GUARDED_BY(mu_) = 0;
+  // Requests submitted and not yet admitted (the waiting bound).
+  int64_t requests_waiting_ ABSL_GUARDED_BY(mu_) = 0;
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   bool paused_ ABSL_GUARDED_BY(mu_) = false;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
@@ -168,16 +261,36 @@ class Engine {
 
   // Engine thread only.
   std::deque<std::unique_ptr<Entry>> pending_;
+  // Live requests by id; running ones in admission order; waiting ones in
+  // queue order (preempted ones in front).
+  absl::flat_hash_map<std::string, std::shared_ptr<Request>> requests_;
+  std::vector<std::shared_ptr<Request>> running_;
+  std::deque<std::shared_ptr<Request>> waiting_;
+  int64_t next_request_number_ = 0;  // makes each request's KV id unique
+  // Counts changes of state (launches, retires, completions, admissions,
+  // releases); an iteration that changed nothing leaves the engine stalled:
+  // it sleeps until woken instead of planning the same nothing again.
+  uint64_t progress_ = 0;
+  bool stalled_ = false;
+  std::deque<std::unique_ptr<InFlightStep>> in_flight_;  // oldest first
   StepPlanner planner_;
   StepPlan plan_;
   std::vector<const PendingCall*> views_;  // unfinished calls, oldest first
   std::vector<Entry*> active_;             // parallel to views_
+  std::vector<PendingRequest> running_views_, waiting_views_;
+  std::vector<const PendingRequest*> running_ptrs_, waiting_ptrs_;
   std::vector<SequenceStep> batch_;
-  std::vector<StepPiece> solo_pieces_;
+  std::vector<StepPiece> group_pieces_;
+  std::vector<Request*> updated_;  // requests with tokens to stream
   int64_t steps_ = 0;
   int64_t dropped_deadline_ = 0;
   int64_t dropped_cancelled_ = 0;
   int64_t sequences_expired_ = 0;
+  int64_t preemptions_ = 0;
+  int64_t finished_requests_ = 0;
+  double device_busy_seconds_ = 0.0;
+  double device_idle_seconds_ = 0.0;
+  absl::Status device_error_;
   std::chrono::steady_clock::time_point next_idle_sweep_{};
   // The latest sequences the sweep released (bounded, oldest forgotten
   // first) and how long each had been idle, in seconds; a later step of
@@ -187,6 +300,10 @@ class Engine {
 
   std::thread thread_;  // last: starts after everything it reads
 };
+
+// Sequence ids of step-level calls may not start with this byte: the
+// engine's own requests keep their KV under ids that do.
+inline constexpr char kEngineSequencePrefix = '\x01';
 
 }  // namespace pdworker
 

@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "dispatcher/cudagraph_dispatcher.h"
 #include "dispatcher/cudagraph_mode.h"
+#include "dispatcher/step_info.h"
 #include "worker/runner/model_runner.h"
 #include "worker/transfer/kv_lease_table.h"
 
@@ -47,23 +48,12 @@ struct CallControl {
   std::atomic<bool> cancelled{false};
 };
 
-// One model step as a call saw it (ForwardResponse.step).
-struct StepSummary {
-  RuntimeMode mode = RuntimeMode::kNone;
-  FallbackReason fallback_reason = FallbackReason::kNone;
-  int unpadded_tokens = 0;
-  int padded_tokens = 0;
-  int num_sequences = 0;  // all calls merged into the step
-  int num_calls = 0;      // calls merged into the step
-  double step_seconds = 0.0;
-};
-
 struct ForwardOutcome {
   // In request order: the sample from the step that ran the sequence's
   // last token.
   std::vector<SequenceResult> sequences;
-  StepSummary last_step;  // the call's last step
-  int num_steps = 0;      // > 1 when the call was chunked
+  StepInfo last_step;  // the call's last step
+  int num_steps = 0;   // > 1 when the call was chunked
   // Parallel to `sequences` when any sequence was held for handoff (empty
   // otherwise): the lease that now holds its KV.
   std::vector<std::optional<KvLeaseInfo>> leases;

@@ -260,6 +260,35 @@ absl::Status ParseRope(const Json& root, ModelConfig* config) {
   return absl::OkStatus();
 }
 
+// "eos_token_id": one id or a list of ids, each >= 0. Errors name the field
+// without a file prefix (both config files have it).
+absl::StatusOr<std::vector<int64_t>> ParseEosIds(const Json& eos) {
+  std::vector<int64_t> ids;
+  const auto add = [&ids](const Json& value,
+                          absl::string_view field) -> absl::Status {
+    if (!value.is_number_integer() || value.get<int64_t>() < 0 ||
+        (value.is_number_unsigned() &&
+         value.get<uint64_t>() >
+             static_cast<uint64_t>(std::numeric_limits<int32_t>::max()))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, " must be a token id (an integer >= 0), got ",
+                       Describe(value)));
+    }
+    ids.push_back(value.get<int64_t>());
+    return absl::OkStatus();
+  };
+  if (eos.is_array()) {
+    for (size_t i = 0; i < eos.size(); ++i) {
+      absl::Status s = add(eos[i], absl::StrCat("eos_token_id[", i, "]"));
+      if (!s.ok()) return s;
+    }
+  } else {
+    absl::Status s = add(eos, "eos_token_id");
+    if (!s.ok()) return s;
+  }
+  return ids;
+}
+
 absl::Status ParseTokenIds(const Json& root, ModelConfig* config) {
   if (const Json* bos = Find(root, "bos_token_id"); bos != nullptr) {
     auto id = AsInt(*bos, "bos_token_id");
@@ -267,17 +296,13 @@ absl::Status ParseTokenIds(const Json& root, ModelConfig* config) {
     config->bos_token_id = *id;
   }
   if (const Json* eos = Find(root, "eos_token_id"); eos != nullptr) {
-    if (eos->is_array()) {
-      for (const Json& entry : *eos) {
-        auto id = AsInt(entry, "eos_token_id[]");
-        if (!id.ok()) return id.status();
-        config->eos_token_ids.push_back(*id);
-      }
-    } else {
-      auto id = AsInt(*eos, "eos_token_id");
-      if (!id.ok()) return id.status();
-      config->eos_token_ids.push_back(*id);
+    auto ids = ParseEosIds(*eos);
+    if (!ids.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kPrefix, ids.status().message()));
     }
+    config->eos_token_ids = *std::move(ids);
+    config->eos_source = ModelConfig::EosSource::kConfig;
   }
   return absl::OkStatus();
 }
@@ -529,8 +554,36 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text) {
   return config;
 }
 
-absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir) {
-  const std::string path = absl::StrCat(model_dir, "/config.json");
+absl::StatusOr<GenerationConfig> ParseGenerationConfig(
+    const std::string& json_text) {
+  constexpr absl::string_view kFile = "generation_config.json: ";
+  Json root;
+  try {
+    root = Json::parse(json_text);
+  } catch (const Json::parse_error& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kFile, "not valid JSON: ", e.what()));
+  }
+  if (!root.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kFile, "must be a JSON object, got ", root.type_name()));
+  }
+  GenerationConfig config;
+  if (const Json* eos = Find(root, "eos_token_id"); eos != nullptr) {
+    auto ids = ParseEosIds(*eos);
+    if (!ids.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kFile, ids.status().message()));
+    }
+    config.eos_token_ids = *std::move(ids);
+  }
+  return config;
+}
+
+namespace {
+
+// The whole file; NotFound when it cannot be opened.
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
   std::ifstream file(path, std::ios::binary);
   if (!file) {
     return absl::NotFoundError(absl::StrCat("cannot open ", path));
@@ -540,10 +593,35 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir) {
   if (file.bad()) {
     return absl::DataLossError(absl::StrCat("error reading ", path));
   }
-  auto config = ParseModelConfig(text.str());
+  return text.str();
+}
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir) {
+  const std::string path = absl::StrCat(model_dir, "/config.json");
+  absl::StatusOr<std::string> text = ReadFile(path);
+  if (!text.ok()) return text.status();
+  auto config = ParseModelConfig(*text);
   if (!config.ok()) {
     return absl::Status(config.status().code(),
                         absl::StrCat(path, ": ", config.status().message()));
+  }
+  const std::string generation_path =
+      absl::StrCat(model_dir, "/generation_config.json");
+  absl::StatusOr<std::string> generation_text = ReadFile(generation_path);
+  if (absl::IsNotFound(generation_text.status())) return config;
+  if (!generation_text.ok()) return generation_text.status();
+  absl::StatusOr<GenerationConfig> generation =
+      ParseGenerationConfig(*generation_text);
+  if (!generation.ok()) {
+    return absl::Status(
+        generation.status().code(),
+        absl::StrCat(generation_path, ": ", generation.status().message()));
+  }
+  if (generation->eos_token_ids.has_value()) {
+    config->eos_token_ids = *generation->eos_token_ids;
+    config->eos_source = ModelConfig::EosSource::kGenerationConfig;
   }
   return config;
 }

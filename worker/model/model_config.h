@@ -62,10 +62,14 @@ struct ModelConfig {
   // config.json "torch_dtype" (or "dtype"): the checkpoint's storage type.
   // Absent -> float32, transformers' default.
   DType torch_dtype = DType::kFloat32;
-  // Token ids from config.json when present (informational; "eos_token_id"
-  // may be a list in HF configs).
+  // Token ids when present ("eos_token_id" may be a list in HF configs).
+  // The EOS ids end engine-owned requests: generation_config.json's when it
+  // names them (transformers' generate() reads that file, and instruct
+  // checkpoints list their end-of-turn ids only there), else config.json's.
   std::optional<int64_t> bos_token_id;
   std::vector<int64_t> eos_token_ids;
+  enum class EosSource { kNone, kConfig, kGenerationConfig };
+  EosSource eos_source = EosSource::kNone;
   // Mistral's "sliding_window" (and Qwen2's when "use_sliding_window" is
   // true): attention only sees this many previous tokens. Recorded so callers
   // can refuse or cap sequences; the forward does not implement it.
@@ -97,7 +101,18 @@ struct ModelConfig {
 // num_key_value_heads (3)".
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text);
 
-// Reads <model_dir>/config.json and parses it; NotFound when it is missing.
+// What pdworker reads from generation_config.json: its "eos_token_id" (an id
+// or a list; nullopt when absent or null). Other fields (sampling defaults)
+// are the router's business. INVALID_ARGUMENT naming the field otherwise.
+struct GenerationConfig {
+  std::optional<std::vector<int64_t>> eos_token_ids;
+};
+absl::StatusOr<GenerationConfig> ParseGenerationConfig(
+    const std::string& json_text);
+
+// Reads <model_dir>/config.json and parses it (NotFound when it is missing),
+// then <model_dir>/generation_config.json when present: its EOS ids replace
+// config.json's.
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir);
 
 }  // namespace pdworker

@@ -9,6 +9,7 @@
 #include "common/status_macros.h"
 #include "dispatcher/attention_cg_support.h"
 #include "glog/logging.h"
+#include "worker/kernels/feed_tokens.h"
 #include "worker/kernels/kernel_checks.h"
 #include "worker/kernels/paged_attention.h"
 #include "worker/kernels/sampling.h"
@@ -17,14 +18,21 @@
 namespace pdworker {
 namespace {
 
+// Tokens a sequence may ban at one step (its EOS and stop ids while under
+// min_tokens); the engine refuses requests that would need more.
+constexpr int kMaxBannedTokensPerSequence = 64;
+
 size_t StepArenaBytes(int max_num_seqs, int max_tokens, int max_blocks,
-                      size_t sampling_workspace_bytes) {
-  // Metadata (8 int32 buffers), sampling buffers and workspace, with
-  // alignment slack for each of the ~20 buffers.
-  const size_t ints = static_cast<size_t>(max_tokens) * 3 +
-                      static_cast<size_t>(max_num_seqs) * (6 + max_blocks) + 2;
-  return ints * sizeof(int32_t) + max_num_seqs * sizeof(uint64_t) +
-         sampling_workspace_bytes + 32 * 256;
+                      size_t sampling_workspace_bytes, int num_slots) {
+  // Metadata (8 int32 buffers), sampling parameters, bans, the token feed,
+  // each slot's sampled ids and logprobs, and the sampling workspace, with
+  // alignment slack for each of the ~30 buffers.
+  const size_t seqs = static_cast<size_t>(max_num_seqs);
+  const size_t ints =
+      static_cast<size_t>(max_tokens) * 3 + seqs * (6 + max_blocks) + 2 +
+      seqs * 2 * kMaxBannedTokensPerSequence + seqs * 2 + seqs * 2 * num_slots;
+  return ints * sizeof(int32_t) + seqs * sizeof(uint64_t) +
+         sampling_workspace_bytes + 48 * 256;
 }
 
 }  // namespace
@@ -121,17 +129,40 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
       Arena::Create(
           device,
           {StepArenaBytes(options.max_num_seqs, options.max_num_batched_tokens,
-                          max_blocks, sampling_workspace_bytes),
+                          max_blocks, sampling_workspace_bytes,
+                          static_cast<int>(r->slots_.size())),
            256, "step_inputs"}));
   StepLimits step_limits{options.max_num_seqs, options.max_num_batched_tokens,
                          max_blocks};
   PDW_ASSIGN_OR_RETURN(
       r->inputs_,
       StepInputs::Create(*r->step_arena_, step_limits, options.block_size));
-  PDW_ASSIGN_OR_RETURN(r->sampler_,
-                       Sampler::Create(*r->step_arena_, options.max_num_seqs,
-                                       static_cast<int>(c.vocab_size),
-                                       sampling_workspace_bytes));
+  PDW_ASSIGN_OR_RETURN(
+      r->sampler_,
+      Sampler::Create(*r->step_arena_, options.max_num_seqs,
+                      static_cast<int>(c.vocab_size), sampling_workspace_bytes,
+                      options.max_num_seqs * kMaxBannedTokensPerSequence));
+  const size_t seq_ints = static_cast<size_t>(options.max_num_seqs);
+  for (StepSlot& slot : r->slots_) {
+    PDW_ASSIGN_OR_RETURN(slot.token_ids,
+                         r->step_arena_->Allocate(seq_ints * sizeof(int32_t),
+                                                  "sampled_token_ids"));
+    PDW_ASSIGN_OR_RETURN(
+        slot.logprobs,
+        r->step_arena_->Allocate(seq_ints * sizeof(float), "sampled_logprobs"));
+    PDW_ASSIGN_OR_RETURN(
+        slot.host,
+        device.AllocateHost(seq_ints * (sizeof(int32_t) + sizeof(float))));
+    PDW_ASSIGN_OR_RETURN(slot.start, device.CreateEvent());
+    PDW_ASSIGN_OR_RETURN(slot.end, device.CreateEvent());
+    slot.num_tokens.reserve(options.max_num_seqs);
+  }
+  PDW_ASSIGN_OR_RETURN(
+      r->feed_src_rows_,
+      r->step_arena_->Allocate(seq_ints * sizeof(int32_t), "feed_src_rows"));
+  PDW_ASSIGN_OR_RETURN(
+      r->feed_dst_indices_,
+      r->step_arena_->Allocate(seq_ints * sizeof(int32_t), "feed_dst_indices"));
 
   LlamaForwardOptions fo;
   fo.max_num_tokens = options.max_num_batched_tokens;
@@ -153,7 +184,11 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   r->step_seqs_.reserve(options.max_num_seqs);
   r->sampling_.reserve(options.max_num_seqs);
   r->sample_positions_.reserve(options.max_num_seqs);
-  r->sampled_.reserve(options.max_num_seqs);
+  r->banned_rows_.reserve(options.max_num_seqs * kMaxBannedTokensPerSequence);
+  r->banned_token_ids_.reserve(options.max_num_seqs *
+                               kMaxBannedTokensPerSequence);
+  r->feed_src_rows_host_.reserve(options.max_num_seqs);
+  r->feed_dst_indices_host_.reserve(options.max_num_seqs);
   LOG(INFO) << "model runner: " << c.num_hidden_layers << " layers, hidden "
             << c.hidden_size << ", vocab " << c.vocab_size << "; mode "
             << r->plan_.mode << " -> " << resolved.mode << "; " << num_blocks
@@ -224,6 +259,22 @@ absl::Status ModelRunner::Validate(absl::Span<const SequenceStep> batch) const {
       return absl::InvalidArgumentError(
           absl::StrCat("sequence '", s.sequence_id, "': ", sampling.message()));
     }
+    if (s.banned_token_ids.size() > kMaxBannedTokensPerSequence) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sequence '", s.sequence_id, "': ", s.banned_token_ids.size(),
+          " banned token ids; at most ", kMaxBannedTokensPerSequence));
+    }
+    if (s.last_token_from.has_value()) {
+      const SampleRef& ref = *s.last_token_from;
+      const bool in_flight = std::find(in_flight_.begin(), in_flight_.end(),
+                                       ref.slot) != in_flight_.end();
+      if (!in_flight || ref.row < 0 ||
+          ref.row >= static_cast<int>(slots_[ref.slot].num_tokens.size())) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "sequence '", s.sequence_id, "': its last token comes from row ",
+            ref.row, " of slot ", ref.slot, ", which is no step in flight"));
+      }
+    }
     tokens += static_cast<int64_t>(s.token_ids.size());
   }
   if (tokens > options_.max_num_batched_tokens) {
@@ -234,9 +285,11 @@ absl::Status ModelRunner::Validate(absl::Span<const SequenceStep> batch) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<StepResult> ModelRunner::Execute(
-    absl::Span<const SequenceStep> batch) {
-  const auto start = std::chrono::steady_clock::now();
+absl::StatusOr<int> ModelRunner::Launch(absl::Span<const SequenceStep> batch) {
+  if (steps_in_flight() >= kMaxStepsInFlight) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(kMaxStepsInFlight, " steps in flight; retire one first"));
+  }
   PDW_RETURN_IF_ERROR(Validate(batch));
 
   // 1. KV cache: all-or-nothing (also rejects duplicates and length limits).
@@ -250,13 +303,48 @@ absl::StatusOr<StepResult> ModelRunner::Execute(
   }
   PDW_ASSIGN_OR_RETURN(StepReservation reservation, kv_->Append(appends_));
 
-  // 3. Dispatch.
+  // 2. Dispatch.
   const int num_reqs = static_cast<int>(batch.size());
   const BatchKind kind = ClassifyBatch(num_tokens, num_reqs, max_query_len,
                                        options_.uniform_decode_query_len);
   const DispatchResult d = dispatcher_.Dispatch(num_tokens, kind, num_reqs);
 
-  // 2 + 4. Inputs with padding rows up to the key's shape.
+  const int slot = next_slot_;
+  absl::Status status = Enqueue(batch, d, slot);
+  if (!status.ok()) {
+    kv_->Undo(reservation);
+    return absl::Status(
+        status.code(),
+        absl::StrCat("step failed and was undone: ", status.message()));
+  }
+
+  // 6. Statistics.
+  stats_.Record(num_tokens, d.descriptor.num_tokens, d.mode);
+
+  StepSlot& s = slots_[slot];
+  s.reservation = std::move(reservation);
+  s.info = StepInfo{};
+  s.info.mode = d.mode;
+  s.info.fallback_reason = d.reason;
+  s.info.descriptor = d.descriptor;
+  s.info.unpadded_tokens = num_tokens;
+  s.info.padded_tokens = d.descriptor.num_tokens;
+  s.info.num_sequences = num_reqs;
+  s.previous_slot = last_launched_slot_;
+  last_launched_slot_ = slot;
+  next_slot_ = (slot + 1) % static_cast<int>(slots_.size());
+  in_flight_.push_back(slot);
+  return slot;
+}
+
+absl::Status ModelRunner::Enqueue(absl::Span<const SequenceStep> batch,
+                                  const DispatchResult& d, int slot) {
+  StepSlot& out = slots_[slot];
+  const int num_reqs = static_cast<int>(batch.size());
+  PDW_RETURN_IF_ERROR(stream_->RecordEvent(*out.start));
+
+  // 3. Inputs with padding rows up to the key's shape, then the tokens
+  // that steps in flight are still sampling, copied on the device.
   PaddedShape shape{d.descriptor.num_tokens, num_reqs, 0};
   if (d.mode != RuntimeMode::kNone && d.descriptor.uniform) {
     shape = {d.descriptor.num_tokens, d.descriptor.num_reqs,
@@ -266,49 +354,118 @@ absl::StatusOr<StepResult> ModelRunner::Execute(
   for (const SequenceStep& s : batch) {
     step_seqs_.push_back({kv_->Find(s.sequence_id), s.token_ids});
   }
-  absl::Status status = inputs_->Build(step_seqs_, shape);
-  if (status.ok()) status = inputs_->Upload(*stream_);
-
-  // 5. Forward.
-  const ForwardContext ctx{d.mode, d.descriptor};
-  if (status.ok()) status = forward_->Run(ctx);
-
-  // 6. Sample the real rows.
-  if (status.ok()) {
-    sampling_.clear();
-    sample_positions_.clear();
+  PDW_RETURN_IF_ERROR(inputs_->Build(step_seqs_, shape));
+  PDW_RETURN_IF_ERROR(inputs_->Upload(*stream_));
+  // One feed launch per source step (in practice one: the step before).
+  for (const int source : in_flight_) {
+    feed_src_rows_host_.clear();
+    feed_dst_indices_host_.clear();
+    const absl::Span<const int32_t> last_token = inputs_->host_logits_indices();
     for (int r = 0; r < num_reqs; ++r) {
-      sampling_.push_back(batch[r].sampling);
-      // The sampled token's absolute position: the length after the step.
-      sample_positions_.push_back(step_seqs_[r].kv->num_tokens);
+      const std::optional<SampleRef>& from = batch[r].last_token_from;
+      if (!from.has_value() || from->slot != source) continue;
+      feed_src_rows_host_.push_back(from->row);
+      feed_dst_indices_host_.push_back(last_token[r]);
     }
-    status = sampler_->Sample(*stream_, forward_->logits(), sampling_,
-                              sample_positions_, &sampled_);
-  }
-  if (!status.ok()) {
-    kv_->Undo(reservation);
-    return absl::Status(
-        status.code(),
-        absl::StrCat("step failed and was undone: ", status.message()));
+    if (feed_src_rows_host_.empty()) continue;
+    const size_t bytes = feed_src_rows_host_.size() * sizeof(int32_t);
+    PDW_RETURN_IF_ERROR(stream_->CopyToDevice(
+        feed_src_rows_, feed_src_rows_host_.data(), bytes));
+    PDW_RETURN_IF_ERROR(stream_->CopyToDevice(
+        feed_dst_indices_, feed_dst_indices_host_.data(), bytes));
+    kernels::FeedSampledTokensParams feed;
+    feed.sampled_token_ids = slots_[source].token_ids;
+    feed.src_rows = feed_src_rows_;
+    feed.token_ids = inputs_->buffers().token_ids;
+    feed.dst_indices = feed_dst_indices_;
+    feed.num_feeds = static_cast<int>(feed_src_rows_host_.size());
+    feed.num_sampled = static_cast<int>(slots_[source].num_tokens.size());
+    feed.num_tokens = shape.num_tokens;
+    PDW_RETURN_IF_ERROR(kernels::LaunchFeedSampledTokens(*stream_, feed));
   }
 
-  // 7. Statistics.
-  stats_.Record(num_tokens, d.descriptor.num_tokens, d.mode);
+  // 4. Forward.
+  PDW_RETURN_IF_ERROR(forward_->Run(ForwardContext{d.mode, d.descriptor}));
 
+  // 5. Sample the real rows, then copy the samples to the host.
+  sampling_.clear();
+  sample_positions_.clear();
+  banned_rows_.clear();
+  banned_token_ids_.clear();
+  out.num_tokens.clear();
+  for (int r = 0; r < num_reqs; ++r) {
+    sampling_.push_back(batch[r].sampling);
+    // The sampled token's absolute position: the length after the step.
+    sample_positions_.push_back(step_seqs_[r].kv->num_tokens);
+    out.num_tokens.push_back(step_seqs_[r].kv->num_tokens);
+    for (const int32_t id : batch[r].banned_token_ids) {
+      banned_rows_.push_back(r);
+      banned_token_ids_.push_back(id);
+    }
+  }
+  SamplingBatch sampling;
+  sampling.options = sampling_;
+  sampling.positions = sample_positions_;
+  sampling.banned_rows = banned_rows_;
+  sampling.banned_token_ids = banned_token_ids_;
+  PDW_RETURN_IF_ERROR(sampler_->Launch(*stream_, forward_->logits(), sampling,
+                                       out.token_ids, out.logprobs));
+  char* host = static_cast<char*>(out.host.data());
+  PDW_RETURN_IF_ERROR(stream_->CopyToHostAsync(host, out.token_ids,
+                                               num_reqs * sizeof(int32_t)));
+  PDW_RETURN_IF_ERROR(
+      stream_->CopyToHostAsync(host + options_.max_num_seqs * sizeof(int32_t),
+                               out.logprobs, num_reqs * sizeof(float)));
+  return stream_->RecordEvent(*out.end);
+}
+
+absl::StatusOr<StepResult> ModelRunner::Retire(int slot) {
+  if (in_flight_.empty() || in_flight_.front() != slot) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Retire(", slot, "): not the oldest step in flight"));
+  }
+  in_flight_.pop_front();
+  StepSlot& s = slots_[slot];
+  PDW_RETURN_IF_ERROR(s.end->Synchronize());
   StepResult result;
-  result.mode = d.mode;
-  result.fallback_reason = d.reason;
-  result.descriptor = d.descriptor;
-  result.unpadded_tokens = num_tokens;
-  result.padded_tokens = d.descriptor.num_tokens;
+  result.info = s.info;
+  PDW_ASSIGN_OR_RETURN(const double device_ms,
+                       s.end->ElapsedMillisecondsSince(*s.start));
+  result.info.device_seconds = device_ms * 1e-3;
+  if (s.previous_slot >= 0) {
+    PDW_ASSIGN_OR_RETURN(
+        const double idle_ms,
+        s.start->ElapsedMillisecondsSince(*slots_[s.previous_slot].end));
+    result.info.idle_before_seconds = std::max(idle_ms, 0.0) * 1e-3;
+  }
+  const int num_reqs = static_cast<int>(s.num_tokens.size());
+  const auto* ids = static_cast<const int32_t*>(s.host.data());
+  const auto* logprobs =
+      reinterpret_cast<const float*>(static_cast<const char*>(s.host.data()) +
+                                     options_.max_num_seqs * sizeof(int32_t));
   result.sequences.resize(num_reqs);
   for (int r = 0; r < num_reqs; ++r) {
-    result.sequences[r] = {sampled_[r].token_id, sampled_[r].logprob,
-                           step_seqs_[r].kv->num_tokens};
+    result.sequences[r] = {ids[r], logprobs[r], s.num_tokens[r]};
   }
-  result.forward_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-          .count();
+  return result;
+}
+
+absl::StatusOr<StepResult> ModelRunner::Execute(
+    absl::Span<const SequenceStep> batch) {
+  if (steps_in_flight() > 0) {
+    return absl::FailedPreconditionError(
+        "Execute: steps are in flight; use Launch/Retire");
+  }
+  PDW_ASSIGN_OR_RETURN(const int slot, Launch(batch));
+  absl::StatusOr<StepResult> result = Retire(slot);
+  if (!result.ok()) {
+    // The reservation is the latest Append: undo it so the runner is as
+    // it was (a device fault leaves nothing else to trust anyway).
+    kv_->Undo(slots_[slot].reservation);
+    return absl::Status(result.status().code(),
+                        absl::StrCat("step failed and was undone: ",
+                                     result.status().message()));
+  }
   return result;
 }
 

@@ -1,16 +1,22 @@
 // ModelRunner: one model step, end to end, as in DESIGN.md's diagram:
 //   1. KV cache: reserve blocks for the new tokens (all-or-nothing)
-//   2. write the step's inputs into the static buffers
-//   3. dispatcher.Dispatch -> (runtime mode, padded descriptor)
-//   4. fill padding rows up to the padded shape
-//   5. run the forward under ForwardContext{mode, descriptor}
-//   6. sample the real rows (outside graphs)
-//   7. record (unpadded, padded, mode) in the statistics table
+//   2. dispatcher.Dispatch -> (runtime mode, padded descriptor)
+//   3. write the step's inputs into the static buffers, padding rows up to
+//      the padded shape, and copy on the device the tokens that a step
+//      still in flight samples
+//   4. run the forward under ForwardContext{mode, descriptor}
+//   5. sample the real rows (outside graphs) and copy them to the host
+//   6. record (unpadded, padded, mode) in the statistics table
+// Launch enqueues all of it and returns; Retire waits for the samples. So
+// the engine plans and enqueues step N+1 while step N runs on the device.
 #ifndef PDWORKER_WORKER_RUNNER_MODEL_RUNNER_H_
 #define PDWORKER_WORKER_RUNNER_MODEL_RUNNER_H_
 
+#include <array>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,6 +31,7 @@
 #include "dispatcher/graph_stats.h"
 #include "dispatcher/graph_wrapper.h"
 #include "dispatcher/role_defaults.h"
+#include "dispatcher/step_info.h"
 #include "worker/kv_cache/kv_cache_manager.h"
 #include "worker/model/checkpoint.h"
 #include "worker/model/llama_forward.h"
@@ -35,6 +42,8 @@
 #include "worker/runtime/arena.h"
 #include "worker/runtime/capture_session.h"
 #include "worker/runtime/device.h"
+#include "worker/runtime/event.h"
+#include "worker/runtime/host_memory.h"
 #include "worker/runtime/stream.h"
 #include "worker/transfer/kv_cache_view.h"
 
@@ -53,12 +62,25 @@ struct ModelRunnerOptions {
   InputAddressCheck input_address_check = InputAddressCheck::kOff;
 };
 
+// A token the host does not know yet: the sample of row `row` of the step
+// in flight in slot `slot` (see ModelRunner::Launch).
+struct SampleRef {
+  int slot = -1;
+  int row = -1;
+};
+
 // One sequence's part of a step.
 struct SequenceStep {
   std::string sequence_id;
   std::vector<int32_t> token_ids;  // new tokens (prompt chunk or last token)
   SamplingOptions sampling;
   SequenceCreation creation = SequenceCreation::kCreateIfMissing;
+  // Set when the last of `token_ids` (a placeholder) is still being sampled
+  // by a step in flight: the runner copies it into the step's input on the
+  // device, never through the host.
+  std::optional<SampleRef> last_token_from;
+  // Token ids the sampler must not pick for this sequence (min_tokens).
+  std::vector<int32_t> banned_token_ids;
 };
 
 // A step of `token_ids` for `sequence_id` with default (greedy) sampling.
@@ -79,13 +101,8 @@ struct SequenceResult {
 };
 
 struct StepResult {
+  StepInfo info;
   std::vector<SequenceResult> sequences;  // in the order of the batch
-  RuntimeMode mode = RuntimeMode::kNone;
-  FallbackReason fallback_reason = FallbackReason::kNone;
-  BatchDescriptor descriptor;  // the key that ran (padded unless NONE)
-  int unpadded_tokens = 0;
-  int padded_tokens = 0;
-  double forward_seconds = 0.0;  // inputs + forward + sampling, host clock
 };
 
 class ModelRunner {
@@ -103,11 +120,28 @@ class ModelRunner {
   // Warms up and captures every graph the dispatcher can hand out.
   absl::StatusOr<CaptureSummary> CaptureGraphs();
 
-  // Runs one step. Every error leaves the runner unchanged (no KV allocated,
-  // no sequence advanced): INVALID_ARGUMENT (bad ids, tokens, sampling,
-  // duplicate sequence, too many sequences or tokens, past max_model_len),
+  // Steps enqueued and not yet retired, at most.
+  static constexpr int kMaxStepsInFlight = 3;
+
+  // Enqueues one step and returns its slot (a SampleRef for the next steps'
+  // inputs, and the argument of Retire). Every error leaves the runner
+  // unchanged (no KV allocated, no sequence advanced): INVALID_ARGUMENT (bad
+  // ids, tokens, sampling, duplicate sequence, too many sequences, tokens or
+  // banned ids, past max_model_len, a SampleRef to no step in flight),
   // NOT_FOUND / ALREADY_EXISTS (per SequenceStep::creation),
-  // RESOURCE_EXHAUSTED (KV cache full). Not thread-safe: one engine thread.
+  // RESOURCE_EXHAUSTED (KV cache full), FAILED_PRECONDITION
+  // (kMaxStepsInFlight steps in flight). The KV cache already counts the
+  // step's tokens when this returns. Not thread-safe: one engine thread.
+  absl::StatusOr<int> Launch(absl::Span<const SequenceStep> batch);
+  // Waits for the oldest step in flight, which must be `slot`, and returns
+  // what it sampled. An error is the device's (a fault in this step or an
+  // earlier one; every later step fails too): the step's KV stays counted,
+  // for the caller to free.
+  absl::StatusOr<StepResult> Retire(int slot);
+  int steps_in_flight() const { return static_cast<int>(in_flight_.size()); }
+
+  // Launch and Retire in one, with no other step in flight; on any error
+  // (the device's included) the runner is unchanged.
   absl::StatusOr<StepResult> Execute(absl::Span<const SequenceStep> batch);
 
   // Frees a sequence's KV blocks. NOT_FOUND when unknown.
@@ -155,6 +189,23 @@ class ModelRunner {
 
   // Everything checkable without touching state.
   absl::Status Validate(absl::Span<const SequenceStep> batch) const;
+  // Steps 3-5 of Launch after the KV reservation; the caller undoes it on
+  // error.
+  absl::Status Enqueue(absl::Span<const SequenceStep> batch,
+                       const DispatchResult& dispatch, int slot);
+
+  // A step's outputs and bookkeeping, from Launch to Retire. The device
+  // writes `token_ids`/`logprobs`, then copies them into `host`.
+  struct StepSlot {
+    DeviceBuffer token_ids;  // int32 [max_num_seqs]
+    DeviceBuffer logprobs;   // fp32 [max_num_seqs]
+    HostMemory host;         // pinned: int32 ids, then fp32 logprobs
+    std::unique_ptr<Event> start, end;
+    StepReservation reservation;
+    StepInfo info;
+    std::vector<int32_t> num_tokens;  // each row's length after the step
+    int previous_slot = -1;  // the step launched before (idle time), or -1
+  };
 
   Device& device_;
   ModelRunnerOptions options_;
@@ -172,12 +223,21 @@ class ModelRunner {
   std::unique_ptr<KvCacheManager> kv_;
   CudagraphDispatcher dispatcher_;
   GraphStats stats_;
+  // One more slot than steps in flight: a step's idle time reads the end
+  // event of the step before it, whose slot must not be reused yet.
+  std::array<StepSlot, kMaxStepsInFlight + 1> slots_;
+  std::deque<int> in_flight_;  // slots, oldest first
+  int next_slot_ = 0;
+  int last_launched_slot_ = -1;
+  // Device buffers the token feed reads: dst token index / src row pairs.
+  DeviceBuffer feed_src_rows_, feed_dst_indices_;
   // Step-path scratch, sized at startup.
   std::vector<SequenceAppend> appends_;
   std::vector<StepSequence> step_seqs_;
   std::vector<SamplingOptions> sampling_;
   std::vector<int32_t> sample_positions_;
-  std::vector<SampledToken> sampled_;
+  std::vector<int32_t> banned_rows_, banned_token_ids_;
+  std::vector<int32_t> feed_src_rows_host_, feed_dst_indices_host_;
 };
 
 }  // namespace pdworker

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/kernels/sampling.h"
+#include "worker/kernels/token_mask.h"
 
 namespace pdworker {
 
@@ -26,21 +27,28 @@ absl::Status ValidateSamplingOptions(const SamplingOptions& o) {
   return absl::OkStatus();
 }
 
-Sampler::Sampler(int max_num_seqs, int vocab_size)
+Sampler::Sampler(int max_num_seqs, int vocab_size, int max_bans)
     : max_num_seqs_(max_num_seqs),
       vocab_size_(vocab_size),
+      max_bans_(max_bans),
       h_temperature_(max_num_seqs),
       h_top_p_(max_num_seqs),
-      h_logprobs_(max_num_seqs),
       h_top_k_(max_num_seqs),
       h_positions_(max_num_seqs),
-      h_token_ids_(max_num_seqs),
       h_seeds_(max_num_seqs) {}
 
-absl::StatusOr<std::unique_ptr<Sampler>> Sampler::Create(
-    Arena& arena, int max_num_seqs, int vocab_size, size_t workspace_bytes) {
-  std::unique_ptr<Sampler> s(new Sampler(max_num_seqs, vocab_size));
+absl::StatusOr<std::unique_ptr<Sampler>> Sampler::Create(Arena& arena,
+                                                         int max_num_seqs,
+                                                         int vocab_size,
+                                                         size_t workspace_bytes,
+                                                         int max_bans) {
+  if (max_num_seqs <= 0 || vocab_size <= 0 || max_bans <= 0) {
+    return absl::InvalidArgumentError(
+        "Sampler: max_num_seqs, vocab_size and max_bans must be positive");
+  }
+  std::unique_ptr<Sampler> s(new Sampler(max_num_seqs, vocab_size, max_bans));
   const size_t n = static_cast<size_t>(max_num_seqs);
+  const size_t bans = static_cast<size_t>(max_bans);
   PDW_ASSIGN_OR_RETURN(s->temperature_,
                        arena.Allocate(n * sizeof(float), "temperature"));
   PDW_ASSIGN_OR_RETURN(s->top_k_, arena.Allocate(n * sizeof(int32_t), "top_k"));
@@ -51,29 +59,36 @@ absl::StatusOr<std::unique_ptr<Sampler>> Sampler::Create(
                        arena.Allocate(n * sizeof(int32_t), "sample_positions"));
   PDW_ASSIGN_OR_RETURN(s->workspace_,
                        arena.Allocate(workspace_bytes, "sampling_workspace"));
-  PDW_ASSIGN_OR_RETURN(s->token_ids_,
-                       arena.Allocate(n * sizeof(int32_t), "sampled_tokens"));
-  PDW_ASSIGN_OR_RETURN(s->logprobs_,
-                       arena.Allocate(n * sizeof(float), "sampled_logprobs"));
+  PDW_ASSIGN_OR_RETURN(s->ban_rows_,
+                       arena.Allocate(bans * sizeof(int32_t), "ban_rows"));
+  PDW_ASSIGN_OR_RETURN(s->ban_token_ids_,
+                       arena.Allocate(bans * sizeof(int32_t), "ban_token_ids"));
   return s;
 }
 
-absl::Status Sampler::Sample(Stream& stream, DeviceBuffer logits,
-                             absl::Span<const SamplingOptions> options,
-                             absl::Span<const int32_t> positions,
-                             std::vector<SampledToken>* out) {
-  const int n = static_cast<int>(options.size());
-  if (n <= 0 || n > max_num_seqs_ || positions.size() != options.size()) {
+absl::Status Sampler::Launch(Stream& stream, DeviceBuffer logits,
+                             const SamplingBatch& batch, DeviceBuffer token_ids,
+                             DeviceBuffer logprobs) {
+  const int n = static_cast<int>(batch.options.size());
+  if (n <= 0 || n > max_num_seqs_ ||
+      batch.positions.size() != batch.options.size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("Sampler: ", n, " requests outside [1, ", max_num_seqs_,
                      "] or positions mismatch"));
   }
+  const int num_bans = static_cast<int>(batch.banned_rows.size());
+  if (batch.banned_token_ids.size() != batch.banned_rows.size() ||
+      num_bans > max_bans_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Sampler: ", num_bans,
+                     " banned tokens in one step; at most ", max_bans_));
+  }
   for (int r = 0; r < n; ++r) {
-    h_temperature_[r] = options[r].temperature;
-    h_top_k_[r] = options[r].top_k;
-    h_top_p_[r] = options[r].top_p;
-    h_seeds_[r] = options[r].seed;
-    h_positions_[r] = positions[r];
+    h_temperature_[r] = batch.options[r].temperature;
+    h_top_k_[r] = batch.options[r].top_k;
+    h_top_p_[r] = batch.options[r].top_p;
+    h_seeds_[r] = batch.options[r].seed;
+    h_positions_[r] = batch.positions[r];
   }
   const size_t f = n * sizeof(float), i = n * sizeof(int32_t);
   PDW_RETURN_IF_ERROR(
@@ -84,6 +99,22 @@ absl::Status Sampler::Sample(Stream& stream, DeviceBuffer logits,
       stream.CopyToDevice(seeds_, h_seeds_.data(), n * sizeof(uint64_t)));
   PDW_RETURN_IF_ERROR(stream.CopyToDevice(positions_, h_positions_.data(), i));
 
+  if (num_bans > 0) {
+    const size_t b = num_bans * sizeof(int32_t);
+    PDW_RETURN_IF_ERROR(
+        stream.CopyToDevice(ban_rows_, batch.banned_rows.data(), b));
+    PDW_RETURN_IF_ERROR(
+        stream.CopyToDevice(ban_token_ids_, batch.banned_token_ids.data(), b));
+    kernels::BanTokensParams bp;
+    bp.logits = logits;
+    bp.rows = ban_rows_;
+    bp.token_ids = ban_token_ids_;
+    bp.num_bans = num_bans;
+    bp.num_rows = n;
+    bp.vocab_size = vocab_size_;
+    PDW_RETURN_IF_ERROR(kernels::LaunchBanTokens(stream, bp));
+  }
+
   kernels::SamplingParams p;
   p.logits = logits;
   p.temperature = temperature_;
@@ -92,16 +123,11 @@ absl::Status Sampler::Sample(Stream& stream, DeviceBuffer logits,
   p.seeds = seeds_;
   p.positions = positions_;
   p.workspace = workspace_;
-  p.sampled_token_ids = token_ids_;
-  p.sampled_logprobs = logprobs_;
+  p.sampled_token_ids = token_ids;
+  p.sampled_logprobs = logprobs;
   p.num_reqs = n;
   p.vocab_size = vocab_size_;
-  PDW_RETURN_IF_ERROR(kernels::LaunchSampling(stream, p));
-  PDW_RETURN_IF_ERROR(stream.CopyToHost(h_token_ids_.data(), token_ids_, i));
-  PDW_RETURN_IF_ERROR(stream.CopyToHost(h_logprobs_.data(), logprobs_, f));
-  out->resize(n);
-  for (int r = 0; r < n; ++r) (*out)[r] = {h_token_ids_[r], h_logprobs_[r]};
-  return absl::OkStatus();
+  return kernels::LaunchSampling(stream, p);
 }
 
 }  // namespace pdworker

@@ -28,37 +28,52 @@ struct SamplingOptions {
 // INVALID_ARGUMENT naming the field for NaN, negative or out-of-range values.
 absl::Status ValidateSamplingOptions(const SamplingOptions& options);
 
-struct SampledToken {
-  int32_t token_id = -1;
-  float logprob = 0.0f;  // of the sampled token, after temperature
+// One step's sampling, row r < options.size() of the logits.
+struct SamplingBatch {
+  absl::Span<const SamplingOptions> options;
+  // positions[r]: the absolute position of row r's sampled token (its
+  // sequence's length after the step): the RNG counter, so a sequence's
+  // draws do not depend on which batch it ran in.
+  absl::Span<const int32_t> positions;
+  // Ban i: token banned_token_ids[i] may not be sampled in row
+  // banned_rows[i] (its logit becomes -inf first). A request's min_tokens.
+  absl::Span<const int32_t> banned_rows;
+  absl::Span<const int32_t> banned_token_ids;
 };
 
 class Sampler {
  public:
   // `workspace_bytes`: kernels::SamplingWorkspaceBytesFor(the arena's
-  // device kind, vocab_size, max_num_seqs).
-  static absl::StatusOr<std::unique_ptr<Sampler>> Create(
-      Arena& arena, int max_num_seqs, int vocab_size, size_t workspace_bytes);
+  // device kind, vocab_size, max_num_seqs). `max_bans`: bans per step at
+  // most.
+  static absl::StatusOr<std::unique_ptr<Sampler>> Create(Arena& arena,
+                                                         int max_num_seqs,
+                                                         int vocab_size,
+                                                         size_t workspace_bytes,
+                                                         int max_bans);
 
-  // Samples rows [0, options.size()) of `logits` ([rows, vocab] fp32).
-  // `positions[r]` is the absolute position of request r's sampled token (its
-  // length after the step): the RNG counter, so a sequence's draws do not
-  // depend on which batch it ran in. Not during capture. Writes `out`.
-  absl::Status Sample(Stream& stream, DeviceBuffer logits,
-                      absl::Span<const SamplingOptions> options,
-                      absl::Span<const int32_t> positions,
-                      std::vector<SampledToken>* out);
+  // Enqueues the bans on `logits` ([rows, vocab] fp32), then sampling of
+  // rows [0, batch.options.size()) into `token_ids` (int32) and `logprobs`
+  // (fp32), device buffers of >= that many elements. Returns without
+  // waiting (the host reads the results through its own copy). Not during
+  // capture. INVALID_ARGUMENT for a batch outside the limits.
+  absl::Status Launch(Stream& stream, DeviceBuffer logits,
+                      const SamplingBatch& batch, DeviceBuffer token_ids,
+                      DeviceBuffer logprobs);
+
+  int max_bans() const { return max_bans_; }
 
  private:
-  Sampler(int max_num_seqs, int vocab_size);
+  Sampler(int max_num_seqs, int vocab_size, int max_bans);
 
   int max_num_seqs_;
   int vocab_size_;
+  int max_bans_;
   DeviceBuffer temperature_, top_k_, top_p_, seeds_, positions_, workspace_,
-      token_ids_, logprobs_;
+      ban_rows_, ban_token_ids_;
   // Host staging, sized at startup.
-  std::vector<float> h_temperature_, h_top_p_, h_logprobs_;
-  std::vector<int32_t> h_top_k_, h_positions_, h_token_ids_;
+  std::vector<float> h_temperature_, h_top_p_;
+  std::vector<int32_t> h_top_k_, h_positions_;
   std::vector<uint64_t> h_seeds_;
 };
 

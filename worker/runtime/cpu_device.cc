@@ -14,6 +14,13 @@ namespace {
 
 // Same alignment cudaMalloc guarantees, so layouts match across backends.
 constexpr size_t kAllocationAlignment = 256;
+// A cache line: what Device::AllocateHost promises.
+constexpr size_t kHostAllocationAlignment = 64;
+
+// aligned_alloc needs a size that is a multiple of the alignment.
+size_t RoundUp(size_t size_bytes, size_t alignment) {
+  return (size_bytes + alignment - 1) / alignment * alignment;
+}
 
 size_t PhysicalMemoryBytes() {
   const long pages = sysconf(_SC_PHYS_PAGES);
@@ -27,7 +34,8 @@ size_t PhysicalMemoryBytes() {
 CpuDevice::CpuDevice(const CpuDeviceOptions& options)
     : capacity_bytes_(options.capacity_bytes != 0 ? options.capacity_bytes
                                                   : PhysicalMemoryBytes()),
-      memory_init_(options.memory_init) {}
+      memory_init_(options.memory_init),
+      stream_execution_(options.stream_execution) {}
 
 absl::StatusOr<MemoryStats> CpuDevice::GetMemoryStats() const {
   MemoryStats stats;
@@ -49,9 +57,7 @@ absl::StatusOr<void*> CpuDevice::DoAllocate(size_t size_bytes) {
     }
   } while (!used_bytes_.compare_exchange_weak(used, used + size_bytes,
                                               std::memory_order_relaxed));
-  // aligned_alloc needs a size that is a multiple of the alignment.
-  const size_t rounded = (size_bytes + kAllocationAlignment - 1) /
-                         kAllocationAlignment * kAllocationAlignment;
+  const size_t rounded = RoundUp(size_bytes, kAllocationAlignment);
   void* data = std::aligned_alloc(kAllocationAlignment, rounded);
   if (data == nullptr) {
     used_bytes_.fetch_sub(size_bytes, std::memory_order_relaxed);
@@ -67,8 +73,23 @@ void CpuDevice::DoFree(void* data, size_t size_bytes) noexcept {
   used_bytes_.fetch_sub(size_bytes, std::memory_order_relaxed);
 }
 
+absl::StatusOr<void*> CpuDevice::DoAllocateHost(size_t size_bytes) {
+  const size_t rounded = RoundUp(size_bytes, kHostAllocationAlignment);
+  void* data = std::aligned_alloc(kHostAllocationAlignment, rounded);
+  if (data == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "cpu device: host allocation of %d bytes failed", size_bytes));
+  }
+  if (memory_init_ == CpuMemoryInit::kPoison) std::memset(data, 0xFF, rounded);
+  return data;
+}
+
+void CpuDevice::DoFreeHost(void* data, size_t /*size_bytes*/) noexcept {
+  std::free(data);
+}
+
 absl::StatusOr<std::unique_ptr<Stream>> CpuDevice::DoCreateStream() {
-  return std::unique_ptr<Stream>(new CpuStream(*this));
+  return std::unique_ptr<Stream>(new CpuStream(*this, stream_execution_));
 }
 
 absl::StatusOr<std::unique_ptr<Event>> CpuDevice::DoCreateEvent() {

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "worker/runtime/cpu_work_queue.h"
 #include "worker/runtime/device.h"
 
 namespace pdworker {
@@ -27,6 +28,9 @@ struct CpuDeviceOptions {
   // Bytes this device may hand out; 0 means the machine's physical memory.
   size_t capacity_bytes = 0;
   CpuMemoryInit memory_init = CpuMemoryInit::kPoison;
+  // How every stream this device creates runs its work. kInline by default;
+  // kThreaded to exercise host/device overlap as on a GPU.
+  CpuStreamExecution stream_execution = CpuStreamExecution::kInline;
 };
 
 class CpuDevice final : public Device {
@@ -41,12 +45,18 @@ class CpuDevice final : public Device {
  protected:
   absl::StatusOr<void*> DoAllocate(size_t size_bytes) override;
   void DoFree(void* data, size_t size_bytes) noexcept override;
+  // Host memory needs no pinning here; it is aligned and initialized like
+  // device memory but not counted against the capacity (it is not device
+  // memory on CUDA either).
+  absl::StatusOr<void*> DoAllocateHost(size_t size_bytes) override;
+  void DoFreeHost(void* data, size_t size_bytes) noexcept override;
   absl::StatusOr<std::unique_ptr<Stream>> DoCreateStream() override;
   absl::StatusOr<std::unique_ptr<Event>> DoCreateEvent() override;
 
  private:
   const size_t capacity_bytes_;
   const CpuMemoryInit memory_init_;
+  const CpuStreamExecution stream_execution_;
   std::atomic<size_t> used_bytes_{0};
 };
 

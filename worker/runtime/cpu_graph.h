@@ -2,6 +2,7 @@
 #ifndef PDWORKER_WORKER_RUNTIME_CPU_GRAPH_H_
 #define PDWORKER_WORKER_RUNTIME_CPU_GRAPH_H_
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -10,6 +11,8 @@
 #include "worker/runtime/stream.h"
 
 namespace pdworker {
+
+class CpuStream;
 
 // One recorded launch: its closure holds the arguments (pointers, sizes,
 // scalars) as they were at capture time.
@@ -20,21 +23,25 @@ struct RecordedOp {
 
 // The CPU backend's graph. Honest to the CUDA contract: replay runs exactly
 // the recorded closures, so it sees new *contents* of the static buffers but
-// never new pointers or new host-side values.
+// never new pointers or new host-side values. Replay enqueues the whole list
+// as one task on the capture stream (the worker thread runs it with
+// CpuStreamExecution::kThreaded), like cudaGraphLaunch.
 class CpuGraph final : public CapturedGraph {
  public:
-  // `stream` must outlive Replay calls.
-  CpuGraph(Stream& stream, std::vector<RecordedOp> ops)
-      : stream_(stream), ops_(std::move(ops)) {}
+  // `stream` must outlive Replay calls; a replay still queued keeps the ops
+  // alive, so the graph itself may be destroyed right after Replay.
+  CpuGraph(CpuStream& stream, std::vector<RecordedOp> ops)
+      : stream_(stream),
+        ops_(std::make_shared<const std::vector<RecordedOp>>(std::move(ops))) {}
 
   absl::Status Replay() override;
 
-  size_t num_ops() const { return ops_.size(); }
-  const std::vector<RecordedOp>& ops() const { return ops_; }
+  size_t num_ops() const { return ops_->size(); }
+  const std::vector<RecordedOp>& ops() const { return *ops_; }
 
  private:
-  Stream& stream_;
-  std::vector<RecordedOp> ops_;
+  CpuStream& stream_;
+  std::shared_ptr<const std::vector<RecordedOp>> ops_;
 };
 
 }  // namespace pdworker

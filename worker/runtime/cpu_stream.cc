@@ -3,28 +3,74 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "worker/runtime/cpu_event.h"
 
 namespace pdworker {
+
+CpuStream::CpuStream(Device& device, CpuStreamExecution execution)
+    : Stream(device), queue_(execution) {}
+
+absl::Status CpuStream::InjectFault(const absl::Status& fault) {
+  if (fault.ok()) {
+    return absl::InvalidArgumentError("InjectFault: the fault must not be OK");
+  }
+  if (IsCapturing()) {
+    return absl::FailedPreconditionError(
+        "InjectFault: not while the stream is capturing a graph");
+  }
+  queue_.EnqueueFault(absl::Status(
+      fault.code(), absl::StrCat("device fault: ", fault.message())));
+  return absl::OkStatus();
+}
+
+void CpuStream::EnqueueReplay(
+    std::shared_ptr<const std::vector<RecordedOp>> ops) {
+  queue_.EnqueueWork([ops = std::move(ops)] {
+    const OpContext context;  // CPU ops need no native handles.
+    for (const RecordedOp& recorded : *ops) recorded.op(context);
+  });
+}
 
 absl::Status CpuStream::DoLaunch(absl::string_view name, Op op) {
   if (IsCapturing()) {
     recording_.push_back(RecordedOp{std::string(name), std::move(op)});
   } else {
-    op(OpContext{});
+    queue_.EnqueueWork([op = std::move(op)] { op(OpContext{}); });
   }
   return absl::OkStatus();
 }
 
 absl::Status CpuStream::DoCopyToDevice(DeviceBuffer dst, const void* src,
                                        size_t size_bytes) {
-  std::memcpy(dst.data(), src, size_bytes);
+  void* to = dst.data();
+  if (queue_.execution() == CpuStreamExecution::kInline) {
+    queue_.EnqueueWork(
+        [to, src, size_bytes] { std::memcpy(to, src, size_bytes); });
+    return absl::OkStatus();
+  }
+  // The caller may reuse `src` once we return (CUDA's contract for pageable
+  // memory): stage the bytes now, copy them in stream order.
+  const auto* from = static_cast<const unsigned char*>(src);
+  queue_.EnqueueWork(
+      [to, staged = std::vector<unsigned char>(from, from + size_bytes)] {
+        std::memcpy(to, staged.data(), staged.size());
+      });
   return absl::OkStatus();
 }
 
 absl::Status CpuStream::DoCopyToHost(void* dst, DeviceBuffer src,
                                      size_t size_bytes) {
-  std::memcpy(dst, src.data(), size_bytes);
+  absl::Status enqueued = DoCopyToHostAsync(dst, src, size_bytes);
+  if (!enqueued.ok()) return enqueued;
+  return queue_.Drain();
+}
+
+absl::Status CpuStream::DoCopyToHostAsync(void* dst, DeviceBuffer src,
+                                          size_t size_bytes) {
+  const void* from = src.data();
+  queue_.EnqueueWork(
+      [dst, from, size_bytes] { std::memcpy(dst, from, size_bytes); });
   return absl::OkStatus();
 }
 
@@ -39,7 +85,7 @@ absl::Status CpuStream::DoCopyOnDevice(DeviceBuffer dst, DeviceBuffer src,
 }
 
 absl::Status CpuStream::DoRecordEvent(Event& event) {
-  static_cast<CpuEvent&>(event).RecordNow();
+  queue_.EnqueueTask(static_cast<CpuEvent&>(event).Record());
   return absl::OkStatus();
 }
 

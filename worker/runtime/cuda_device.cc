@@ -79,6 +79,28 @@ void CudaDevice::DoFree(void* data, size_t size_bytes) noexcept {
   }
 }
 
+absl::StatusOr<void*> CudaDevice::DoAllocateHost(size_t size_bytes) {
+  absl::Status current = MakeCurrent();
+  if (!current.ok()) return current;
+  void* data = nullptr;
+  absl::Status status = CudaStatus(
+      cudaMallocHost(&data, size_bytes),
+      absl::StrFormat("cudaMallocHost(%d bytes) for %s", size_bytes, name_));
+  if (!status.ok()) {
+    cudaGetLastError();  // Out-of-memory is not sticky; clear it.
+    return status;
+  }
+  return data;
+}
+
+void CudaDevice::DoFreeHost(void* data, size_t size_bytes) noexcept {
+  const cudaError_t error = cudaFreeHost(data);
+  if (error != cudaSuccess) {
+    LOG(ERROR) << "cudaFreeHost of " << size_bytes << " bytes for " << name_
+               << " failed: " << cudaGetErrorString(error);
+  }
+}
+
 absl::StatusOr<std::unique_ptr<Stream>> CudaDevice::DoCreateStream() {
   absl::Status current = MakeCurrent();
   if (!current.ok()) return current;

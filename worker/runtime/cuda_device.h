@@ -31,13 +31,16 @@ class CudaDevice final : public Device {
   absl::StatusOr<MemoryStats> GetMemoryStats() const override;
 
   int ordinal() const { return options_.ordinal; }
-  // cudaSetDevice for the calling thread; the executor thread calls it once
+  // cudaSetDevice for the calling thread; the engine thread calls it once
   // before using streams created on another thread.
   absl::Status MakeCurrent() const;
 
  protected:
   absl::StatusOr<void*> DoAllocate(size_t size_bytes) override;
   void DoFree(void* data, size_t size_bytes) noexcept override;
+  // cudaMallocHost / cudaFreeHost: page-locked, page-aligned.
+  absl::StatusOr<void*> DoAllocateHost(size_t size_bytes) override;
+  void DoFreeHost(void* data, size_t size_bytes) noexcept override;
   absl::StatusOr<std::unique_ptr<Stream>> DoCreateStream() override;
   absl::StatusOr<std::unique_ptr<Event>> DoCreateEvent() override;
 

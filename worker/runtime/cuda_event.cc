@@ -12,6 +12,31 @@ absl::StatusOr<std::unique_ptr<CudaEvent>> CudaEvent::Create() {
   return std::unique_ptr<CudaEvent>(new CudaEvent(UniqueCudaEvent(raw)));
 }
 
+absl::Status CudaEvent::Synchronize() {
+  if (!recorded_) {
+    return absl::FailedPreconditionError(
+        "Event::Synchronize: the event was never recorded");
+  }
+  return CudaStatus(cudaEventSynchronize(event_.get()), "cudaEventSynchronize");
+}
+
+absl::StatusOr<bool> CudaEvent::Query() {
+  if (!recorded_) {
+    return absl::FailedPreconditionError(
+        "Event::Query: the event was never recorded");
+  }
+  const cudaError_t error = cudaEventQuery(event_.get());
+  if (error == cudaErrorNotReady) {
+    // Not an error, but the runtime may leave it as the thread's last error,
+    // where the next Launch's cudaGetLastError would report it.
+    if (cudaPeekAtLastError() == cudaErrorNotReady) cudaGetLastError();
+    return false;
+  }
+  absl::Status status = CudaStatus(error, "cudaEventQuery");
+  if (!status.ok()) return status;
+  return true;
+}
+
 absl::StatusOr<double> CudaEvent::ElapsedMillisecondsSince(
     const Event& start) const {
   const auto* cuda_start = dynamic_cast<const CudaEvent*>(&start);

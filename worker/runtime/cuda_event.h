@@ -12,6 +12,8 @@
 
 namespace pdworker {
 
+// Created with default flags: timing enabled, and host waits follow the
+// device's scheduling flags (cudaDeviceScheduleAuto).
 class CudaEvent final : public Event {
  public:
   static absl::StatusOr<std::unique_ptr<CudaEvent>> Create();
@@ -19,6 +21,9 @@ class CudaEvent final : public Event {
   DeviceKind kind() const override { return DeviceKind::kCuda; }
   absl::StatusOr<double> ElapsedMillisecondsSince(
       const Event& start) const override;
+  // cudaEventSynchronize / cudaEventQuery (cudaErrorNotReady: false).
+  absl::Status Synchronize() override;
+  absl::StatusOr<bool> Query() override;
 
   cudaEvent_t native() const { return event_.get(); }
   // Called by CudaStream after cudaEventRecord succeeded.

@@ -81,12 +81,16 @@ absl::Status CudaStream::DoCopyToDevice(DeviceBuffer dst, const void* src,
 
 absl::Status CudaStream::DoCopyToHost(void* dst, DeviceBuffer src,
                                       size_t size_bytes) {
-  absl::Status status =
-      CudaStatus(cudaMemcpyAsync(dst, src.data(), size_bytes,
-                                 cudaMemcpyDeviceToHost, stream_.get()),
-                 "cudaMemcpyAsync(device to host)");
+  absl::Status status = DoCopyToHostAsync(dst, src, size_bytes);
   if (!status.ok()) return status;
   return DoSynchronize();
+}
+
+absl::Status CudaStream::DoCopyToHostAsync(void* dst, DeviceBuffer src,
+                                           size_t size_bytes) {
+  return CudaStatus(cudaMemcpyAsync(dst, src.data(), size_bytes,
+                                    cudaMemcpyDeviceToHost, stream_.get()),
+                    "cudaMemcpyAsync(device to host)");
 }
 
 absl::Status CudaStream::DoCopyOnDevice(DeviceBuffer dst, DeviceBuffer src,

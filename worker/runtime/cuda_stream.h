@@ -36,6 +36,11 @@ class CudaStream final : public Stream {
                               size_t size_bytes) override;
   absl::Status DoCopyToHost(void* dst, DeviceBuffer src,
                             size_t size_bytes) override;
+  // cudaMemcpyAsync without synchronizing. Truly asynchronous only into
+  // pinned memory (Device::AllocateHost); into pageable memory the runtime
+  // may stage the copy and block the host until it is done.
+  absl::Status DoCopyToHostAsync(void* dst, DeviceBuffer src,
+                                 size_t size_bytes) override;
   absl::Status DoCopyOnDevice(DeviceBuffer dst, DeviceBuffer src,
                               size_t size_bytes) override;
   absl::Status DoSynchronize() override;

@@ -28,6 +28,15 @@ void DeviceMemory::Reset() noexcept {
   size_bytes_ = 0;
 }
 
+void HostMemory::Reset() noexcept {
+  if (device_ != nullptr && data_ != nullptr) {
+    device_->DoFreeHost(data_, size_bytes_);
+  }
+  device_ = nullptr;
+  data_ = nullptr;
+  size_bytes_ = 0;
+}
+
 absl::StatusOr<DeviceMemory> Device::Allocate(size_t size_bytes) {
   absl::Status refused =
       capture_registry_.RefuseDuringCapture("Device::Allocate");
@@ -38,6 +47,18 @@ absl::StatusOr<DeviceMemory> Device::Allocate(size_t size_bytes) {
   absl::StatusOr<void*> data = DoAllocate(size_bytes);
   if (!data.ok()) return data.status();
   return DeviceMemory(this, *data, size_bytes);
+}
+
+absl::StatusOr<HostMemory> Device::AllocateHost(size_t size_bytes) {
+  absl::Status refused =
+      capture_registry_.RefuseDuringCapture("Device::AllocateHost");
+  if (!refused.ok()) return refused;
+  if (size_bytes == 0) {
+    return absl::InvalidArgumentError("Device::AllocateHost of 0 bytes");
+  }
+  absl::StatusOr<void*> data = DoAllocateHost(size_bytes);
+  if (!data.ok()) return data.status();
+  return HostMemory(this, *data, size_bytes);
 }
 
 absl::StatusOr<std::unique_ptr<Stream>> Device::CreateStream() {

@@ -12,6 +12,7 @@
 #include "absl/strings/string_view.h"
 #include "worker/runtime/capture_registry.h"
 #include "worker/runtime/device_buffer.h"
+#include "worker/runtime/host_memory.h"
 
 namespace pdworker {
 
@@ -35,9 +36,10 @@ struct MemoryStats {
 
 // One device. Creates the streams, events and allocations that live on it.
 // All of these must be created at startup: while any stream of this device is
-// capturing a graph, Allocate/CreateStream/CreateEvent fail with
-// FAILED_PRECONDITION and invalidate the capture (CUDA forbids cudaMalloc
-// during stream capture, and the step path must not allocate anyway).
+// capturing a graph, Allocate/AllocateHost/CreateStream/CreateEvent fail with
+// FAILED_PRECONDITION and invalidate the capture (CUDA forbids cudaMalloc and
+// cudaMallocHost during stream capture, and the step path must not allocate
+// anyway).
 //
 // The Device must outlive everything it created.
 class Device {
@@ -54,6 +56,11 @@ class Device {
   // Allocates `size_bytes` (> 0) of device memory, aligned to at least 256
   // bytes. RESOURCE_EXHAUSTED when the device is full.
   absl::StatusOr<DeviceMemory> Allocate(size_t size_bytes);
+  // Allocates `size_bytes` (> 0) of pinned host memory, aligned to at least
+  // 64 bytes (a cache line), for copies that must not block the host, e.g.
+  // Stream::CopyToHostAsync of sampled tokens. Not counted in MemoryStats.
+  // RESOURCE_EXHAUSTED when the host cannot pin that much.
+  absl::StatusOr<HostMemory> AllocateHost(size_t size_bytes);
   absl::StatusOr<std::unique_ptr<Stream>> CreateStream();
   absl::StatusOr<std::unique_ptr<Event>> CreateEvent();
 
@@ -65,11 +72,14 @@ class Device {
 
   virtual absl::StatusOr<void*> DoAllocate(size_t size_bytes) = 0;
   virtual void DoFree(void* data, size_t size_bytes) noexcept = 0;
+  virtual absl::StatusOr<void*> DoAllocateHost(size_t size_bytes) = 0;
+  virtual void DoFreeHost(void* data, size_t size_bytes) noexcept = 0;
   virtual absl::StatusOr<std::unique_ptr<Stream>> DoCreateStream() = 0;
   virtual absl::StatusOr<std::unique_ptr<Event>> DoCreateEvent() = 0;
 
  private:
   friend class DeviceMemory;
+  friend class HostMemory;
 
   CaptureRegistry capture_registry_;
 };

@@ -104,6 +104,24 @@ absl::Status Stream::CopyToHost(void* dst, DeviceBuffer src,
   return DoCopyToHost(dst, src, size_bytes);
 }
 
+absl::Status Stream::CopyToHostAsync(void* dst, DeviceBuffer src,
+                                     size_t size_bytes) {
+  absl::Status refused = RefuseDuringCapture(
+      "Stream::CopyToHostAsync",
+      "reading device memory on the host needs the work to have run, and "
+      "captured work does not run until replay; copy results out after the "
+      "replay");
+  if (!refused.ok()) return refused;
+  absl::Status range =
+      CheckCopyRange("CopyToHostAsync", size_bytes, src, "source");
+  if (!range.ok()) return range;
+  if (size_bytes == 0) return absl::OkStatus();
+  if (dst == nullptr) {
+    return absl::InvalidArgumentError("CopyToHostAsync: null host destination");
+  }
+  return DoCopyToHostAsync(dst, src, size_bytes);
+}
+
 absl::Status Stream::CopyOnDevice(DeviceBuffer dst, DeviceBuffer src,
                                   size_t size_bytes) {
   absl::Status range =

@@ -22,7 +22,8 @@ namespace pdworker {
 class Event;
 
 // Native handles an op enqueues its work with. On the CPU backend both are
-// null: the op does its work itself, on the calling thread.
+// null: the op does its work itself, on the stream's thread (the calling
+// thread, or the stream's worker thread with CpuStreamExecution::kThreaded).
 struct OpContext {
   void* cuda_stream = nullptr;    // cudaStream_t
   void* cublas_handle = nullptr;  // cublasHandle_t bound to cuda_stream,
@@ -32,21 +33,30 @@ struct OpContext {
 // One op launch. Everything it uses (buffer pointers, sizes, scalars) must be
 // captured *by value* in the closure: while a graph is being captured the
 // closure's arguments are frozen into the graph, exactly like the arguments
-// of a CUDA kernel launch.
+// of a CUDA kernel launch. An eager op may also run after Launch returned, on
+// another thread, so it must not read host state the caller changes next, nor
+// call back into the stream.
 using Op = std::function<void(const OpContext&)>;
 
 // An in-order stream of device work; the worker has one. Also the
 // GraphBackend that GraphWrapper captures with: between BeginCapture and
 // EndCapture, work is recorded into a graph instead of being executed.
 //
+// Work is asynchronous on CUDA and on the threaded CPU stream: Launch,
+// CopyToDevice, CopyOnDevice, CopyToHostAsync, RecordEvent and graph replay
+// enqueue and return; the work runs later, in enqueue order. The host sees
+// its results only after Synchronize, CopyToHost, or Event::Synchronize of an
+// event recorded after it. Errors of work that already ran asynchronously
+// (a faulted device) surface at those waits.
+//
 // What CUDA forbids during stream capture is refused on every backend (so the
 // CPU backend catches what would break on a GPU): Synchronize, CopyToHost,
-// CopyToDevice from host memory, RecordEvent, replaying a graph, and the
-// device-wide operations listed in Device. A refused operation returns
-// FAILED_PRECONDITION and invalidates the capture: later launches fail and
-// EndCapture returns an error naming the first offending operation.
+// CopyToHostAsync, CopyToDevice from host memory, RecordEvent, replaying a
+// graph, and the device-wide operations listed in Device. A refused operation
+// returns FAILED_PRECONDITION and invalidates the capture: later launches fail
+// and EndCapture returns an error naming the first offending operation.
 //
-// Used by one thread at a time (the worker's executor thread), except that
+// Used by one thread at a time (the worker's engine thread), except that
 // InvalidateCapture may be called from any thread.
 class Stream : public GraphBackend {
  public:
@@ -57,26 +67,37 @@ class Stream : public GraphBackend {
   Device& device() const { return device_; }
   DeviceKind kind() const { return device_.kind(); }
 
-  // Runs `op` now (eager), or records it into the graph being captured. On
-  // CUDA `op` enqueues kernels on the OpContext's stream either way and CUDA
-  // does the recording; launch errors are reported here. `name` labels the op
-  // in errors and recorded graphs.
+  // Enqueues `op` (eager: it runs after all earlier work, possibly after this
+  // returns), or records it into the graph being captured. On CUDA `op`
+  // enqueues kernels on the OpContext's stream either way and CUDA does the
+  // recording; launch errors are reported here. `name` labels the op in
+  // errors and recorded graphs.
   absl::Status Launch(absl::string_view name, Op op);
 
-  // Copies `size_bytes` from host memory `src` into `dst`. `src` may be
-  // reused as soon as this returns. Refused during capture: inputs are
-  // written into static buffers before capture or replay, never inside one.
+  // Copies `size_bytes` from host memory `src` into `dst`, in stream order.
+  // `src` may be reused as soon as this returns (its bytes are staged). Refused
+  // during capture: inputs are written into static buffers before capture or
+  // replay, never inside one.
   absl::Status CopyToDevice(DeviceBuffer dst, const void* src,
                             size_t size_bytes);
   // Copies `size_bytes` from `src` into host memory `dst` and waits for the
   // copy (and all earlier work) to finish. Refused during capture.
   absl::Status CopyToHost(void* dst, DeviceBuffer src, size_t size_bytes);
+  // Enqueues a copy of `size_bytes` from `src` into host memory `dst` and
+  // returns without waiting: the bytes are in `dst` once an event recorded
+  // after this call has completed (Event::Synchronize or Query). Until then
+  // the host must neither read nor free `dst`. On CUDA, `dst` must be pinned
+  // (Device::AllocateHost) for the copy to be truly asynchronous; into
+  // pageable memory cudaMemcpyAsync may block the host. Refused during
+  // capture, like CopyToHost.
+  absl::Status CopyToHostAsync(void* dst, DeviceBuffer src, size_t size_bytes);
   // Device-to-device copy; an ordinary op (capturable).
   absl::Status CopyOnDevice(DeviceBuffer dst, DeviceBuffer src,
                             size_t size_bytes);
   // Waits until all work on the stream has finished. Refused during capture.
   absl::Status Synchronize();
-  // Marks the current point of the stream in `event`. Refused during capture.
+  // Marks the current point of the stream in `event`: it completes when all
+  // work enqueued so far has finished. Refused during capture.
   absl::Status RecordEvent(Event& event);
 
   // GraphBackend.
@@ -110,6 +131,8 @@ class Stream : public GraphBackend {
                                       size_t size_bytes) = 0;
   virtual absl::Status DoCopyToHost(void* dst, DeviceBuffer src,
                                     size_t size_bytes) = 0;
+  virtual absl::Status DoCopyToHostAsync(void* dst, DeviceBuffer src,
+                                         size_t size_bytes) = 0;
   virtual absl::Status DoCopyOnDevice(DeviceBuffer dst, DeviceBuffer src,
                                       size_t size_bytes) = 0;
   virtual absl::Status DoSynchronize() = 0;

@@ -55,7 +55,7 @@ void FillResponse(const v1::ForwardRequest& request,
       handle->set_lease_expiry_unix_micros(UnixMicros(lease.expiry));
     }
   }
-  const StepSummary& s = outcome.last_step;
+  const StepInfo& s = outcome.last_step;
   v1::StepInfo* step = response->mutable_step();
   step->set_runtime_mode(ToProto(s.mode));
   if (s.fallback_reason != FallbackReason::kNone) {
@@ -65,7 +65,7 @@ void FillResponse(const v1::ForwardRequest& request,
   step->set_unpadded_tokens(s.unpadded_tokens);
   step->set_padded_tokens(s.padded_tokens);
   step->set_num_sequences(s.num_sequences);
-  step->set_step_micros(static_cast<int64_t>(s.step_seconds * 1e6));
+  step->set_step_micros(static_cast<int64_t>(s.device_seconds * 1e6));
   response->set_num_steps(outcome.num_steps);
 }
 

@@ -1,0 +1,78 @@
+// Engine-owned requests: a prompt the engine admits, prefills (chunked
+// under the step budget), decodes step after step in whatever batch is
+// running, and streams token by token to a callback until a stop condition
+// ends it — the request-level way in (DESIGN.md, "Users and their day"),
+// beside step-level Forward calls.
+#ifndef PDWORKER_WORKER_ENGINE_REQUEST_H_
+#define PDWORKER_WORKER_ENGINE_REQUEST_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "worker/engine/step_calls.h"
+#include "worker/engine/stop_conditions.h"
+#include "worker/runner/sampler.h"
+
+namespace pdworker {
+
+struct RequestSpec {
+  std::string request_id;  // unique among the engine's live requests
+  std::vector<int32_t> prompt;
+  SamplingOptions sampling;
+  StopConditions stop;
+};
+
+// What the request's callback receives after each step that gave it
+// tokens, and once more (or only) when it ends.
+struct RequestUpdate {
+  // Tokens (and their logprobs) sampled since the previous update.
+  absl::Span<const int32_t> new_token_ids;
+  absl::Span<const float> new_logprobs;
+  int32_t num_prompt_tokens = 0;
+  int32_t num_output_tokens = 0;  // so far, new_token_ids included
+  // The engine's step count when these tokens were read (steps run since
+  // it started): consecutive tokens of a decoding request come from
+  // consecutive steps unless it had to wait.
+  int64_t step = 0;
+  // Set on the last update of a request that finished (OK status).
+  std::optional<FinishReason> finish_reason;
+  // The EOS or stop token id that ended it (kStop only).
+  std::optional<int32_t> matched_token_id;
+  // Not OK on the last update of a request that failed: refused when
+  // admitted, a device error, the engine stopped, its deadline passed,
+  // its client cancelled. Its KV is freed.
+  absl::Status status;
+
+  bool last() const { return finish_reason.has_value() || !status.ok(); }
+};
+
+struct EngineRequest {
+  RequestSpec spec;
+  // Deadline and cancellation (a disconnected client aborts its request).
+  std::shared_ptr<CallControl> control;
+  // Called on the engine thread (or from Submit when refused). Must not
+  // block; the last update is the one with last() true.
+  std::function<void(const RequestUpdate&)> on_update;
+};
+
+// Aborts requests by id. All or nothing: an unknown id aborts none
+// (NOT_FOUND naming it).
+struct AbortOutcome {
+  int freed_blocks = 0;
+};
+struct AbortCall {
+  std::vector<std::string> request_ids;  // distinct
+  std::function<void(const absl::StatusOr<AbortOutcome>&)> done;
+};
+
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_ENGINE_REQUEST_H_
