@@ -84,6 +84,11 @@ TEST(RequestValidationTest, ErrorsNameTheField) {
        absl::StatusCode::kInvalidArgument,
        "sequences[0].sequence_id is 129 bytes"},
       {[](v1::ForwardRequest* r) {
+         r->mutable_sequences(0)->set_sequence_id("\x01request#0");
+       },
+       absl::StatusCode::kInvalidArgument,
+       "sequences[0].sequence_id begins with byte 0x01"},
+      {[](v1::ForwardRequest* r) {
          r->mutable_sequences(0)->set_token_ids(1, 256);
        },
        absl::StatusCode::kInvalidArgument,

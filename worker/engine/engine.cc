@@ -161,8 +161,6 @@ Engine::Engine(ModelRunner& runner, const EngineOptions& options,
       leases_(leases),
       vocab_size_(static_cast<int32_t>(runner.model_config().vocab_size)),
       max_model_len_(runner.max_model_len()),
-      kv_block_size_(runner.kv_cache().block_size()),
-      kv_total_blocks_(runner.kv_cache().Stats().total_blocks),
       planner_(StepBudget{runner.options().max_num_seqs,
                           runner.options().max_num_batched_tokens,
                           runner.kv_cache().block_size()}) {
@@ -312,11 +310,10 @@ void Engine::AdmitIncomingRequests() {
       r->stop.eos_token_ids = eos_token_ids_;
     }
     r->stop.num_prompt_tokens = static_cast<int32_t>(call->spec.prompt.size());
-    const int32_t length_limit =
-        std::min(max_model_len_, kv_total_blocks_ * kv_block_size_);
-    r->stop.max_output_tokens = call->spec.stop.max_tokens > 0
-                                    ? call->spec.stop.max_tokens
-                                    : length_limit - r->stop.num_prompt_tokens;
+    r->stop.max_output_tokens =
+        call->spec.stop.max_tokens > 0
+            ? call->spec.stop.max_tokens
+            : max_model_len_ - r->stop.num_prompt_tokens;
     r->kv_id = absl::StrCat(std::string(1, kEngineSequencePrefix), "request#",
                             next_request_number_++);
     r->tokens = call->spec.prompt;
@@ -843,6 +840,9 @@ void Engine::FinishRequest(Request& r, std::optional<FinishReason> reason,
   // Keeps the request alive through the callback and the erase below.
   std::shared_ptr<Request> self = requests_.at(r.call->spec.request_id);
   requests_.erase(r.call->spec.request_id);
+  // Publish before answering: a client that reads the worker's state after
+  // its request ended sees its KV freed.
+  PublishSnapshot();
   r.call->on_update(update);
   r.new_tokens.clear();
   r.new_logprobs.clear();
@@ -1130,7 +1130,8 @@ absl::Status Engine::ValidateRequest(const RequestSpec& spec) const {
           bans));
     }
   }
-  // The longest the request can get, and what it must fit.
+  // The longest the request can get. The runner sized the KV cache for at
+  // least one max_model_len sequence, so this also guarantees it can run.
   const int64_t outputs = stop.max_tokens > 0 ? stop.max_tokens : 1;
   if (prompt + outputs > max_model_len_) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -1138,16 +1139,6 @@ absl::Status Engine::ValidateRequest(const RequestSpec& spec) const {
         stop.max_tokens > 0 ? "max_tokens (" : "one output token (", outputs,
         ") exceeds the model's maximum length of ", max_model_len_,
         " tokens (--max_model_len)"));
-  }
-  const int64_t blocks =
-      (prompt + outputs + kv_block_size_ - 1) / kv_block_size_;
-  if (blocks > kv_total_blocks_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the prompt (", prompt, " tokens) plus ",
-        stop.max_tokens > 0 ? "max_tokens (" : "one output token (", outputs,
-        ") needs ", blocks, " KV blocks of ", kv_block_size_,
-        " tokens; the whole KV cache has ", kv_total_blocks_,
-        " (--kv_cache_bytes), so it could never run"));
   }
   return absl::OkStatus();
 }

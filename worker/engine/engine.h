@@ -130,10 +130,9 @@ class Engine {
   // Queues the request, or ends it at once (its last update, on this
   // thread): INVALID_ARGUMENT naming the field (empty prompt or id, a token
   // outside the vocabulary, bad sampling or stop values, a prompt plus
-  // max_tokens past the model's maximum length or larger than the whole KV
-  // cache), UNAVAILABLE (stopped or draining), RESOURCE_EXHAUSTED (too many
-  // waiting). A request id already live ends the new one with
-  // ALREADY_EXISTS (on the engine thread).
+  // max_tokens past the model's maximum length), UNAVAILABLE (stopped or
+  // draining), RESOURCE_EXHAUSTED (too many waiting). A request id already live
+  // ends the new one with ALREADY_EXISTS (on the engine thread).
   void Submit(std::unique_ptr<EngineRequest> request);
   // Aborts live requests (queued, prefilling or decoding): each gets its
   // last update (finish reason abort) and its KV is freed before `done`
@@ -235,8 +234,6 @@ class Engine {
   // Read-only facts from the runner, for Submit on other threads.
   const int32_t vocab_size_;
   const int32_t max_model_len_;
-  const int32_t kv_block_size_;
-  const int32_t kv_total_blocks_;
   std::vector<int32_t> eos_token_ids_;
 
   mutable std::mutex mu_;

@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/fnv1a.h"
+#include "worker/engine/engine.h"
 #include "worker/runner/sampler.h"
 
 namespace pdworker {
@@ -18,6 +19,12 @@ absl::Status CheckSequenceId(absl::string_view field, absl::string_view id) {
     return absl::InvalidArgumentError(absl::StrCat(field, " is ", id.size(),
                                                    " bytes; the limit is ",
                                                    kMaxSequenceIdBytes));
+  }
+  if (id[0] == kEngineSequencePrefix) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field,
+                     " begins with byte 0x01, which the worker reserves for "
+                     "the sequences of its own requests"));
   }
   return absl::OkStatus();
 }

@@ -44,8 +44,8 @@ absl::StatusOr<ForwardCallSpec> ValidateForwardRequest(
 absl::StatusOr<std::vector<std::string>> ValidateReleaseRequest(
     const v1::ReleaseRequest& request);
 
-// INVALID_ARGUMENT naming `field` for an empty id or one longer than
-// kMaxSequenceIdBytes.
+// INVALID_ARGUMENT naming `field` for an empty id, one longer than
+// kMaxSequenceIdBytes, or one beginning with kEngineSequencePrefix.
 absl::Status CheckSequenceId(absl::string_view field, absl::string_view id);
 
 // The sampling seed of a sequence that sets none: a 64-bit FNV-1a hash of

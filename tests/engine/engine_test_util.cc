@@ -1,0 +1,223 @@
+#include "tests/engine/engine_test_util.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "dispatcher/compilation_config.h"
+#include "glog/logging.h"
+#include "nlohmann/json.hpp"
+#include "tools/make_tiny_model/tiny_model.h"
+
+namespace pdworker::engine_testing {
+
+std::string ModelDir(const ModelDirOptions& options) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  std::string name =
+      absl::StrCat("tiny_gqa_engine_", options.max_position_embeddings);
+  if (options.generation_eos_ids.has_value()) {
+    absl::StrAppend(&name, "_eos_",
+                    absl::StrJoin(*options.generation_eos_ids, "_"));
+  }
+  const std::string dir = absl::StrCat(tmp ? tmp : "/tmp", "/", name);
+  TinyModelOptions tiny;
+  tiny.shape = TinyShape::kGqa;
+  tiny.seed = 7;
+  const absl::Status written = WriteTinyModel(tiny, dir);
+  CHECK(written.ok()) << written;
+  if (options.max_position_embeddings > 0) {
+    std::ifstream in(dir + "/config.json");
+    nlohmann::json config = nlohmann::json::parse(in);
+    config["max_position_embeddings"] = options.max_position_embeddings;
+    std::ofstream(dir + "/config.json") << config.dump(2);
+  }
+  std::filesystem::remove(dir + "/generation_config.json");
+  if (options.generation_eos_ids.has_value()) {
+    nlohmann::json generation;
+    generation["eos_token_id"] = *options.generation_eos_ids;
+    std::ofstream(dir + "/generation_config.json") << generation.dump(2);
+  }
+  return dir;
+}
+
+ModelRunnerOptions SmallOptions(const std::string& mode) {
+  ModelRunnerOptions o;
+  o.role = Role::kBoth;
+  o.max_num_seqs = 8;
+  o.max_num_batched_tokens = 64;
+  o.kv_cache_bytes = int64_t{1} << 20;
+  o.block_size = 4;
+  o.max_model_len = 128;
+  o.input_address_check = InputAddressCheck::kOn;
+  auto config = ParseCompilationConfig(
+      absl::StrCat(R"({"cudagraph_mode":")", mode,
+                   R"(","cudagraph_capture_sizes":[1,2,4,8,16]})"));
+  CHECK(config.ok()) << config.status();
+  o.compilation = *config;
+  return o;
+}
+
+std::vector<std::string> AllModes() {
+  return {"NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY",
+          "FULL_AND_PIECEWISE"};
+}
+
+std::unique_ptr<TestEngine> StartEngine(const std::string& model_dir,
+                                        const ModelRunnerOptions& options,
+                                        const EngineOptions& engine_options,
+                                        CpuStreamExecution execution) {
+  auto t = std::make_unique<TestEngine>();
+  CpuDeviceOptions device_options;
+  device_options.stream_execution = execution;
+  t->device = std::make_unique<CpuDevice>(device_options);
+  auto runner = ModelRunner::Create(*t->device, model_dir, options);
+  CHECK(runner.ok()) << runner.status();
+  t->runner = *std::move(runner);
+  t->engine =
+      std::make_unique<Engine>(*t->runner, engine_options, /*metrics=*/nullptr);
+  const absl::Status captured =
+      t->engine->RunExclusive([](ModelRunner& r) -> absl::Status {
+        return r.CaptureGraphs().status();
+      });
+  CHECK(captured.ok()) << captured;
+  return t;
+}
+
+PendingGeneration::PendingGeneration(Engine& engine, RequestSpec spec,
+                                     std::shared_ptr<CallControl> control)
+    : done_future_(done_.get_future()) {
+  auto request = std::make_unique<EngineRequest>();
+  request->spec = std::move(spec);
+  request->control = std::move(control);
+  request->on_update = [this](const RequestUpdate& u) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++result_.updates;
+    for (size_t i = 0; i < u.new_token_ids.size(); ++i) {
+      result_.tokens.push_back(u.new_token_ids[i]);
+      result_.logprobs.push_back(u.new_logprobs[i]);
+      result_.token_steps.push_back(u.step);
+    }
+    if (u.last()) {
+      result_.finish_reason = u.finish_reason;
+      result_.matched_token_id = u.matched_token_id;
+      result_.status = u.status;
+      done_.set_value();
+    }
+  };
+  engine.Submit(std::move(request));
+}
+
+Generation PendingGeneration::Wait() {
+  done_future_.wait();
+  std::lock_guard<std::mutex> lock(mu_);
+  return result_;
+}
+
+int PendingGeneration::TokensSoFar() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(result_.tokens.size());
+}
+
+RequestSpec Spec(const std::string& id, std::vector<int32_t> prompt,
+                 int32_t max_tokens, SamplingOptions sampling) {
+  RequestSpec spec;
+  spec.request_id = id;
+  spec.prompt = std::move(prompt);
+  spec.sampling = sampling;
+  spec.stop.max_tokens = max_tokens;
+  spec.stop.eos = EosHandling::kIgnore;
+  return spec;
+}
+
+absl::StatusOr<Sampled> ReferenceGeneration(ModelRunner& runner,
+                                            const std::string& id,
+                                            const std::vector<int32_t>& prompt,
+                                            int num_tokens,
+                                            const SamplingOptions& sampling,
+                                            const std::vector<int32_t>& banned,
+                                            int ban_until) {
+  Sampled out;
+  const int chunk = runner.options().max_num_batched_tokens;
+  std::vector<int32_t> next;
+  for (size_t start = 0; start < prompt.size(); start += chunk) {
+    const size_t end = std::min(prompt.size(), start + chunk);
+    SequenceStep step;
+    step.sequence_id = id;
+    step.token_ids.assign(prompt.begin() + start, prompt.begin() + end);
+    step.sampling = sampling;
+    step.creation = start == 0 ? SequenceCreation::kMustBeNew
+                               : SequenceCreation::kMustExist;
+    if (end == prompt.size() && ban_until > 0) step.banned_token_ids = banned;
+    absl::StatusOr<StepResult> result = runner.Execute({&step, 1});
+    if (!result.ok()) return result.status();
+    if (end == prompt.size()) {
+      out.tokens.push_back(result->sequences[0].token_id);
+      out.logprobs.push_back(result->sequences[0].logprob);
+    }
+  }
+  while (static_cast<int>(out.tokens.size()) < num_tokens) {
+    SequenceStep step;
+    step.sequence_id = id;
+    step.token_ids = {out.tokens.back()};
+    step.sampling = sampling;
+    step.creation = SequenceCreation::kMustExist;
+    if (static_cast<int>(out.tokens.size()) < ban_until) {
+      step.banned_token_ids = banned;
+    }
+    absl::StatusOr<StepResult> result = runner.Execute({&step, 1});
+    if (!result.ok()) return result.status();
+    out.tokens.push_back(result->sequences[0].token_id);
+    out.logprobs.push_back(result->sequences[0].logprob);
+  }
+  absl::Status released = runner.Release(id);
+  if (!released.ok()) return released;
+  return out;
+}
+
+std::vector<int32_t> Prompt(int length, uint64_t seed) {
+  std::vector<int32_t> tokens(length);
+  uint64_t x = seed * 0x9e3779b97f4a7c15ULL + 1;
+  for (int i = 0; i < length; ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    tokens[i] = 3 + static_cast<int32_t>(x % 253);
+  }
+  return tokens;
+}
+
+absl::StatusOr<AbortOutcome> Abort(Engine& engine,
+                                   std::vector<std::string> ids) {
+  std::promise<absl::StatusOr<AbortOutcome>> promise;
+  auto call = std::make_unique<AbortCall>();
+  call->request_ids = std::move(ids);
+  call->done = [&promise](const absl::StatusOr<AbortOutcome>& outcome) {
+    promise.set_value(outcome);
+  };
+  engine.Submit(std::move(call));
+  return promise.get_future().get();
+}
+
+absl::StatusOr<ForwardOutcome> Forward(Engine& engine, const std::string& id,
+                                       std::vector<int32_t> tokens,
+                                       SequenceCreation creation,
+                                       AfterStep after) {
+  std::promise<absl::StatusOr<ForwardOutcome>> promise;
+  auto call = std::make_unique<ForwardCall>();
+  call->spec.total_tokens = static_cast<int64_t>(tokens.size());
+  call->spec.sequences.push_back(
+      MakeSequenceStep(id, std::move(tokens), creation));
+  call->spec.after_step.push_back(after);
+  call->control = std::make_shared<CallControl>();
+  call->done = [&promise](const absl::StatusOr<ForwardOutcome>& outcome) {
+    promise.set_value(outcome);
+  };
+  engine.Submit(std::move(call));
+  return promise.get_future().get();
+}
+
+}  // namespace pdworker::engine_testing
