@@ -78,6 +78,18 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(int, max_queue, 1024,
           "Calls queued or running; beyond it Forward gets "
           "RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int, max_waiting_requests, 1024,
+          "Engine-owned requests waiting for room (not yet running); beyond "
+          "it a new request gets RESOURCE_EXHAUSTED.");
+ABSL_FLAG(bool, async_scheduling, true,
+          "Plan and enqueue step N+1 while step N runs on the device; the "
+          "tokens step N samples reach step N+1 on the device (vLLM's "
+          "--async-scheduling). Stop conditions are then checked one step "
+          "late and the extra token is discarded.");
+ABSL_FLAG(std::string, cpu_stream, "threaded",
+          "CPU backend only: run the stream's work on its own thread, in "
+          "order, as a GPU does (threaded), or inline on the engine thread "
+          "(inline).");
 ABSL_FLAG(int, max_message_bytes, 4 << 20,
           "Largest request accepted; larger ones get RESOURCE_EXHAUSTED.");
 ABSL_FLAG(std::string, grpc_keepalive_time, "30s",
@@ -132,6 +144,7 @@ struct WorkerConfig {
   std::string compilation_config_json;
   // nullopt: --device=auto (CUDA if usable, else CPU).
   std::optional<DeviceKind> device;
+  CpuStreamExecution cpu_stream = CpuStreamExecution::kThreaded;
   WorkerServerOptions server;
   std::string metrics_address;  // empty: no metrics server
   absl::Duration stats_log_interval;
@@ -278,6 +291,25 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
 
   c.server.max_receive_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   c.server.engine.max_queue = absl::GetFlag(FLAGS_max_queue);
+  c.server.engine.max_waiting_requests =
+      absl::GetFlag(FLAGS_max_waiting_requests);
+  if (absl::Status s = CheckPositive("max_waiting_requests",
+                                     c.server.engine.max_waiting_requests);
+      !s.ok()) {
+    return s;
+  }
+  c.server.engine.overlap = absl::GetFlag(FLAGS_async_scheduling)
+                                ? StepOverlap::kOn
+                                : StepOverlap::kOff;
+  const std::string cpu_stream = absl::GetFlag(FLAGS_cpu_stream);
+  if (cpu_stream == "threaded") {
+    c.cpu_stream = CpuStreamExecution::kThreaded;
+  } else if (cpu_stream == "inline") {
+    c.cpu_stream = CpuStreamExecution::kInline;
+  } else {
+    return FlagError("cpu_stream", absl::StrCat("'", cpu_stream,
+                                                "' is not threaded or inline"));
+  }
   c.server.advertise_address = absl::GetFlag(FLAGS_advertise_address);
   struct DurationFlag {
     const char* flag;
@@ -344,6 +376,7 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
 // thread by main), then drains.
 absl::Status RunWorker(const WorkerConfig& c, const sigset_t& stop_signals) {
   DeviceOptions device_options;
+  device_options.cpu.stream_execution = c.cpu_stream;
   absl::StatusOr<std::unique_ptr<Device>> device =
       CreateDevice(c.device.value_or(DeviceKind::kCuda), device_options);
   if (!c.device.has_value()) {  // --device=auto

@@ -253,15 +253,17 @@ void WorkerServer::Drain() {
   // imports) and prompts prefilled for decode workers (leases).
   const auto held = [this] {
     const EngineSnapshot s = engine_->snapshot();
-    return std::make_tuple(int64_t{s.kv.num_sequences}, s.queued_calls,
+    // Waiting engine-owned requests hold no KV yet but will run.
+    return std::make_tuple(int64_t{s.kv.num_sequences} + s.waiting_requests,
+                           s.queued_calls,
                            static_cast<int64_t>(importer_->in_flight()),
                            static_cast<int64_t>(leases_->size()));
   };
   auto [sequences, calls, imports, leases] = held();
   LOG(INFO) << "draining: waiting up to " << drain_timeout_.count()
-            << " ms for " << sequences << " live sequences, " << calls
-            << " calls, " << imports << " KV imports and " << leases
-            << " KV leases";
+            << " ms for " << sequences
+            << " live sequences and waiting requests, " << calls << " calls, "
+            << imports << " KV imports and " << leases << " KV leases";
   const auto give_up = std::chrono::steady_clock::now() + drain_timeout_;
   while (sequences + calls + imports + leases > 0 &&
          std::chrono::steady_clock::now() < give_up) {
