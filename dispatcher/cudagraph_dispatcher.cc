@@ -90,7 +90,6 @@ absl::Status CudagraphDispatcher::Initialize(
   padded_.clear();
   uniform_padded_.clear();
   for (auto& d : decisions_) d.clear();
-  state_.store(CaptureState::kReady, std::memory_order_relaxed);
   max_capture_size_ = 0;
   initialized_ = true;
   if (mode == CudaGraphMode::None()) return absl::OkStatus();
@@ -172,13 +171,18 @@ DispatchResult CudagraphDispatcher::Dispatch(int num_tokens, BatchKind kind,
   if (!initialized_ || mode_ == CudaGraphMode::None()) {
     return Eager(num_tokens, FallbackReason::kModeNone);
   }
-  switch (state_.load(std::memory_order_relaxed)) {
-    case CaptureState::kReady:
-      break;
-    case CaptureState::kCapturing:
-      return Eager(num_tokens, FallbackReason::kStillCapturing);
-    case CaptureState::kDisabled:
-      return Eager(num_tokens, FallbackReason::kCaptureDisabled);
+  if (lifecycle_ != nullptr) {
+    switch (lifecycle_->stage()) {
+      case CaptureStage::kReady:
+        break;
+      case CaptureStage::kNotCaptured:
+      case CaptureStage::kCapturing:
+        // The capture session runs its own forwards; real steps wait for
+        // every key to have a graph.
+        return Eager(num_tokens, FallbackReason::kStillCapturing);
+      case CaptureStage::kDisabled:
+        return Eager(num_tokens, FallbackReason::kCaptureDisabled);
+    }
   }
   if (num_tokens > max_capture_size_) {
     return Eager(num_tokens, FallbackReason::kAboveMaxCaptureSize);

@@ -25,7 +25,6 @@
 #ifndef PDWORKER_DISPATCHER_CUDAGRAPH_DISPATCHER_H_
 #define PDWORKER_DISPATCHER_CUDAGRAPH_DISPATCHER_H_
 
-#include <atomic>
 #include <cstdint>
 #include <ostream>
 #include <utility>
@@ -35,6 +34,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "dispatcher/batch_descriptor.h"
+#include "dispatcher/capture_lifecycle.h"
 #include "dispatcher/cudagraph_mode.h"
 
 namespace pdworker {
@@ -56,19 +56,6 @@ inline constexpr int kNumFallbackReasons = 6;
 absl::string_view FallbackReasonName(FallbackReason reason);
 std::ostream& operator<<(std::ostream& os, FallbackReason reason);
 
-// Whether the graphs behind the keys can be replayed, set by the model
-// runner: kCapturing before its capture loop, kReady after it, kDisabled if
-// capture failed or graphs were turned off at runtime. Dispatch() returns
-// NONE with kStillCapturing / kCaptureDisabled unless kReady. Initialize()
-// resets it to kReady so tools and tests see the key decisions directly.
-// (Distinct from CapturePhase in capture_phase.h, which gates the wrappers'
-// capture; the runner drives both.)
-enum class CaptureState : uint8_t {
-  kReady,      // every key has a captured graph
-  kCapturing,  // capture in progress: serve eagerly meanwhile
-  kDisabled,   // capture failed or was turned off: serve eagerly
-};
-
 struct DispatchResult {
   RuntimeMode mode = RuntimeMode::kNone;
   // The padded key to replay for FULL/PIECEWISE; for NONE the unpadded,
@@ -85,14 +72,23 @@ std::ostream& operator<<(std::ostream& os, const DispatchResult& r);
 
 class CudagraphDispatcher {
  public:
+  // Without a capture lifecycle every key counts as captured (kReady): tools
+  // and tests see the key decisions directly.
   CudagraphDispatcher() = default;
+  // Dispatch() answers NONE with kStillCapturing (stages kNotCaptured and
+  // kCapturing) or kCaptureDisabled (kDisabled) unless `lifecycle` is
+  // kReady. The model runner owns `lifecycle`, which must outlive the
+  // dispatcher.
+  explicit CudagraphDispatcher(const CaptureLifecycle& lifecycle)
+      : lifecycle_(&lifecycle) {}
   CudagraphDispatcher(const CudagraphDispatcher&) = delete;
   CudagraphDispatcher& operator=(const CudagraphDispatcher&) = delete;
 
   // Builds the key sets and padding tables. `mode` must already be resolved
   // against the attention backends (see ResolveMode). `capture_sizes` must be
   // positive and strictly increasing, and non-empty unless mode is NONE.
-  // May be called again to re-initialize (resets the capture state to kReady).
+  // May be called again to re-initialize; the capture lifecycle is not the
+  // dispatcher's to change.
   absl::Status Initialize(CudaGraphMode mode,
                           const std::vector<int>& capture_sizes,
                           int max_num_seqs, int uniform_decode_query_len);
@@ -101,16 +97,9 @@ class CudagraphDispatcher {
   // tokens. `kind` says whether the batch is a uniform decode batch;
   // `num_reqs` is informational for uniform batches (the key's num_reqs is
   // derived from the padded token count) and ignored for mixed ones.
-  // Safe to call concurrently with SetCaptureState (an atomic).
+  // Safe to call while another thread moves the capture lifecycle along.
   DispatchResult Dispatch(int num_tokens, BatchKind kind,
                           int num_reqs = 0) const;
-
-  void SetCaptureState(CaptureState state) {
-    state_.store(state, std::memory_order_relaxed);
-  }
-  CaptureState capture_state() const {
-    return state_.load(std::memory_order_relaxed);
-  }
 
   // Graphs to capture, PIECEWISE first then FULL, each largest first (large
   // graphs first so smaller ones reuse the memory pool). Modes without keys
@@ -151,10 +140,11 @@ class CudagraphDispatcher {
   std::vector<int> padded_;
   std::vector<int> uniform_padded_;
 
-  // decisions_[kind][n]: precomputed Decide(n, kind) for the kReady state.
+  // decisions_[kind][n]: precomputed Decide(n, kind) for the kReady stage.
   std::vector<DispatchResult> decisions_[2];
 
-  std::atomic<CaptureState> state_{CaptureState::kReady};
+  // Not owned; nullptr: always ready.
+  const CaptureLifecycle* lifecycle_ = nullptr;
 };
 
 }  // namespace pdworker

@@ -12,7 +12,7 @@ GraphWrapper::GraphWrapper(Params params)
     : runnable_(std::move(params.runnable)),
       mode_(params.mode),
       backend_(params.backend),
-      capture_phase_(params.capture_phase),
+      capture_lifecycle_(params.capture_lifecycle),
       options_(std::move(params.options)) {
   CHECK(mode_ == RuntimeMode::kFull || mode_ == RuntimeMode::kPiecewise)
       << "GraphWrapper '" << options_.name
@@ -21,8 +21,8 @@ GraphWrapper::GraphWrapper(Params params)
       << "GraphWrapper '" << options_.name << "' needs a runnable";
   CHECK(backend_ != nullptr)
       << "GraphWrapper '" << options_.name << "' needs a graph backend";
-  CHECK(capture_phase_ != nullptr)
-      << "GraphWrapper '" << options_.name << "' needs a capture phase";
+  CHECK(capture_lifecycle_ != nullptr)
+      << "GraphWrapper '" << options_.name << "' needs a capture lifecycle";
 }
 
 absl::Status GraphWrapper::Run(const ForwardContext& context,
@@ -51,7 +51,7 @@ absl::Status GraphWrapper::Capture(
     const ForwardContext& context,
     absl::Span<const void* const> input_addresses) {
   if (options_.capture_policy == CapturePolicy::kCapturePhaseOnly &&
-      !capture_phase_->IsOpen()) {
+      !capture_lifecycle_->IsCapturing()) {
     return Annotate(
         absl::FailedPreconditionError(
             "no graph was captured for this key and capture is only allowed "

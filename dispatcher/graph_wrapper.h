@@ -13,7 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "dispatcher/batch_descriptor.h"
-#include "dispatcher/capture_phase.h"
+#include "dispatcher/capture_lifecycle.h"
 #include "dispatcher/cudagraph_mode.h"
 #include "dispatcher/forward_context.h"
 #include "dispatcher/graph_backend.h"
@@ -22,9 +22,9 @@ namespace pdworker {
 
 // When an unseen key may be captured.
 enum class CapturePolicy {
-  // Only while the CapturePhase is open (startup); an unseen key on the step
-  // path is an error, because the dispatcher must only hand out keys that
-  // were captured.
+  // Only while the CaptureLifecycle is kCapturing (the startup capture
+  // session); an unseen key on the step path is an error, because the
+  // dispatcher must only hand out keys that were captured.
   kCapturePhaseOnly,
   // Capture whenever an unseen key arrives (tests, experiments).
   kLazy,
@@ -61,7 +61,7 @@ struct GraphWrapperCounters {
 //
 // The runnable must write its outputs into static buffers (captured graphs
 // have no outputs of their own). Not thread-safe: one engine thread calls
-// Run. The backend and capture phase must outlive the wrapper.
+// Run. The backend and capture lifecycle must outlive the wrapper.
 class GraphWrapper {
  public:
   using Runnable = std::function<absl::Status(const ForwardContext&)>;
@@ -72,8 +72,8 @@ class GraphWrapper {
     RuntimeMode mode = RuntimeMode::kFull;
     // Records the graphs (a worker/runtime Stream). Not owned.
     GraphBackend* backend = nullptr;
-    // Tells whether capture is allowed now. Not owned.
-    const CapturePhase* capture_phase = nullptr;
+    // Tells whether capture is allowed now (kCapturing). Not owned.
+    const CaptureLifecycle* capture_lifecycle = nullptr;
     GraphWrapperOptions options;
   };
 
@@ -120,7 +120,7 @@ class GraphWrapper {
   Runnable runnable_;
   RuntimeMode mode_;
   GraphBackend* backend_;
-  const CapturePhase* capture_phase_;
+  const CaptureLifecycle* capture_lifecycle_;
   GraphWrapperOptions options_;
   absl::flat_hash_map<BatchDescriptor, Entry> entries_;
   GraphWrapperCounters counters_;

@@ -312,36 +312,75 @@ TEST(CudagraphDispatcherTest, SpeculativeDecodeQueryLengthThree) {
   EXPECT_EQ(d.Dispatch(5, kMixed), (DispatchResult{kF, Relaxed(8), kOk}));
 }
 
-TEST(CudagraphDispatcherTest, CaptureStatesForceEager) {
-  CudagraphDispatcher d;
+TEST(CudagraphDispatcherTest, CaptureStagesForceEager) {
+  CaptureLifecycle lifecycle;
+  CudagraphDispatcher d(lifecycle);
   ASSERT_TRUE(
       d.Initialize(CudaGraphMode::FullAndPiecewise(), {1, 2, 4, 8}, 8, 1).ok());
-  EXPECT_EQ(d.capture_state(), CaptureState::kReady);
-  d.SetCaptureState(CaptureState::kCapturing);
+  // Nothing captured yet, and while the capture session runs: eager.
+  EXPECT_EQ(lifecycle.stage(), CaptureStage::kNotCaptured);
   EXPECT_EQ(d.Dispatch(4, kUniform, 4),
             (DispatchResult{kN, Relaxed(4), FallbackReason::kStillCapturing}));
-  EXPECT_EQ(
-      d.Dispatch(100, kMixed),
-      (DispatchResult{kN, Relaxed(100), FallbackReason::kStillCapturing}));
-  d.SetCaptureState(CaptureState::kDisabled);
+  {
+    CaptureLifecycle::CaptureWindow capturing(lifecycle);
+    EXPECT_EQ(
+        d.Dispatch(4, kUniform, 4),
+        (DispatchResult{kN, Relaxed(4), FallbackReason::kStillCapturing}));
+    EXPECT_EQ(
+        d.Dispatch(100, kMixed),
+        (DispatchResult{kN, Relaxed(100), FallbackReason::kStillCapturing}));
+  }
+  // A session that ended without being marked ready still serves eagerly.
+  EXPECT_EQ(d.Dispatch(4, kMixed),
+            (DispatchResult{kN, Relaxed(4), FallbackReason::kStillCapturing}));
+  lifecycle.Disable();
   EXPECT_EQ(d.Dispatch(4, kMixed),
             (DispatchResult{kN, Relaxed(4), FallbackReason::kCaptureDisabled}));
-  d.SetCaptureState(CaptureState::kReady);
+  lifecycle.MarkReady();
   EXPECT_EQ(d.Dispatch(4, kMixed), (DispatchResult{kP, Relaxed(4), kOk}));
-  // Re-initializing resets the state.
-  d.SetCaptureState(CaptureState::kDisabled);
+  EXPECT_EQ(d.Dispatch(4, kUniform, 4),
+            (DispatchResult{kF, Uniform(4, 4), kOk}));
+  // Re-initializing reads the same lifecycle; it does not reset it.
+  lifecycle.Disable();
   ASSERT_TRUE(d.Initialize(CudaGraphMode::Piecewise(), {4}, 8, 1).ok());
-  EXPECT_EQ(d.capture_state(), CaptureState::kReady);
+  EXPECT_EQ(lifecycle.stage(), CaptureStage::kDisabled);
+  EXPECT_EQ(d.Dispatch(3, kMixed),
+            (DispatchResult{kN, Relaxed(3), FallbackReason::kCaptureDisabled}));
+  lifecycle.MarkReady();
   EXPECT_THAT(d.keys(kF), IsEmpty());
   EXPECT_EQ(d.Dispatch(3, kMixed), (DispatchResult{kP, Relaxed(4), kOk}));
 }
 
-TEST(CudagraphDispatcherTest, ModeNoneWinsOverCaptureState) {
+TEST(CudagraphDispatcherTest, WithoutALifecycleKeysAreReady) {
+  // Tools and tests: decisions straight from the key sets.
   CudagraphDispatcher d;
+  ASSERT_TRUE(
+      d.Initialize(CudaGraphMode::FullAndPiecewise(), {1, 2, 4, 8}, 8, 1).ok());
+  EXPECT_EQ(d.Dispatch(4, kMixed), (DispatchResult{kP, Relaxed(4), kOk}));
+  EXPECT_EQ(d.Dispatch(4, kUniform, 4),
+            (DispatchResult{kF, Uniform(4, 4), kOk}));
+}
+
+TEST(CudagraphDispatcherTest, ModeNoneWinsOverCaptureStage) {
+  CaptureLifecycle lifecycle;
+  CudagraphDispatcher d(lifecycle);
   ASSERT_TRUE(d.Initialize(CudaGraphMode::None(), {}, 8, 1).ok());
-  d.SetCaptureState(CaptureState::kDisabled);
   EXPECT_EQ(d.Dispatch(4, kMixed),
             (DispatchResult{kN, Relaxed(4), FallbackReason::kModeNone}));
+  lifecycle.Disable();
+  EXPECT_EQ(d.Dispatch(4, kMixed),
+            (DispatchResult{kN, Relaxed(4), FallbackReason::kModeNone}));
+}
+
+TEST(CudagraphDispatcherTest, AboveMaxCaptureSizeOnlyOnceReady) {
+  // The capture stage is checked before the size: a step above the largest
+  // size reports still_capturing until graphs exist, as it always has.
+  CaptureLifecycle lifecycle;
+  CudagraphDispatcher d(lifecycle);
+  ASSERT_TRUE(d.Initialize(CudaGraphMode::Full(), {1, 2, 4}, 8, 1).ok());
+  EXPECT_EQ(d.Dispatch(9, kMixed).reason, FallbackReason::kStillCapturing);
+  lifecycle.MarkReady();
+  EXPECT_EQ(d.Dispatch(9, kMixed).reason, FallbackReason::kAboveMaxCaptureSize);
 }
 
 TEST(CudagraphDispatcherTest, UninitializedIsEager) {

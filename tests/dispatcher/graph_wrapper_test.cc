@@ -1,13 +1,14 @@
 // GraphWrapper on real backends (CPU here; CUDA in graph_wrapper_gpu_test):
-// capture/replay/passthrough, nested FULL and PIECEWISE wrappers, the capture
-// phase, and the input-address debug check. Plus unit tests on a fake backend.
+// capture/replay/passthrough, nested FULL and PIECEWISE wrappers, capture
+// only while the capture lifecycle is capturing, and the input-address debug
+// check. Plus unit tests on a fake backend.
 #include "dispatcher/graph_wrapper.h"
 
 #include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "dispatcher/capture_phase.h"
+#include "dispatcher/capture_lifecycle.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/runtime/backend_fixture.h"
@@ -70,7 +71,7 @@ class GraphWrapperTest : public BackendTest {
     params.runnable = std::move(body);
     params.mode = mode;
     params.backend = &stream();
-    params.capture_phase = &phase_;
+    params.capture_lifecycle = &lifecycle_;
     params.options.name = name;
     params.options.input_address_check = check;
     params.options.capture_policy = policy;
@@ -103,7 +104,7 @@ class GraphWrapperTest : public BackendTest {
   // The buffer the model reads its input from. Deliberately a host-side
   // pointer: it is read when ops are launched, i.e. frozen at capture.
   DeviceBuffer* input_ = nullptr;
-  CapturePhase phase_;
+  CaptureLifecycle lifecycle_;
   int attention_launches_ = 0;
   std::unique_ptr<GraphWrapper> piece1_, piece2_, full_;
 };
@@ -111,7 +112,7 @@ class GraphWrapperTest : public BackendTest {
 TEST_P(GraphWrapperTest, FullModeOnlyTheOuterWrapperCapturesAndReplays) {
   Upload(x_, Ramp(kN, -1.0f));
   {
-    CapturePhase::Scope capturing(phase_);
+    CaptureLifecycle::CaptureWindow capturing(lifecycle_);
     ASSERT_TRUE(Forward(Full(kKey8)).ok());
   }
   const std::vector<float> captured_call_output = Download(y_);
@@ -137,7 +138,7 @@ TEST_P(GraphWrapperTest, FullModeOnlyTheOuterWrapperCapturesAndReplays) {
 TEST_P(GraphWrapperTest, PiecewiseModeOnlyTheInnerWrappersCaptureAndReplay) {
   Upload(x_, Ramp(kN, -1.0f));
   {
-    CapturePhase::Scope capturing(phase_);
+    CaptureLifecycle::CaptureWindow capturing(lifecycle_);
     ASSERT_TRUE(Forward(Piecewise(kKey16)).ok());
   }
   const std::vector<float> captured_call_output = Download(y_);
@@ -160,7 +161,8 @@ TEST_P(GraphWrapperTest, PiecewiseModeOnlyTheInnerWrappersCaptureAndReplay) {
 
 TEST_P(GraphWrapperTest, NoneModeActivatesNeitherLevel) {
   Upload(x_, Ramp(kN, 1.0f));
-  CapturePhase::Scope capturing(phase_);  // Even while capture is allowed.
+  CaptureLifecycle::CaptureWindow capturing(
+      lifecycle_);  // Even while capture is allowed.
   ASSERT_TRUE(Forward(None(kKey8)).ok());
   ASSERT_TRUE(Forward(None(kKey16)).ok());
   EXPECT_EQ(full_->counters().passthroughs, 2);
@@ -172,7 +174,7 @@ TEST_P(GraphWrapperTest, NoneModeActivatesNeitherLevel) {
 
 TEST_P(GraphWrapperTest, FullAndPiecewiseGraphsCoexistInTheSameWrappers) {
   {
-    CapturePhase::Scope capturing(phase_);
+    CaptureLifecycle::CaptureWindow capturing(lifecycle_);
     ASSERT_TRUE(Forward(Full(kKey8)).ok());
     ASSERT_TRUE(Forward(Piecewise(kKey16)).ok());
   }
@@ -193,7 +195,7 @@ TEST_P(GraphWrapperTest, FullAndPiecewiseGraphsCoexistInTheSameWrappers) {
 
 TEST_P(GraphWrapperTest, DistinctKeysGetDistinctGraphs) {
   {
-    CapturePhase::Scope capturing(phase_);
+    CaptureLifecycle::CaptureWindow capturing(lifecycle_);
     ASSERT_TRUE(Forward(Full(kKey8)).ok());
     ASSERT_TRUE(Forward(Full(kKey16)).ok());
   }
@@ -206,6 +208,10 @@ TEST_P(GraphWrapperTest, DistinctKeysGetDistinctGraphs) {
 }
 
 TEST_P(GraphWrapperTest, CaptureOutsideTheCapturePhaseFailsClearly) {
+  // Before the session, after it (not yet marked ready), once ready and once
+  // disabled: capture is refused in every stage but kCapturing.
+  { CaptureLifecycle::CaptureWindow capturing(lifecycle_); }
+  ASSERT_EQ(lifecycle_.stage(), CaptureStage::kNotCaptured);
   const absl::Status full = Forward(Full(kKey8));
   EXPECT_EQ(full.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(full.message()), HasSubstr("'full_forward' (FULL"));
@@ -219,6 +225,14 @@ TEST_P(GraphWrapperTest, CaptureOutsideTheCapturePhaseFailsClearly) {
   EXPECT_EQ(piecewise.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(piecewise.message()), HasSubstr("'piece1'"));
   EXPECT_FALSE(stream().IsCapturing());
+
+  lifecycle_.MarkReady();
+  EXPECT_EQ(Forward(Full(kKey8)).code(), absl::StatusCode::kFailedPrecondition);
+  lifecycle_.Disable();
+  EXPECT_EQ(Forward(Piecewise(kKey16)).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(full_->num_graphs() + piece1_->num_graphs() + piece2_->num_graphs(),
+            0u);
 }
 
 TEST_P(GraphWrapperTest, LazyPolicyCapturesOnFirstUse) {
@@ -246,7 +260,7 @@ TEST_P(GraphWrapperTest, DebugCheckCatchesAnInputThatMoved) {
   Upload(x_, Ramp(kN, 1.0f));
   Upload(moved_x_, Ramp(kN, 8.0f));
   {
-    CapturePhase::Scope capturing(phase_);
+    CaptureLifecycle::CaptureWindow capturing(lifecycle_);
     const void* inputs[] = {x_.data(), w_.data()};
     ASSERT_TRUE(checked->Run(Full(kKey8), inputs).ok());
     ASSERT_TRUE(unchecked->Run(Full(kKey8), inputs).ok());
@@ -286,7 +300,7 @@ TEST_P(GraphWrapperTest, FailedCaptureCachesNothingAndTheNextCallRetries) {
         if (st.ok() && misbehave) st = stream().Synchronize();
         return st;
       });
-  CapturePhase::Scope capturing(phase_);
+  CaptureLifecycle::CaptureWindow capturing(lifecycle_);
   const absl::Status failed = wrapper->Run(Full(kKey8));
   EXPECT_EQ(failed.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(failed.message()), HasSubstr("Stream::Synchronize"));
@@ -343,14 +357,14 @@ class GraphWrapperLogicTest : public ::testing::Test {
     };
     params.mode = mode;
     params.backend = &backend_;
-    params.capture_phase = &phase_;
+    params.capture_lifecycle = &lifecycle_;
     params.options.name = "logic";
     params.options.capture_policy = CapturePolicy::kLazy;
     return std::make_unique<GraphWrapper>(std::move(params));
   }
 
   FakeBackend backend_;
-  CapturePhase phase_;
+  CaptureLifecycle lifecycle_;
   int body_runs_ = 0;
   absl::Status body_status_;
 };

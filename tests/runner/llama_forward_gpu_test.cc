@@ -87,7 +87,7 @@ class ForwardGpuTest : public ::testing::TestWithParam<TinyShape> {
     options.input_address_check = InputAddressCheck::kOn;
     auto forward =
         LlamaForward::Create(config_, weights_, inputs_->buffers(), options,
-                             *device_, *stream_, capture_phase_);
+                             *device_, *stream_, capture_lifecycle_);
     ASSERT_TRUE(forward.ok()) << forward.status();
     forward_ = *std::move(forward);
     kv_ =
@@ -148,7 +148,7 @@ class ForwardGpuTest : public ::testing::TestWithParam<TinyShape> {
   }
 
   // Eager at `descriptor`, then each graph mode: the capture run (inside the
-  // capture phase) and a replay; all must equal eager bit for bit.
+  // capture window) and a replay; all must equal eager bit for bit.
   void ExpectModesBitIdentical(const BatchDescriptor& descriptor,
                                const std::vector<RuntimeMode>& modes,
                                const std::string& what) {
@@ -158,7 +158,7 @@ class ForwardGpuTest : public ::testing::TestWithParam<TinyShape> {
       for (int call = 0; call < 2; ++call) {
         Output graph;
         if (call == 0) {
-          CapturePhase::Scope scope(capture_phase_);
+          CaptureLifecycle::CaptureWindow scope(capture_lifecycle_);
           graph = Run({mode, descriptor});
         } else {
           graph = Run({mode, descriptor});
@@ -186,7 +186,7 @@ class ForwardGpuTest : public ::testing::TestWithParam<TinyShape> {
   LlamaWeights weights_;
   std::unique_ptr<Arena> step_arena_;
   std::unique_ptr<StepInputs> inputs_;
-  CapturePhase capture_phase_;
+  CaptureLifecycle capture_lifecycle_;
   std::unique_ptr<LlamaForward> forward_;
   std::unique_ptr<KvCacheManager> kv_;
 };
@@ -220,7 +220,7 @@ TEST_P(ForwardGpuTest, OneDecodeGraphServesLaterStepsBitIdentically) {
     // Warm-up, as the capture session does: kernel modules load lazily and
     // cuBLAS picks its algorithms outside the capture.
     ASSERT_TRUE(forward_->Run({RuntimeMode::kNone, key}).ok());
-    CapturePhase::Scope scope(capture_phase_);
+    CaptureLifecycle::CaptureWindow scope(capture_lifecycle_);
     ASSERT_TRUE(forward_->Run({RuntimeMode::kFull, key}).ok());
   }
   ASSERT_EQ(forward_->full_wrapper().num_graphs(), 1u);
@@ -250,14 +250,14 @@ TEST_P(ForwardGpuTest, PaddingNeverWritesKvAndGetsZeroLogits) {
   Prepare({{"a", {5, 17, 42}}, {"b", {1, 2, 3, 4, 5}}}, {16, 2, 0});
   ASSERT_TRUE(forward_->Run({RuntimeMode::kNone, {16, 0, false}}).ok());
   {
-    CapturePhase::Scope scope(capture_phase_);
+    CaptureLifecycle::CaptureWindow scope(capture_lifecycle_);
     ASSERT_TRUE(forward_->Run({RuntimeMode::kFull, {16, 0, false}}).ok());
   }
   Prepare({{"a", {6}}, {"b", {7}}}, {8, 8, 1});  // 6 padding requests
   ASSERT_TRUE(forward_->Run({RuntimeMode::kNone, {8, 8, true}}).ok());
   Output out;
   {
-    CapturePhase::Scope scope(capture_phase_);
+    CaptureLifecycle::CaptureWindow scope(capture_lifecycle_);
     out = Run({RuntimeMode::kFull, {8, 8, true}});
   }
   const size_t vocab = config_.vocab_size;

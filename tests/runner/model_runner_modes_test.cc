@@ -98,7 +98,8 @@ RunOutput RunMode(const ModeCase& c, TinyShape shape) {
         << c.mode << " step " << i << ": " << result.status();
     if (!result.ok()) return out;
     const Expected& e = c.steps[i];
-    EXPECT_EQ(result->info.unpadded_tokens, e.unpadded) << c.mode << " step " << i;
+    EXPECT_EQ(result->info.unpadded_tokens, e.unpadded)
+        << c.mode << " step " << i;
     EXPECT_EQ(result->info.padded_tokens, e.padded) << c.mode << " step " << i;
     EXPECT_EQ(result->info.mode, e.mode) << c.mode << " step " << i;
     ++expected_rows[{e.unpadded, e.padded, e.mode}];
@@ -189,6 +190,43 @@ TEST_P(ModesTest, PaddingNeverWritesKv) {
     }
   }
   EXPECT_GT(checked, 0);
+}
+
+// Until CaptureGraphs() marks the capture lifecycle ready, steps run eagerly
+// and say why; the runner's one lifecycle drives the dispatcher's reasons.
+TEST_P(ModesTest, StepsBeforeCaptureRunEagerlyWithTheReason) {
+  auto dir = TinyModelDir(GetParam());
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  for (const char* mode : {"FULL_AND_PIECEWISE", "NONE"}) {
+    CpuDevice device;
+    const std::string json = std::string(R"({"cudagraph_mode":")") + mode +
+                             R"(","cudagraph_capture_sizes":[1,2,4,8,16]})";
+    auto runner = ModelRunner::Create(device, *dir, SmallOptions(json));
+    ASSERT_TRUE(runner.ok()) << runner.status();
+    ModelRunner& r = **runner;
+    const bool graphs = std::string(mode) != "NONE";
+    EXPECT_EQ(r.capture_lifecycle().stage(), CaptureStage::kNotCaptured);
+
+    auto before = r.Execute({Seq("a", {12}), Seq("b", {77})});
+    ASSERT_TRUE(before.ok()) << mode << ": " << before.status();
+    EXPECT_EQ(before->info.mode, N) << mode;
+    EXPECT_EQ(
+        before->info.fallback_reason,
+        graphs ? FallbackReason::kStillCapturing : FallbackReason::kModeNone)
+        << mode;
+
+    auto capture = r.CaptureGraphs();
+    ASSERT_TRUE(capture.ok()) << mode << ": " << capture.status();
+    EXPECT_EQ(r.capture_lifecycle().stage(), CaptureStage::kReady) << mode;
+    EXPECT_EQ(r.NumCapturedGraphs() > 0, graphs) << mode;
+
+    auto after = r.Execute({Seq("a", {13}), Seq("b", {78})});
+    ASSERT_TRUE(after.ok()) << mode << ": " << after.status();
+    EXPECT_EQ(after->info.mode, graphs ? F : N) << mode;
+    EXPECT_EQ(after->info.fallback_reason,
+              graphs ? FallbackReason::kNone : FallbackReason::kModeNone)
+        << mode;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ModesTest,

@@ -1,5 +1,5 @@
-// The startup capture loop: order, warm-ups, counts, the capture phase, and
-// the per-mode cost report.
+// The startup capture loop: order, warm-ups, counts, the capture lifecycle's
+// window, and the per-mode cost report.
 #include "worker/runtime/capture_session.h"
 
 #include <memory>
@@ -35,7 +35,7 @@ class CaptureSessionTest : public BackendTest {
     };
     params.mode = RuntimeMode::kFull;
     params.backend = &stream();
-    params.capture_phase = &phase_;
+    params.capture_lifecycle = &lifecycle_;
     params.options.name = "full_forward";
     full_ = std::make_unique<GraphWrapper>(std::move(params));
   }
@@ -44,14 +44,14 @@ class CaptureSessionTest : public BackendTest {
     CaptureSessionParams params;
     params.device = &device();
     params.stream = &stream();
-    params.capture_phase = &phase_;
+    params.capture_lifecycle = &lifecycle_;
     params.num_warmups = 2;
     params.prepare_inputs = [this](const BatchDescriptor& key) {
       log_.push_back(absl::StrCat("prepare ", key.num_tokens));
       return absl::OkStatus();
     };
     params.forward = [this](const ForwardContext& context) {
-      EXPECT_TRUE(phase_.IsOpen());
+      EXPECT_TRUE(lifecycle_.IsCapturing());
       log_.push_back(absl::StrCat(RuntimeModeName(context.runtime_mode), " ",
                                   context.batch_descriptor.num_tokens));
       return full_->Run(context);
@@ -60,7 +60,7 @@ class CaptureSessionTest : public BackendTest {
   }
 
   DeviceBuffer x_;
-  CapturePhase phase_;
+  CaptureLifecycle lifecycle_;
   std::unique_ptr<GraphWrapper> full_;
   int body_runs_ = 0;
   std::vector<std::string> log_;
@@ -76,7 +76,8 @@ TEST_P(CaptureSessionTest, WarmsUpThenCapturesLargestFirst) {
   EXPECT_THAT(log_, ElementsAre("prepare 8", "NONE 8", "NONE 8", "FULL 8",
                                 "prepare 4", "NONE 4", "NONE 4", "FULL 4",
                                 "prepare 2", "NONE 2", "NONE 2", "FULL 2"));
-  EXPECT_FALSE(phase_.IsOpen()) << "the phase closes with the session";
+  // The window closes with the session; readiness is the owner's call.
+  EXPECT_EQ(lifecycle_.stage(), CaptureStage::kNotCaptured);
   ASSERT_EQ(summary->modes.size(), 1u);
   const ModeCaptureSummary& full = summary->modes[0];
   EXPECT_EQ(full.mode, RuntimeMode::kFull);
@@ -151,7 +152,7 @@ TEST_P(CaptureSessionTest, ErrorsNameTheStageModeAndKey) {
   EXPECT_THAT(
       std::string(summary.status().message()),
       HasSubstr("preparing inputs for FULL BatchDescriptor(num_tokens=4"));
-  EXPECT_FALSE(phase_.IsOpen());
+  EXPECT_FALSE(lifecycle_.IsCapturing());
   EXPECT_EQ(full_->num_graphs(), 1u) << "the 8-token graph was captured first";
 }
 

@@ -93,7 +93,7 @@ LlamaForward::LlamaForward(const ModelConfig& config,
 absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
     const ModelConfig& config, const LlamaWeights& weights,
     const StepBuffers& step, const LlamaForwardOptions& options, Device& device,
-    Stream& stream, const CapturePhase& capture_phase) {
+    Stream& stream, const CaptureLifecycle& capture_lifecycle) {
   if (options.max_num_tokens <= 0 || options.max_num_seqs <= 0 ||
       options.num_blocks <= 0 || options.block_size <= 0 ||
       options.max_blocks_per_seq <= 0 ||
@@ -195,7 +195,7 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
   full_options.input_address_check = options.input_address_check;
   f->full_ = std::make_unique<GraphWrapper>(GraphWrapper::Params{
       [self](const ForwardContext& ctx) { return self->RunBody(ctx); },
-      RuntimeMode::kFull, &stream, &capture_phase, full_options});
+      RuntimeMode::kFull, &stream, &capture_lifecycle, full_options});
   for (int64_t i = 0; i <= config.num_hidden_layers; ++i) {
     GraphWrapperOptions piece_options;
     piece_options.name = absl::StrCat("piece_", i);
@@ -205,7 +205,7 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
         [self, piece](const ForwardContext& ctx) {
           return self->RunPiece(piece, ctx);
         },
-        RuntimeMode::kPiecewise, &stream, &capture_phase, piece_options}));
+        RuntimeMode::kPiecewise, &stream, &capture_lifecycle, piece_options}));
   }
   return f;
 }

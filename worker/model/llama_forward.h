@@ -20,7 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "dispatcher/capture_phase.h"
+#include "dispatcher/capture_lifecycle.h"
 #include "dispatcher/forward_context.h"
 #include "dispatcher/graph_wrapper.h"
 #include "worker/model/llama_weights.h"
@@ -72,12 +72,14 @@ class LlamaForward {
                              DeviceKind kind = DeviceKind::kCpu);
 
   // Allocates activations and the KV cache (two arenas) and builds the
-  // wrappers. `weights`, `step`, `stream` and `capture_phase` must outlive
-  // the forward.
+  // wrappers, which capture only while `capture_lifecycle` is kCapturing.
+  // `weights`, `step`, `stream` and `capture_lifecycle` must outlive the
+  // forward.
   static absl::StatusOr<std::unique_ptr<LlamaForward>> Create(
       const ModelConfig& config, const LlamaWeights& weights,
       const StepBuffers& step, const LlamaForwardOptions& options,
-      Device& device, Stream& stream, const CapturePhase& capture_phase);
+      Device& device, Stream& stream,
+      const CaptureLifecycle& capture_lifecycle);
 
   LlamaForward(const LlamaForward&) = delete;
   LlamaForward& operator=(const LlamaForward&) = delete;

@@ -38,7 +38,7 @@ size_t StepArenaBytes(int max_num_seqs, int max_tokens, int max_blocks,
 }  // namespace
 
 ModelRunner::ModelRunner(Device& device, const ModelRunnerOptions& options)
-    : device_(device), options_(options) {}
+    : device_(device), options_(options), dispatcher_(capture_lifecycle_) {}
 
 ModelRunner::~ModelRunner() = default;
 
@@ -93,11 +93,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   PDW_RETURN_IF_ERROR(r->dispatcher_.Initialize(
       resolved.mode, r->plan_.capture_sizes, options.max_num_seqs,
       options.uniform_decode_query_len));
-  // Until CaptureGraphs() runs, every step is eager (reason: still capturing).
-  if (resolved.mode.decode_mode() != RuntimeMode::kNone ||
-      resolved.mode.mixed_mode() != RuntimeMode::kNone) {
-    r->dispatcher_.SetCaptureState(CaptureState::kCapturing);
-  }
+  // capture_lifecycle_ starts kNotCaptured: until CaptureGraphs() marks it
+  // ready every step is eager (still_capturing; mode_none under NONE).
 
   // KV cache sizing.
   KvCacheSpec spec;
@@ -175,7 +172,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   PDW_ASSIGN_OR_RETURN(
       r->forward_,
       LlamaForward::Create(c, r->weights_, r->inputs_->buffers(), fo, device,
-                           *r->stream_, r->capture_phase_));
+                           *r->stream_, r->capture_lifecycle_));
   r->kv_ = std::make_unique<KvCacheManager>(
       static_cast<int32_t>(num_blocks), options.block_size, r->max_model_len_);
   PDW_RETURN_IF_ERROR(r->stream_->Synchronize());
@@ -202,7 +199,7 @@ absl::StatusOr<CaptureSummary> ModelRunner::CaptureGraphs() {
   CaptureSessionParams p;
   p.device = &device_;
   p.stream = stream_.get();
-  p.capture_phase = &capture_phase_;
+  p.capture_lifecycle = &capture_lifecycle_;
   p.descs = dispatcher_.GetCaptureDescs();
   p.num_warmups = options_.num_warmups;
   const int query_len = options_.uniform_decode_query_len;
@@ -213,14 +210,15 @@ absl::StatusOr<CaptureSummary> ModelRunner::CaptureGraphs() {
     return inputs_->Upload(*stream_);
   };
   p.forward = [this](const ForwardContext& ctx) { return forward_->Run(ctx); };
-  dispatcher_.SetCaptureState(CaptureState::kCapturing);
+  // The session holds the lifecycle at kCapturing while it runs; the
+  // dispatcher keeps real steps eager until every graph exists.
   absl::StatusOr<CaptureSummary> summary = RunCaptureSession(p);
   if (!summary.ok()) {
-    dispatcher_.SetCaptureState(CaptureState::kDisabled);
+    capture_lifecycle_.Disable();
     return summary.status();
   }
   PDW_RETURN_IF_ERROR(stream_->Synchronize());
-  dispatcher_.SetCaptureState(CaptureState::kReady);
+  capture_lifecycle_.MarkReady();
   return summary;
 }
 

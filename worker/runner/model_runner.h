@@ -25,7 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "dispatcher/capture_phase.h"
+#include "dispatcher/capture_lifecycle.h"
 #include "dispatcher/compilation_config.h"
 #include "dispatcher/cudagraph_dispatcher.h"
 #include "dispatcher/graph_stats.h"
@@ -108,7 +108,8 @@ struct StepResult {
 class ModelRunner {
  public:
   // Loads `model_dir`, resolves the graph mode, allocates everything. Graphs
-  // are captured by CaptureGraphs(); until then steps run eagerly.
+  // are captured by CaptureGraphs(); until then steps run eagerly (reason
+  // still_capturing).
   static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(
       Device& device, const std::string& model_dir,
       const ModelRunnerOptions& options);
@@ -117,7 +118,9 @@ class ModelRunner {
   ModelRunner& operator=(const ModelRunner&) = delete;
   ~ModelRunner();
 
-  // Warms up and captures every graph the dispatcher can hand out.
+  // Warms up and captures every graph the dispatcher can hand out; on
+  // success graph steps start, on failure capture is disabled (every step
+  // eager, reason capture_disabled).
   absl::StatusOr<CaptureSummary> CaptureGraphs();
 
   // Steps enqueued and not yet retired, at most.
@@ -175,6 +178,9 @@ class ModelRunner {
   const std::string& downgrade_reason() const { return downgrade_reason_; }
   const CudagraphDispatcher& dispatcher() const { return dispatcher_; }
   CudagraphDispatcher& dispatcher() { return dispatcher_; }
+  const CaptureLifecycle& capture_lifecycle() const {
+    return capture_lifecycle_;
+  }
   const GraphStats& graph_stats() const { return stats_; }
   const KvCacheManager& kv_cache() const { return *kv_; }
   const LlamaForward& forward() const { return *forward_; }
@@ -218,7 +224,9 @@ class ModelRunner {
   std::unique_ptr<Arena> step_arena_;
   std::unique_ptr<StepInputs> inputs_;
   std::unique_ptr<Sampler> sampler_;
-  CapturePhase capture_phase_;
+  // Where graph capture stands; read by forward_'s wrappers and by
+  // dispatcher_, so it is declared before them and outlives them.
+  CaptureLifecycle capture_lifecycle_;
   std::unique_ptr<LlamaForward> forward_;
   std::unique_ptr<KvCacheManager> kv_;
   CudagraphDispatcher dispatcher_;

@@ -19,9 +19,9 @@ absl::Status WithKey(const absl::Status& status, absl::string_view stage,
 
 absl::Status ValidateParams(const CaptureSessionParams& params) {
   if (params.device == nullptr || params.stream == nullptr ||
-      params.capture_phase == nullptr) {
+      params.capture_lifecycle == nullptr) {
     return absl::InvalidArgumentError(
-        "capture session needs a device, a stream and a capture phase");
+        "capture session needs a device, a stream and a capture lifecycle");
   }
   if (!params.prepare_inputs || !params.forward) {
     return absl::InvalidArgumentError(
@@ -93,7 +93,7 @@ absl::StatusOr<CaptureSummary> RunCaptureSession(
   if (!valid.ok()) return valid;
 
   CaptureSummary summary;
-  CapturePhase::Scope capturing(*params.capture_phase);
+  CaptureLifecycle::CaptureWindow capturing(*params.capture_lifecycle);
   for (const auto& [mode, keys] : params.descs) {
     if (keys.empty()) continue;
     absl::StatusOr<ModeCaptureSummary> mode_summary =

@@ -11,7 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "dispatcher/batch_descriptor.h"
-#include "dispatcher/capture_phase.h"
+#include "dispatcher/capture_lifecycle.h"
 #include "dispatcher/cudagraph_mode.h"
 #include "dispatcher/forward_context.h"
 #include "worker/runtime/device.h"
@@ -28,8 +28,10 @@ struct CaptureSessionParams {
   Device* device = nullptr;
   // The worker's stream (the one the wrappers capture on).
   Stream* stream = nullptr;
-  // Opened for the duration of the session.
-  CapturePhase* capture_phase = nullptr;
+  // kCapturing for the duration of the session (a CaptureWindow), then
+  // kNotCaptured: whether the graphs are ready, or capture is disabled, is
+  // the owner's call once it has checked the result.
+  CaptureLifecycle* capture_lifecycle = nullptr;
   CaptureDescs descs;
   // Eager (NONE) runs before each capture: first-run work such as lazy
   // kernel-module loading or cuBLAS heuristics must not land in a graph.
