@@ -57,3 +57,31 @@ def py_grpc_proto(name, src, **kwargs):
                "$(location %s)") % (src, src),
         **kwargs
     )
+
+def py_grpc_proto_tree(name, srcs, **kwargs):
+    """Python modules for .proto files that import each other.
+
+    Generated with the workspace root as the import root (-I.), like the C++
+    code, so they land as <package>/<stem>_pb2.py and import each other as
+    `from proto import smg_common_pb2`: put the runfiles root
+    ($TEST_SRCDIR/<workspace>) on PYTHONPATH.
+
+    Args:
+      name: the genrule (use it as a `data` dependency).
+      srcs: the .proto files, in this package.
+      **kwargs: forwarded to the genrule.
+    """
+    outs = []
+    for src in srcs:
+        stem = src.rsplit(".", 1)[0]
+        outs += [stem + "_pb2.py", stem + "_pb2_grpc.py"]
+    native.genrule(
+        name = name,
+        srcs = srcs,
+        outs = outs,
+        cmd = ("/usr/bin/protoc -I. -I/usr/include --python_out=$(GENDIR) " +
+               "--grpc_python_out=$(GENDIR) " +
+               "--plugin=protoc-gen-grpc_python=/usr/bin/grpc_python_plugin " +
+               "$(SRCS)"),
+        **kwargs
+    )

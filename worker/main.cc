@@ -78,6 +78,9 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(int, max_queue, 1024,
           "Calls queued or running; beyond it Forward gets "
           "RESOURCE_EXHAUSTED.");
+ABSL_FLAG(std::string, served_model_name, "",
+          "The model name the request-level API reports to routers "
+          "(GetModelInfo.served_model_name); empty: the --model directory.");
 ABSL_FLAG(int, max_waiting_requests, 1024,
           "Engine-owned requests waiting for room (not yet running); beyond "
           "it a new request gets RESOURCE_EXHAUSTED.");
@@ -219,6 +222,8 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
     return FlagError("model",
                      absl::StrCat("'", c.model_dir, "' is not a directory"));
   }
+  c.server.model_dir = c.model_dir;
+  c.server.served_model_name = absl::GetFlag(FLAGS_served_model_name);
 
   r.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
   r.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);

@@ -89,6 +89,7 @@ struct Engine::Request {
   // Outputs not yet streamed.
   std::vector<int32_t> new_tokens;
   std::vector<float> new_logprobs;
+  std::vector<TokenLogprobs> new_token_logprobs;
 
   int32_t total() const {
     return static_cast<int32_t>(tokens.size()) + num_pending;
@@ -627,6 +628,7 @@ bool Engine::LaunchPieces(absl::Span<const Piece> pieces, absl::Status* error) {
       dst.creation = e.length_before[p.sequence] < 0
                          ? src.creation
                          : SequenceCreation::kMustExist;
+      dst.num_top_logprobs = -1;
       continue;
     }
     const Request& r = *p.request;
@@ -646,9 +648,11 @@ bool Engine::LaunchPieces(absl::Span<const Piece> pieces, absl::Status* error) {
       dst.token_ids.push_back(0);
       dst.last_token_from = r.pending_from;
     }
+    dst.num_top_logprobs = -1;
     if (end == r.total()) {
       AppendBannedTokens(r.stop, r.total() - r.stop.num_prompt_tokens,
                          &dst.banned_token_ids);
+      dst.num_top_logprobs = r.call->spec.logprobs;
     }
   }
   absl::StatusOr<int> slot = runner_.Launch(batch_);
@@ -716,6 +720,7 @@ void Engine::RetireSteps(int keep_in_flight) {
 void Engine::ApplyStep(InFlightStep& step, const StepResult& result) {
   ++steps_;
   ++progress_;
+  last_step_at_ = std::chrono::steady_clock::now();
   StepInfo info = result.info;
   info.num_calls = step.num_calls;
   info.num_requests = step.num_requests;
@@ -750,6 +755,9 @@ void Engine::ApplyStep(InFlightStep& step, const StepResult& result) {
     r.tokens.push_back(out.token_id);
     r.new_tokens.push_back(out.token_id);
     r.new_logprobs.push_back(out.logprob);
+    if (r.call->spec.logprobs >= 0) {
+      r.new_token_logprobs.push_back({out.raw_logprob, out.top_logprobs});
+    }
     updated_.push_back(&r);
     const StopDecision stop = CheckStop(r.stop, out.token_id, r.num_outputs());
     if (stop.reason.has_value()) {
@@ -829,6 +837,7 @@ void Engine::FinishRequest(Request& r, std::optional<FinishReason> reason,
   RequestUpdate update;
   update.new_token_ids = r.new_tokens;
   update.new_logprobs = r.new_logprobs;
+  update.new_token_logprobs = r.new_token_logprobs;
   update.num_prompt_tokens = r.stop.num_prompt_tokens;
   update.num_output_tokens = r.num_outputs();
   update.step = steps_;
@@ -846,6 +855,7 @@ void Engine::FinishRequest(Request& r, std::optional<FinishReason> reason,
   r.call->on_update(update);
   r.new_tokens.clear();
   r.new_logprobs.clear();
+  r.new_token_logprobs.clear();
 }
 
 void Engine::SendUpdate(Request& r) {
@@ -853,12 +863,14 @@ void Engine::SendUpdate(Request& r) {
   RequestUpdate update;
   update.new_token_ids = r.new_tokens;
   update.new_logprobs = r.new_logprobs;
+  update.new_token_logprobs = r.new_token_logprobs;
   update.num_prompt_tokens = r.stop.num_prompt_tokens;
   update.num_output_tokens = r.num_outputs();
   update.step = steps_;
   r.call->on_update(update);
   r.new_tokens.clear();
   r.new_logprobs.clear();
+  r.new_token_logprobs.clear();
 }
 
 void Engine::CompleteFinishedCalls() {
@@ -1033,6 +1045,7 @@ void Engine::PublishSnapshot() {
     snapshot_.device_busy_seconds = device_busy_seconds_;
     snapshot_.device_idle_seconds = device_idle_seconds_;
     snapshot_.device_error = device_error_;
+    snapshot_.last_step_at = last_step_at_;
   }
   if (metrics_ != nullptr) {
     metrics_->SetKvBlocks(kv.used_blocks, kv.free_blocks);
@@ -1102,6 +1115,12 @@ absl::Status Engine::ValidateRequest(const RequestSpec& spec) const {
   }
   if (absl::Status s = ValidateSamplingOptions(spec.sampling); !s.ok()) {
     return s;
+  }
+  const int32_t max_logprobs = std::min<int32_t>(20, vocab_size_);
+  if (spec.logprobs < -1 || spec.logprobs > max_logprobs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("logprobs=", spec.logprobs, " must be in [-1, ",
+                     max_logprobs, "] (-1: none)"));
   }
   const StopConditions& stop = spec.stop;
   if (absl::Status s =

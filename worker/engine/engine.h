@@ -106,6 +106,8 @@ struct EngineSnapshot {
   double device_idle_seconds = 0.0;
   // The first device error, after which every step fails; OK until then.
   absl::Status device_error;
+  // When the last step was read back (epoch: none yet).
+  std::chrono::steady_clock::time_point last_step_at{};
 };
 
 class Engine {
@@ -288,6 +290,7 @@ class Engine {
   double device_busy_seconds_ = 0.0;
   double device_idle_seconds_ = 0.0;
   absl::Status device_error_;
+  std::chrono::steady_clock::time_point last_step_at_{};
   std::chrono::steady_clock::time_point next_idle_sweep_{};
   // The latest sequences the sweep released (bounded, oldest forgotten
   // first) and how long each had been idle, in seconds; a later step of

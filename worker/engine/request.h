@@ -28,6 +28,17 @@ struct RequestSpec {
   std::vector<int32_t> prompt;
   SamplingOptions sampling;
   StopConditions stop;
+  // -1: no raw logprobs. 0..20: each output token's raw logprob (the
+  // model's log_softmax, vLLM's default logprobs) and that many top
+  // alternatives.
+  int32_t logprobs = -1;
+};
+
+// One output token's raw logprob and its top alternatives, most likely
+// first (RequestSpec::logprobs of them).
+struct TokenLogprobs {
+  float logprob = 0.0f;
+  std::vector<TopLogprob> top;
 };
 
 // What the request's callback receives after each step that gave it
@@ -35,7 +46,12 @@ struct RequestSpec {
 struct RequestUpdate {
   // Tokens (and their logprobs) sampled since the previous update.
   absl::Span<const int32_t> new_token_ids;
+  // log p(token) under the distribution it was drawn from (after
+  // temperature and truncation).
   absl::Span<const float> new_logprobs;
+  // Parallel to new_token_ids when the request asked for logprobs (empty
+  // otherwise).
+  absl::Span<const TokenLogprobs> new_token_logprobs;
   int32_t num_prompt_tokens = 0;
   int32_t num_output_tokens = 0;  // so far, new_token_ids included
   // The engine's step count when these tokens were read (steps run since

@@ -295,6 +295,11 @@ absl::Status ParseTokenIds(const Json& root, ModelConfig* config) {
     if (!id.ok()) return id.status();
     config->bos_token_id = *id;
   }
+  if (const Json* pad = Find(root, "pad_token_id"); pad != nullptr) {
+    auto id = AsInt(*pad, "pad_token_id");
+    if (!id.ok()) return id.status();
+    config->pad_token_id = *id;
+  }
   if (const Json* eos = Find(root, "eos_token_id"); eos != nullptr) {
     auto ids = ParseEosIds(*eos);
     if (!ids.ok()) {

@@ -67,6 +67,7 @@ struct ModelConfig {
   // names them (transformers' generate() reads that file, and instruct
   // checkpoints list their end-of-turn ids only there), else config.json's.
   std::optional<int64_t> bos_token_id;
+  std::optional<int64_t> pad_token_id;
   std::vector<int64_t> eos_token_ids;
   enum class EosSource { kNone, kConfig, kGenerationConfig };
   EosSource eos_source = EosSource::kNone;

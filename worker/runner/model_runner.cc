@@ -11,6 +11,7 @@
 #include "glog/logging.h"
 #include "worker/kernels/feed_tokens.h"
 #include "worker/kernels/kernel_checks.h"
+#include "worker/kernels/logprobs.h"
 #include "worker/kernels/paged_attention.h"
 #include "worker/kernels/sampling.h"
 #include "worker/kv_cache/kv_cache_spec.h"
@@ -28,9 +29,12 @@ size_t StepArenaBytes(int max_num_seqs, int max_tokens, int max_blocks,
   // each slot's sampled ids and logprobs, and the sampling workspace, with
   // alignment slack for each of the ~30 buffers.
   const size_t seqs = static_cast<size_t>(max_num_seqs);
+  // min_p rows/offsets, logprob rows, logsumexp, raw logprobs, top ids
+  // and top logprobs come on top.
   const size_t ints =
       static_cast<size_t>(max_tokens) * 3 + seqs * (6 + max_blocks) + 2 +
-      seqs * 2 * kMaxBannedTokensPerSequence + seqs * 2 + seqs * 2 * num_slots;
+      seqs * 2 * kMaxBannedTokensPerSequence + seqs * 2 + seqs * 2 * num_slots +
+      seqs * 2 + seqs * 3 + seqs * 2 * kernels::kMaxTopLogprobs;
   return ints * sizeof(int32_t) + seqs * sizeof(uint64_t) +
          sampling_workspace_bytes + 48 * 256;
 }
@@ -149,7 +153,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
         r->step_arena_->Allocate(seq_ints * sizeof(float), "sampled_logprobs"));
     PDW_ASSIGN_OR_RETURN(
         slot.host,
-        device.AllocateHost(seq_ints * (sizeof(int32_t) + sizeof(float))));
+        device.AllocateHost(seq_ints * (sizeof(int32_t) + sizeof(float)) *
+                            (2 + kernels::kMaxTopLogprobs)));
     PDW_ASSIGN_OR_RETURN(slot.start, device.CreateEvent());
     PDW_ASSIGN_OR_RETURN(slot.end, device.CreateEvent());
     slot.num_tokens.reserve(options.max_num_seqs);
@@ -160,6 +165,22 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   PDW_ASSIGN_OR_RETURN(
       r->feed_dst_indices_,
       r->step_arena_->Allocate(seq_ints * sizeof(int32_t), "feed_dst_indices"));
+  const size_t top = seq_ints * kernels::kMaxTopLogprobs;
+  PDW_ASSIGN_OR_RETURN(
+      r->logprob_rows_,
+      r->step_arena_->Allocate(seq_ints * sizeof(int32_t), "logprob_rows"));
+  PDW_ASSIGN_OR_RETURN(
+      r->logsumexp_,
+      r->step_arena_->Allocate(seq_ints * sizeof(float), "logsumexp"));
+  PDW_ASSIGN_OR_RETURN(
+      r->raw_logprobs_,
+      r->step_arena_->Allocate(seq_ints * sizeof(float), "raw_logprobs"));
+  PDW_ASSIGN_OR_RETURN(
+      r->top_token_ids_,
+      r->step_arena_->Allocate(top * sizeof(int32_t), "top_token_ids"));
+  PDW_ASSIGN_OR_RETURN(
+      r->top_logprobs_,
+      r->step_arena_->Allocate(top * sizeof(float), "top_logprobs"));
 
   LlamaForwardOptions fo;
   fo.max_num_tokens = options.max_num_batched_tokens;
@@ -256,6 +277,13 @@ absl::Status ModelRunner::Validate(absl::Span<const SequenceStep> batch) const {
     if (!sampling.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("sequence '", s.sequence_id, "': ", sampling.message()));
+    }
+    const int64_t max_top =
+        std::min<int64_t>(kernels::kMaxTopLogprobs, config_.vocab_size);
+    if (s.num_top_logprobs < -1 || s.num_top_logprobs > max_top) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence '", s.sequence_id, "': num_top_logprobs=",
+                       s.num_top_logprobs, " outside [-1, ", max_top, "]"));
     }
     if (s.banned_token_ids.size() > kMaxBannedTokensPerSequence) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -385,7 +413,34 @@ absl::Status ModelRunner::Enqueue(absl::Span<const SequenceStep> batch,
   // 4. Forward.
   PDW_RETURN_IF_ERROR(forward_->Run(ForwardContext{d.mode, d.descriptor}));
 
-  // 5. Sample the real rows, then copy the samples to the host.
+  // 5. Sample the real rows, then copy the samples to the host. Raw
+  // logprobs come from the logits before any mask or temperature.
+  out.logprob_rows.clear();
+  out.logprob_num_top.clear();
+  out.logprob_k = 0;
+  for (int r = 0; r < num_reqs; ++r) {
+    if (batch[r].num_top_logprobs < 0) continue;
+    out.logprob_rows.push_back(r);
+    out.logprob_num_top.push_back(batch[r].num_top_logprobs);
+    out.logprob_k = std::max(out.logprob_k, batch[r].num_top_logprobs);
+  }
+  const int num_logprob_rows = static_cast<int>(out.logprob_rows.size());
+  if (num_logprob_rows > 0) {
+    PDW_RETURN_IF_ERROR(
+        stream_->CopyToDevice(logprob_rows_, out.logprob_rows.data(),
+                              num_logprob_rows * sizeof(int32_t)));
+    kernels::TopLogprobsParams top;
+    top.logits = forward_->logits();
+    top.rows = logprob_rows_;
+    top.logsumexp = logsumexp_;
+    top.top_token_ids = top_token_ids_;
+    top.top_logprobs = top_logprobs_;
+    top.num_rows = num_logprob_rows;
+    top.num_logit_rows = num_reqs;
+    top.vocab_size = static_cast<int>(config_.vocab_size);
+    top.k = out.logprob_k;
+    PDW_RETURN_IF_ERROR(kernels::LaunchTopLogprobs(*stream_, top));
+  }
   sampling_.clear();
   sample_positions_.clear();
   banned_rows_.clear();
@@ -409,11 +464,37 @@ absl::Status ModelRunner::Enqueue(absl::Span<const SequenceStep> batch,
   PDW_RETURN_IF_ERROR(sampler_->Launch(*stream_, forward_->logits(), sampling,
                                        out.token_ids, out.logprobs));
   char* host = static_cast<char*>(out.host.data());
+  const size_t seqs = static_cast<size_t>(options_.max_num_seqs);
   PDW_RETURN_IF_ERROR(stream_->CopyToHostAsync(host, out.token_ids,
                                                num_reqs * sizeof(int32_t)));
-  PDW_RETURN_IF_ERROR(
-      stream_->CopyToHostAsync(host + options_.max_num_seqs * sizeof(int32_t),
-                               out.logprobs, num_reqs * sizeof(float)));
+  PDW_RETURN_IF_ERROR(stream_->CopyToHostAsync(
+      host + seqs * sizeof(int32_t), out.logprobs, num_reqs * sizeof(float)));
+  if (num_logprob_rows > 0) {
+    kernels::GatherLogprobsParams gather;
+    gather.logits = forward_->logits();
+    gather.rows = logprob_rows_;
+    gather.token_ids = out.token_ids;
+    gather.logsumexp = logsumexp_;
+    gather.logprobs = raw_logprobs_;
+    gather.num_rows = num_logprob_rows;
+    gather.num_logit_rows = num_reqs;
+    gather.vocab_size = static_cast<int>(config_.vocab_size);
+    PDW_RETURN_IF_ERROR(kernels::LaunchGatherLogprobs(*stream_, gather));
+    char* extra = host + seqs * (sizeof(int32_t) + sizeof(float));
+    PDW_RETURN_IF_ERROR(stream_->CopyToHostAsync(
+        extra, raw_logprobs_, num_logprob_rows * sizeof(float)));
+    const size_t top_count =
+        static_cast<size_t>(num_logprob_rows) * out.logprob_k;
+    if (top_count > 0) {
+      PDW_RETURN_IF_ERROR(
+          stream_->CopyToHostAsync(extra + seqs * sizeof(float), top_token_ids_,
+                                   top_count * sizeof(int32_t)));
+      PDW_RETURN_IF_ERROR(stream_->CopyToHostAsync(
+          extra + seqs * sizeof(float) +
+              seqs * kernels::kMaxTopLogprobs * sizeof(int32_t),
+          top_logprobs_, top_count * sizeof(float)));
+    }
+  }
   return stream_->RecordEvent(*out.end);
 }
 
@@ -443,7 +524,28 @@ absl::StatusOr<StepResult> ModelRunner::Retire(int slot) {
                                      options_.max_num_seqs * sizeof(int32_t));
   result.sequences.resize(num_reqs);
   for (int r = 0; r < num_reqs; ++r) {
-    result.sequences[r] = {ids[r], logprobs[r], s.num_tokens[r]};
+    SequenceResult& out = result.sequences[r];
+    out.token_id = ids[r];
+    out.logprob = logprobs[r];
+    out.num_tokens = s.num_tokens[r];
+  }
+  // Raw logprobs of the rows that asked: entry i of the step's list.
+  const size_t seqs = static_cast<size_t>(options_.max_num_seqs);
+  const char* extra = static_cast<const char*>(s.host.data()) +
+                      seqs * (sizeof(int32_t) + sizeof(float));
+  const auto* raw = reinterpret_cast<const float*>(extra);
+  const auto* top_ids =
+      reinterpret_cast<const int32_t*>(extra + seqs * sizeof(float));
+  const auto* top_values = reinterpret_cast<const float*>(
+      extra + seqs * sizeof(float) +
+      seqs * kernels::kMaxTopLogprobs * sizeof(int32_t));
+  for (size_t i = 0; i < s.logprob_rows.size(); ++i) {
+    SequenceResult& out = result.sequences[s.logprob_rows[i]];
+    out.raw_logprob = raw[i];
+    for (int j = 0; j < s.logprob_num_top[i]; ++j) {
+      const size_t at = i * s.logprob_k + j;
+      out.top_logprobs.push_back({top_ids[at], top_values[at]});
+    }
   }
   return result;
 }

@@ -81,6 +81,10 @@ struct SequenceStep {
   std::optional<SampleRef> last_token_from;
   // Token ids the sampler must not pick for this sequence (min_tokens).
   std::vector<int32_t> banned_token_ids;
+  // -1: no raw logprobs. 0..kernels::kMaxTopLogprobs: the sampled token's
+  // raw logprob (log_softmax of the model's logits, before temperature,
+  // masks and truncation: vLLM's default) and that many top alternatives.
+  int32_t num_top_logprobs = -1;
 };
 
 // A step of `token_ids` for `sequence_id` with default (greedy) sampling.
@@ -94,10 +98,21 @@ inline SequenceStep MakeSequenceStep(std::string sequence_id,
   return step;
 }
 
+struct TopLogprob {
+  int32_t token_id = -1;
+  float logprob = 0.0f;
+};
+
 struct SequenceResult {
   int32_t token_id = -1;  // sampled next token
+  // log p(token) under the distribution it was drawn from (after
+  // temperature and truncation; see kernels::LogprobMode::kProcessed).
   float logprob = 0.0f;
   int32_t num_tokens = 0;  // sequence length after the step (KV cached)
+  // When the step asked (SequenceStep::num_top_logprobs >= 0): the raw
+  // logprob of `token_id` and the top alternatives, most likely first.
+  float raw_logprob = 0.0f;
+  std::vector<TopLogprob> top_logprobs;
 };
 
 struct StepResult {
@@ -205,11 +220,19 @@ class ModelRunner {
   struct StepSlot {
     DeviceBuffer token_ids;  // int32 [max_num_seqs]
     DeviceBuffer logprobs;   // fp32 [max_num_seqs]
-    HostMemory host;         // pinned: int32 ids, then fp32 logprobs
+    // Pinned: int32 ids and fp32 logprobs [max_num_seqs] each, then the raw
+    // logprobs [max_num_seqs] fp32, top ids [max_num_seqs * kMaxTopLogprobs]
+    // int32 and top logprobs (same) fp32 of the rows that asked.
+    HostMemory host;
     std::unique_ptr<Event> start, end;
     StepReservation reservation;
     StepInfo info;
     std::vector<int32_t> num_tokens;  // each row's length after the step
+    // Rows that asked for raw logprobs, and how many alternatives each; the
+    // step computed max(num_top) alternatives for all of them.
+    std::vector<int32_t> logprob_rows;
+    std::vector<int32_t> logprob_num_top;
+    int logprob_k = 0;
     int previous_slot = -1;  // the step launched before (idle time), or -1
   };
 
@@ -239,6 +262,11 @@ class ModelRunner {
   int last_launched_slot_ = -1;
   // Device buffers the token feed reads: dst token index / src row pairs.
   DeviceBuffer feed_src_rows_, feed_dst_indices_;
+  // Raw logprobs of one step (copied to the step's slot before the next):
+  // the rows that asked [max_num_seqs], their logsumexp and raw logprob
+  // [max_num_seqs], top ids and logprobs [max_num_seqs, kMaxTopLogprobs].
+  DeviceBuffer logprob_rows_, logsumexp_, raw_logprobs_, top_token_ids_,
+      top_logprobs_;
   // Step-path scratch, sized at startup.
   std::vector<SequenceAppend> appends_;
   std::vector<StepSequence> step_seqs_;

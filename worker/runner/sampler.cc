@@ -24,6 +24,10 @@ absl::Status ValidateSamplingOptions(const SamplingOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "sampling.top_p must be in (0, 1] (1 = off), got ", o.top_p));
   }
+  if (!std::isfinite(o.min_p) || o.min_p < 0.0f || o.min_p > 1.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sampling.min_p must be in [0, 1] (0 = off), got ", o.min_p));
+  }
   return absl::OkStatus();
 }
 
@@ -33,8 +37,10 @@ Sampler::Sampler(int max_num_seqs, int vocab_size, int max_bans)
       max_bans_(max_bans),
       h_temperature_(max_num_seqs),
       h_top_p_(max_num_seqs),
+      h_min_p_offsets_(max_num_seqs),
       h_top_k_(max_num_seqs),
       h_positions_(max_num_seqs),
+      h_min_p_rows_(max_num_seqs),
       h_seeds_(max_num_seqs) {}
 
 absl::StatusOr<std::unique_ptr<Sampler>> Sampler::Create(Arena& arena,
@@ -113,6 +119,34 @@ absl::Status Sampler::Launch(Stream& stream, DeviceBuffer logits,
     bp.num_rows = n;
     bp.vocab_size = vocab_size_;
     PDW_RETURN_IF_ERROR(kernels::LaunchBanTokens(stream, bp));
+  }
+
+  // min_p: mask, in the raw logits, what falls below the row's max by
+  // more than T * ln(min_p) (the sampler divides by T afterwards).
+  int num_min_p = 0;
+  for (int r = 0; r < n; ++r) {
+    const SamplingOptions& o = batch.options[r];
+    if (o.min_p <= 0.0f || !(o.temperature >= kernels::kGreedyTemperature)) {
+      continue;
+    }
+    h_min_p_rows_[num_min_p] = r;
+    h_min_p_offsets_[num_min_p] = static_cast<float>(
+        static_cast<double>(o.temperature) * std::log(double{o.min_p}));
+    ++num_min_p;
+  }
+  if (num_min_p > 0) {
+    PDW_RETURN_IF_ERROR(stream.CopyToDevice(min_p_rows_, h_min_p_rows_.data(),
+                                            num_min_p * sizeof(int32_t)));
+    PDW_RETURN_IF_ERROR(stream.CopyToDevice(
+        min_p_offsets_, h_min_p_offsets_.data(), num_min_p * sizeof(float)));
+    kernels::MaskBelowMaxParams mp;
+    mp.logits = logits;
+    mp.rows = min_p_rows_;
+    mp.offsets = min_p_offsets_;
+    mp.num_rows = num_min_p;
+    mp.num_logit_rows = n;
+    mp.vocab_size = vocab_size_;
+    PDW_RETURN_IF_ERROR(kernels::LaunchMaskBelowMax(stream, mp));
   }
 
   kernels::SamplingParams p;

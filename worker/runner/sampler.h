@@ -22,7 +22,11 @@ struct SamplingOptions {
   float temperature = 0.0f;  // 0: greedy (argmax); otherwise > 0
   int32_t top_k = 0;         // 0: off
   float top_p = 1.0f;        // 1: off; in (0, 1]
-  uint64_t seed = 0;         // RNG stream; with position, fixes the draw
+  // 0: off; in [0, 1]. Keeps the tokens at least this times as likely as
+  // the most likely one (after temperature), before top-k/top-p, as vLLM's
+  // min_p. No effect on greedy rows.
+  float min_p = 0.0f;
+  uint64_t seed = 0;  // RNG stream; with position, fixes the draw
 };
 
 // INVALID_ARGUMENT naming the field for NaN, negative or out-of-range values.
@@ -70,10 +74,10 @@ class Sampler {
   int vocab_size_;
   int max_bans_;
   DeviceBuffer temperature_, top_k_, top_p_, seeds_, positions_, workspace_,
-      ban_rows_, ban_token_ids_;
+      ban_rows_, ban_token_ids_, min_p_rows_, min_p_offsets_;
   // Host staging, sized at startup.
-  std::vector<float> h_temperature_, h_top_p_;
-  std::vector<int32_t> h_top_k_, h_positions_;
+  std::vector<float> h_temperature_, h_top_p_, h_min_p_offsets_;
+  std::vector<int32_t> h_top_k_, h_positions_, h_min_p_rows_;
   std::vector<uint64_t> h_seeds_;
 };
 

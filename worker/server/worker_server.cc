@@ -191,6 +191,12 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
                    s->transfer_service_->offers_cuda_ipc(),
                    s->transfer_service_->offers_nccl()});
   builder.RegisterService(s->service_.get());
+  VllmEngineServiceOptions engine_api;
+  engine_api.model_dir = options.model_dir;
+  engine_api.served_model_name = options.served_model_name;
+  s->engine_api_ =
+      std::make_unique<VllmEngineService>(runner, *s->engine_, engine_api);
+  builder.RegisterService(s->engine_api_.get());
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {
     s->server_.reset();
@@ -218,6 +224,8 @@ void WorkerServer::SetHealth(bool serving) {
   if (health == nullptr) return;
   health->SetServingStatus(serving);  // every service, "" included
   health->SetServingStatus(v1::Worker::service_full_name(), serving);
+  health->SetServingStatus(vllm::grpc::engine::VllmEngine::service_full_name(),
+                           serving);
 }
 
 absl::StatusOr<CaptureSummary> WorkerServer::CaptureGraphsAndServe() {
@@ -235,6 +243,7 @@ absl::StatusOr<CaptureSummary> WorkerServer::CaptureGraphsAndServe() {
   if (metrics_ != nullptr) metrics_->SetCaptureSummary(summary, graphs);
   service_->SetGraphsCaptured(graphs);
   service_->SetState(ServingState::kServing);
+  engine_api_->SetState(ServingState::kServing);
   SetHealth(true);
   LOG(INFO) << "serving: " << graphs << " graphs captured in "
             << summary.total_seconds << " s";
@@ -243,6 +252,7 @@ absl::StatusOr<CaptureSummary> WorkerServer::CaptureGraphsAndServe() {
 
 void WorkerServer::BeginDrain() {
   service_->SetState(ServingState::kDraining);
+  engine_api_->SetState(ServingState::kDraining);
   engine_->BeginDrain();
   SetHealth(false);
 }

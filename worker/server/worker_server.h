@@ -1,12 +1,13 @@
 // WorkerServer: a running pdworker gRPC server around one ModelRunner — the
-// Worker service, the standard health service (grpc.health.v1) and server
-// reflection, the engine, optional TLS/mTLS, and the lifecycle
+// Worker service, the request-level VllmEngine service, the standard health
+// service (grpc.health.v1) and server reflection, the engine, optional
+// TLS/mTLS, and the lifecycle
 //
 //   Start (health NOT_SERVING) -> CaptureGraphsAndServe (SERVING)
 //     -> Drain (NOT_SERVING, new calls UNAVAILABLE, in-flight complete) -> gone
 //
-// Health reports the same status for "" (the whole server) and for
-// "pdworker.v1.Worker".
+// Health reports the same status for "" (the whole server), for
+// "pdworker.v1.Worker" and for "vllm.grpc.engine.VllmEngine".
 #ifndef PDWORKER_WORKER_SERVER_WORKER_SERVER_H_
 #define PDWORKER_WORKER_SERVER_WORKER_SERVER_H_
 
@@ -21,6 +22,7 @@
 #include "worker/engine/engine.h"
 #include "worker/runner/model_runner.h"
 #include "worker/runtime/capture_session.h"
+#include "worker/server/vllm_engine_service.h"
 #include "worker/server/worker_service.h"
 #include "worker/transfer/kv_importer.h"
 #include "worker/transfer/kv_lease_table.h"
@@ -67,6 +69,11 @@ struct WorkerServerOptions {
   EngineOptions engine;
   // GetStatus.device, e.g. "cpu".
   std::string device_name = "cpu";
+  // The request-level API (vllm.grpc.engine.VllmEngine): the checkpoint
+  // directory (GetModelInfo.model_path, GetTokenizer's files) and the name
+  // routers see (empty: the directory).
+  std::string model_dir;
+  std::string served_model_name;
 
   // --- KV handoff (DESIGN.md "P/D KV handoff") ---
   // Where decode workers pull from this worker (KvHandle.source_address):
@@ -153,6 +160,7 @@ class WorkerServer {
   std::unique_ptr<KvImporter> importer_;
   std::unique_ptr<KvTransferService> transfer_service_;
   std::unique_ptr<WorkerService> service_;
+  std::unique_ptr<VllmEngineService> engine_api_;
   std::unique_ptr<grpc::Server> server_;
 };
 

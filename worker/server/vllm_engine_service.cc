@@ -1,0 +1,443 @@
+#include "worker/server/vllm_engine_service.h"
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "glog/logging.h"
+#include "worker/server/status_mapping.h"
+#include "worker/server/tokenizer_bundle.h"
+
+namespace pdworker {
+namespace {
+
+namespace vg = ::vllm::grpc::engine;
+namespace common = ::smg::grpc::common;
+
+// GetTokenizer's pieces (SMG's servicers send 64 KiB).
+constexpr size_t kTokenizerChunkBytes = 64 * 1024;
+
+void AppendLogprobs(absl::Span<const int32_t> tokens,
+                    absl::Span<const TokenLogprobs> logprobs, int32_t num_top,
+                    vg::OutputLogProbs* out) {
+  for (size_t i = 0; i < tokens.size() && i < logprobs.size(); ++i) {
+    out->add_token_ids(static_cast<uint32_t>(tokens[i]));
+    out->add_token_logprobs(logprobs[i].logprob);
+    if (num_top > 0) {
+      vg::TopLogProbs* top = out->add_top_logprobs();
+      for (const TopLogprob& t : logprobs[i].top) {
+        top->add_token_ids(static_cast<uint32_t>(t.token_id));
+        top->add_values(t.logprob);
+      }
+    }
+  }
+}
+
+// One Generate stream. The engine's updates (engine thread) become
+// responses in a queue written one at a time; the stream finishes after
+// the last update's responses are written. gRPC deletes it in OnDone, which
+// comes after Finish, which comes after the engine's last update: the
+// engine never calls into a deleted reactor.
+class GenerateReactor final
+    : public grpc::ServerWriteReactor<vg::GenerateResponse> {
+ public:
+  GenerateReactor(Engine& engine, const vg::GenerateRequest& request,
+                  const GenerateLimits& limits,
+                  std::chrono::system_clock::time_point deadline)
+      : engine_(engine), control_(std::make_shared<CallControl>()) {
+    // The engine honours it: an expired request is aborted, its KV freed.
+    control_->deadline = deadline;
+    absl::StatusOr<GenerateCall> call = ToGenerateCall(request, limits);
+    if (!call.ok()) {
+      Finish(ToGrpcStatus(call.status()));
+      return;
+    }
+    if (call->kv_transfer_params_json.has_value()) {
+      Finish(ToGrpcStatus(absl::UnimplementedError(
+          "kv_transfer_params_json: KV handoff through the request-level "
+          "API is not implemented yet; use Worker.Forward with "
+          "hold_for_handoff and Worker.ImportKv")));
+      return;
+    }
+    stream_ = call->stream;
+    num_top_ = call->spec.logprobs;
+    prompt_tokens_ = static_cast<uint32_t>(call->spec.prompt.size());
+    auto engine_request = std::make_unique<EngineRequest>();
+    engine_request->spec = std::move(call->spec);
+    engine_request->control = control_;
+    engine_request->on_update = [this](const RequestUpdate& u) { OnUpdate(u); };
+    engine_.Submit(std::move(engine_request));
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.pop_front();
+    writing_ = false;
+    if (!ok) {
+      // The client is gone; OnCancel tells the engine. Nothing more to
+      // write, but the stream still finishes once the engine ends it.
+      queue_.clear();
+      broken_ = true;
+    }
+    WriteNextLocked();
+  }
+
+  void OnCancel() override {
+    control_->cancelled.store(true, std::memory_order_release);
+    engine_.NotifyCancelled();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  // Engine thread (or the constructor, when Submit refuses at once).
+  void OnUpdate(const RequestUpdate& u) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stream_ && !u.new_token_ids.empty()) {
+      vg::GenerateStreamChunk* chunk = queue_.emplace_back().mutable_chunk();
+      for (const int32_t t : u.new_token_ids) chunk->add_token_ids(t);
+      chunk->set_prompt_tokens(prompt_tokens_);
+      chunk->set_completion_tokens(
+          static_cast<uint32_t>(u.new_token_ids.size()));
+      if (num_top_ >= 0) {
+        AppendLogprobs(u.new_token_ids, u.new_token_logprobs, num_top_,
+                       chunk->mutable_output_logprobs());
+      }
+    }
+    if (!stream_) {
+      outputs_.insert(outputs_.end(), u.new_token_ids.begin(),
+                      u.new_token_ids.end());
+      if (num_top_ >= 0) {
+        AppendLogprobs(u.new_token_ids, u.new_token_logprobs, num_top_,
+                       &all_logprobs_);
+      }
+    }
+    if (!u.last()) {
+      WriteNextLocked();
+      return;
+    }
+    if (!u.status.ok()) {
+      final_status_ = ToGrpcStatus(u.status);
+    } else {
+      final_status_ = grpc::Status::OK;
+      vg::GenerateComplete* complete = queue_.emplace_back().mutable_complete();
+      complete->set_finish_reason(
+          std::string(FinishReasonName(*u.finish_reason)));
+      complete->set_prompt_tokens(prompt_tokens_);
+      // Streaming: the last step's tokens again, as vLLM's servicer does
+      // (the router accumulates the chunks); otherwise every token.
+      if (stream_) {
+        for (const int32_t t : u.new_token_ids) complete->add_output_ids(t);
+        if (num_top_ >= 0) {
+          AppendLogprobs(u.new_token_ids, u.new_token_logprobs, num_top_,
+                         complete->mutable_output_logprobs());
+        }
+      } else {
+        for (const int32_t t : outputs_) complete->add_output_ids(t);
+        if (num_top_ >= 0) *complete->mutable_output_logprobs() = all_logprobs_;
+      }
+      complete->set_completion_tokens(complete->output_ids_size());
+      if (u.matched_token_id.has_value()) {
+        complete->set_matched_token_id(
+            static_cast<uint32_t>(*u.matched_token_id));
+      }
+    }
+    WriteNextLocked();
+  }
+
+  void WriteNextLocked() {
+    if (writing_) return;
+    if (broken_) queue_.clear();
+    if (!queue_.empty()) {
+      writing_ = true;
+      StartWrite(&queue_.front());
+      return;
+    }
+    if (final_status_.has_value() && !finished_) {
+      finished_ = true;
+      Finish(*final_status_);
+    }
+  }
+
+  Engine& engine_;
+  const std::shared_ptr<CallControl> control_;
+  bool stream_ = false;
+  int32_t num_top_ = -1;
+  uint32_t prompt_tokens_ = 0;
+
+  std::mutex mu_;
+  // Responses not yet written; the front is being written when writing_.
+  std::deque<vg::GenerateResponse> queue_;
+  bool writing_ = false;
+  bool broken_ = false;    // a write failed: the client is gone
+  bool finished_ = false;  // Finish was called
+  std::optional<grpc::Status> final_status_;
+  // Non-streaming: everything, sent at the end.
+  std::vector<int32_t> outputs_;
+  vg::OutputLogProbs all_logprobs_;
+};
+
+// A stream that ends at once with `status` (and, for GetTokenizer, the
+// archive in pieces).
+template <typename Message>
+class ListWriter final : public grpc::ServerWriteReactor<Message> {
+ public:
+  ListWriter(std::vector<Message> messages, grpc::Status status)
+      : messages_(std::move(messages)), status_(std::move(status)) {
+    Next();
+  }
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      this->Finish(
+          grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
+      return;
+    }
+    ++next_;
+    Next();
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  void Next() {
+    if (next_ < messages_.size()) {
+      this->StartWrite(&messages_[next_]);
+    } else {
+      this->Finish(status_);
+    }
+  }
+  std::vector<Message> messages_;
+  grpc::Status status_;
+  size_t next_ = 0;
+};
+
+absl::string_view ModelType(Architecture architecture) {
+  switch (architecture) {
+    case Architecture::kLlama:
+      return "llama";
+    case Architecture::kQwen2:
+      return "qwen2";
+    case Architecture::kMistral:
+      return "mistral";
+  }
+  return "";
+}
+
+}  // namespace
+
+VllmEngineService::VllmEngineService(const ModelRunner& runner, Engine& engine,
+                                     const VllmEngineServiceOptions& options)
+    : engine_(engine),
+      options_(options),
+      limits_{static_cast<int>(runner.model_config().vocab_size),
+              runner.max_model_len()},
+      role_(runner.options().role),
+      max_num_seqs_(runner.options().max_num_seqs),
+      kv_total_tokens_(int64_t{runner.kv_cache().Stats().total_blocks} *
+                       runner.kv_cache().block_size()),
+      kv_block_size_(runner.kv_cache().block_size()),
+      started_(std::chrono::steady_clock::now()) {
+  const ModelConfig& c = runner.model_config();
+  model_info_.set_model_path(options.model_dir);
+  model_info_.set_is_generation(true);
+  model_info_.set_max_context_length(runner.max_model_len());
+  model_info_.set_vocab_size(static_cast<uint32_t>(c.vocab_size));
+  model_info_.set_supports_vision(false);
+  model_info_.set_served_model_name(options.served_model_name.empty()
+                                        ? options.model_dir
+                                        : options.served_model_name);
+  model_info_.set_tokenizer_path(options.model_dir);
+  model_info_.set_model_type(std::string(ModelType(c.architecture)));
+  model_info_.add_architectures(std::string(ArchitectureName(c.architecture)));
+  for (const int64_t id : c.eos_token_ids) {
+    model_info_.add_eos_token_ids(static_cast<int32_t>(id));
+  }
+  model_info_.set_pad_token_id(
+      static_cast<int32_t>(c.pad_token_id.value_or(0)));
+  model_info_.set_bos_token_id(
+      static_cast<int32_t>(c.bos_token_id.value_or(0)));
+  // The prompt must leave room for one output token.
+  model_info_.set_max_req_input_len(runner.max_model_len() - 1);
+}
+
+grpc::ServerWriteReactor<vg::GenerateResponse>* VllmEngineService::Generate(
+    grpc::CallbackServerContext* context, const vg::GenerateRequest* request) {
+  last_receive_unix_.store(
+      absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()),
+      std::memory_order_relaxed);
+  if (state_.load(std::memory_order_acquire) == ServingState::kStarting) {
+    auto* refused = new ListWriter<vg::GenerateResponse>(
+        {}, grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                         "the worker is capturing CUDA graphs and not "
+                         "serving yet"));
+    return refused;
+  }
+  return new GenerateReactor(engine_, *request, limits_, context->deadline());
+}
+
+grpc::ServerUnaryReactor* VllmEngineService::Embed(
+    grpc::CallbackServerContext* context, const vg::EmbedRequest*,
+    vg::EmbedResponse*) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(
+      grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                   "Embed: pdworker serves generative (decoder) models only"));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* VllmEngineService::HealthCheck(
+    grpc::CallbackServerContext* context, const vg::HealthCheckRequest*,
+    vg::HealthCheckResponse* response) {
+  const EngineSnapshot s = engine_.snapshot();
+  const ServingState state = state_.load(std::memory_order_acquire);
+  const bool busy =
+      s.queued_calls > 0 || s.running_requests > 0 || s.waiting_requests > 0;
+  std::string problem;
+  if (state == ServingState::kStarting) {
+    problem = "capturing CUDA graphs, not serving yet";
+  } else if (state == ServingState::kDraining) {
+    problem = "draining (shutting down)";
+  } else if (!s.device_error.ok()) {
+    problem = absl::StrCat("device error: ", s.device_error.message());
+  } else if (busy && std::chrono::steady_clock::now() - s.last_step_at >
+                         options_.health_step_window) {
+    problem = absl::StrCat("busy, and no step finished in the last ",
+                           std::chrono::duration_cast<std::chrono::seconds>(
+                               options_.health_step_window)
+                               .count(),
+                           " s");
+  }
+  response->set_healthy(problem.empty());
+  response->set_message(problem.empty() ? "healthy" : problem);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* VllmEngineService::Abort(
+    grpc::CallbackServerContext* context, const vg::AbortRequest* request,
+    vg::AbortResponse*) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto call = std::make_unique<AbortCall>();
+  for (const std::string& id : request->request_ids()) {
+    if (id.empty()) {
+      reactor->Finish(ToGrpcStatus(
+          absl::InvalidArgumentError("request_ids has an empty id")));
+      return reactor;
+    }
+    if (std::find(call->request_ids.begin(), call->request_ids.end(), id) ==
+        call->request_ids.end()) {
+      call->request_ids.push_back(id);
+    }
+  }
+  if (call->request_ids.empty()) {
+    reactor->Finish(
+        ToGrpcStatus(absl::InvalidArgumentError("request_ids is empty")));
+    return reactor;
+  }
+  call->done = [reactor](const absl::StatusOr<AbortOutcome>& outcome) {
+    reactor->Finish(ToGrpcStatus(outcome.status()));
+  };
+  engine_.Submit(std::move(call));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* VllmEngineService::GetModelInfo(
+    grpc::CallbackServerContext* context, const vg::GetModelInfoRequest*,
+    vg::GetModelInfoResponse* response) {
+  *response = model_info_;
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* VllmEngineService::GetServerInfo(
+    grpc::CallbackServerContext* context, const vg::GetServerInfoRequest*,
+    vg::GetServerInfoResponse* response) {
+  const EngineSnapshot s = engine_.snapshot();
+  response->set_active_requests(
+      static_cast<uint32_t>(s.running_requests + s.waiting_requests));
+  response->set_is_paused(false);
+  response->set_last_receive_timestamp(
+      last_receive_unix_.load(std::memory_order_relaxed));
+  response->set_uptime_seconds(
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started_)
+          .count());
+  response->set_server_type("vllm-grpc");
+  response->set_data_parallel_size(1);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* VllmEngineService::GetLoads(
+    grpc::CallbackServerContext* context, const vg::GetLoadsRequest* request,
+    vg::GetLoadsResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (request->has_dp_rank() && request->dp_rank() != 0) {
+    reactor->Finish(ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("dp_rank=", request->dp_rank(),
+                     ": this worker has one data-parallel rank (0)"))));
+    return reactor;
+  }
+  const EngineSnapshot s = engine_.snapshot();
+  response->set_timestamp(
+      absl::FormatTime(absl::RFC3339_full, absl::Now(), absl::UTCTimeZone()));
+  response->set_version("pdworker");
+  response->set_dp_rank_count(1);
+  vg::SchedulerLoad* load = response->add_loads();
+  load->set_dp_rank(0);
+  load->set_num_running_reqs(static_cast<int32_t>(s.running_requests));
+  load->set_num_waiting_reqs(static_cast<int32_t>(s.waiting_requests));
+  load->set_num_total_reqs(
+      static_cast<int32_t>(s.running_requests + s.waiting_requests));
+  load->set_num_used_tokens(
+      static_cast<int32_t>(int64_t{s.kv.used_blocks} * kv_block_size_));
+  load->set_max_total_num_tokens(static_cast<int32_t>(kv_total_tokens_));
+  load->set_token_usage(s.kv.total_blocks > 0
+                            ? static_cast<double>(s.kv.used_blocks) /
+                                  s.kv.total_blocks
+                            : 0.0);
+  load->set_max_running_requests(max_num_seqs_);
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerWriteReactor<common::GetTokenizerChunk>*
+VllmEngineService::GetTokenizer(grpc::CallbackServerContext*,
+                                const common::GetTokenizerRequest*) {
+  absl::StatusOr<TokenizerBundle> bundle =
+      BuildTokenizerBundle(options_.model_dir);
+  if (!bundle.ok()) {
+    return new ListWriter<common::GetTokenizerChunk>(
+        {}, ToGrpcStatus(bundle.status()));
+  }
+  std::vector<common::GetTokenizerChunk> chunks;
+  for (size_t offset = 0; offset < bundle->zip.size();
+       offset += kTokenizerChunkBytes) {
+    common::GetTokenizerChunk& chunk = chunks.emplace_back();
+    chunk.set_data(bundle->zip.substr(offset, kTokenizerChunkBytes));
+  }
+  if (chunks.empty()) chunks.emplace_back();
+  chunks.back().set_sha256(bundle->sha256_hex);
+  return new ListWriter<common::GetTokenizerChunk>(std::move(chunks),
+                                                   grpc::Status::OK);
+}
+
+grpc::ServerWriteReactor<common::KvEventBatch>*
+VllmEngineService::SubscribeKvEvents(grpc::CallbackServerContext*,
+                                     const common::SubscribeKvEventsRequest*) {
+  return new ListWriter<common::KvEventBatch>(
+      {}, grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                       "SubscribeKvEvents: pdworker has no prefix cache yet, "
+                       "so it publishes no KV cache events"));
+}
+
+}  // namespace pdworker

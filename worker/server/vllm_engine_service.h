@@ -1,0 +1,95 @@
+// VllmEngineService: `vllm.grpc.engine.VllmEngine` (proto/vllm_engine.proto)
+// on the worker's gRPC port, over the engine's request-level API, so routers
+// built for vLLM workers (SMG, llm-d) drive pdworker unchanged: Generate
+// streams the tokens of an engine-owned request (the worker owns the decode
+// loop), Abort ends requests, and the management RPCs answer from the
+// checkpoint and the engine's published snapshot. Handlers never block;
+// Generate's stream is written from the engine thread's updates.
+#ifndef PDWORKER_WORKER_SERVER_VLLM_ENGINE_SERVICE_H_
+#define PDWORKER_WORKER_SERVER_VLLM_ENGINE_SERVICE_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <chrono>
+#include <string>
+
+#include "proto/vllm_engine.grpc.pb.h"
+#include "worker/engine/engine.h"
+#include "worker/runner/model_runner.h"
+#include "worker/server/generate_request.h"
+#include "worker/server/worker_service.h"
+
+namespace pdworker {
+
+struct VllmEngineServiceOptions {
+  std::string model_dir;          // GetModelInfo.model_path, GetTokenizer
+  std::string served_model_name;  // empty: the model directory
+  // How recently a busy engine must have finished a step to be healthy.
+  std::chrono::milliseconds health_step_window{30000};
+};
+
+class VllmEngineService final
+    : public vllm::grpc::engine::VllmEngine::CallbackService {
+ public:
+  // Reads the runner's static configuration now (before serving); from then
+  // on only `engine` touches the runner.
+  VllmEngineService(const ModelRunner& runner, Engine& engine,
+                    const VllmEngineServiceOptions& options);
+
+  void SetState(ServingState state) {
+    state_.store(state, std::memory_order_release);
+  }
+
+  grpc::ServerWriteReactor<vllm::grpc::engine::GenerateResponse>* Generate(
+      grpc::CallbackServerContext* context,
+      const vllm::grpc::engine::GenerateRequest* request) override;
+  grpc::ServerUnaryReactor* Embed(
+      grpc::CallbackServerContext* context,
+      const vllm::grpc::engine::EmbedRequest* request,
+      vllm::grpc::engine::EmbedResponse* response) override;
+  grpc::ServerUnaryReactor* HealthCheck(
+      grpc::CallbackServerContext* context,
+      const vllm::grpc::engine::HealthCheckRequest* request,
+      vllm::grpc::engine::HealthCheckResponse* response) override;
+  grpc::ServerUnaryReactor* Abort(
+      grpc::CallbackServerContext* context,
+      const vllm::grpc::engine::AbortRequest* request,
+      vllm::grpc::engine::AbortResponse* response) override;
+  grpc::ServerUnaryReactor* GetModelInfo(
+      grpc::CallbackServerContext* context,
+      const vllm::grpc::engine::GetModelInfoRequest* request,
+      vllm::grpc::engine::GetModelInfoResponse* response) override;
+  grpc::ServerUnaryReactor* GetServerInfo(
+      grpc::CallbackServerContext* context,
+      const vllm::grpc::engine::GetServerInfoRequest* request,
+      vllm::grpc::engine::GetServerInfoResponse* response) override;
+  grpc::ServerUnaryReactor* GetLoads(
+      grpc::CallbackServerContext* context,
+      const vllm::grpc::engine::GetLoadsRequest* request,
+      vllm::grpc::engine::GetLoadsResponse* response) override;
+  grpc::ServerWriteReactor<smg::grpc::common::GetTokenizerChunk>* GetTokenizer(
+      grpc::CallbackServerContext* context,
+      const smg::grpc::common::GetTokenizerRequest* request) override;
+  grpc::ServerWriteReactor<smg::grpc::common::KvEventBatch>* SubscribeKvEvents(
+      grpc::CallbackServerContext* context,
+      const smg::grpc::common::SubscribeKvEventsRequest* request) override;
+
+ private:
+  Engine& engine_;
+  const VllmEngineServiceOptions options_;
+  const GenerateLimits limits_;
+  const Role role_;
+  const int max_num_seqs_;
+  const int64_t kv_total_tokens_;
+  const int32_t kv_block_size_;
+  vllm::grpc::engine::GetModelInfoResponse model_info_;
+  const std::chrono::steady_clock::time_point started_;
+  std::atomic<ServingState> state_{ServingState::kStarting};
+  // Unix seconds of the latest Generate, as a double's bits.
+  std::atomic<double> last_receive_unix_{0.0};
+};
+
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_SERVER_VLLM_ENGINE_SERVICE_H_
