@@ -60,7 +60,8 @@ struct RequestUpdate {
   int64_t step = 0;
   // Set on the last update of a request that finished (OK status).
   std::optional<FinishReason> finish_reason;
-  // The EOS or stop token id that ended it (kStop only).
+  // The stop_token_ids entry that ended it (kStop by a stop id; an EOS
+  // reports none, as vLLM's stop_reason does).
   std::optional<int32_t> matched_token_id;
   // Not OK on the last update of a request that failed: refused when
   // admitted, a device error, the engine stopped, its deadline passed,

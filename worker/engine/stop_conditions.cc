@@ -25,8 +25,8 @@ StopDecision CheckStop(const StopRule& rule, int32_t token,
   if (num_output_tokens >= rule.conditions.min_tokens) {
     if (rule.conditions.eos == EosHandling::kStop &&
         contains(rule.eos_token_ids)) {
+      // vLLM reports no stop_reason for EOS, only for stop_token_ids.
       d.reason = FinishReason::kStop;
-      d.matched_token_id = token;
       return d;
     }
     if (contains(rule.conditions.stop_token_ids)) {

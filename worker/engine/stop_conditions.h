@@ -50,7 +50,9 @@ struct StopRule {
 
 struct StopDecision {
   std::optional<FinishReason> reason;       // nullopt: keep going
-  std::optional<int32_t> matched_token_id;  // kStop: the id that matched
+  // A stop_token_ids entry that ended the request (vLLM's stop_reason);
+  // nullopt for EOS.
+  std::optional<int32_t> matched_token_id;
 };
 
 // After `token` became output token number `num_output_tokens` (1-based).

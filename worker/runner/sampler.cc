@@ -69,6 +69,10 @@ absl::StatusOr<std::unique_ptr<Sampler>> Sampler::Create(Arena& arena,
                        arena.Allocate(bans * sizeof(int32_t), "ban_rows"));
   PDW_ASSIGN_OR_RETURN(s->ban_token_ids_,
                        arena.Allocate(bans * sizeof(int32_t), "ban_token_ids"));
+  PDW_ASSIGN_OR_RETURN(s->min_p_rows_,
+                       arena.Allocate(n * sizeof(int32_t), "min_p_rows"));
+  PDW_ASSIGN_OR_RETURN(s->min_p_offsets_,
+                       arena.Allocate(n * sizeof(float), "min_p_offsets"));
   return s;
 }
 
