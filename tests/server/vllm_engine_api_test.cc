@@ -340,7 +340,7 @@ TEST_F(VllmEngineApiTest, AGrpcioClientDrivesEveryRpc) {
     s["id"] = "bad_" + name;
     gen.push_back(s);
   }
-  for (int i = 0; i < 48; ++i) {
+  for (int i = 0; i < 64; ++i) {
     scenarios["concurrent"].push_back(
         {{"id", absl::StrCat("c", i)},
          {"prompt", Prompt(3 + i % 9, 100 + i)},
@@ -531,9 +531,9 @@ TEST_F(VllmEngineApiTest, AGrpcioClientDrivesEveryRpc) {
     EXPECT_TRUE(b["chunks"].empty()) << name;
   }
 
-  // 48 concurrent streams, each whole and right.
-  ASSERT_EQ(r["concurrent"].size(), 48u);
-  for (int i = 0; i < 48; ++i) {
+  // 64 concurrent streams, each whole and right.
+  ASSERT_EQ(r["concurrent"].size(), 64u);
+  for (int i = 0; i < 64; ++i) {
     const Json& c = r["concurrent"][i];
     ASSERT_EQ(c["code"], "OK") << c["message"];
     std::vector<int32_t> tokens;

@@ -293,15 +293,33 @@ void Engine::AdmitIncomingRequests() {
   }
   for (std::unique_ptr<EngineRequest>& call : incoming) {
     const std::string& id = call->spec.request_id;
+    const std::optional<ImportedPrompt>& imported = call->spec.imported;
+    absl::Status refused;
     if (requests_.contains(id)) {
+      refused = absl::AlreadyExistsError(
+          absl::StrCat("request '", id, "' is already live"));
+    } else if (imported.has_value()) {
+      const SequenceKv* kv = runner_.kv_cache().Find(imported->kv_sequence_id);
+      if (kv == nullptr ||
+          kv->num_tokens != static_cast<int32_t>(call->spec.prompt.size())) {
+        refused = absl::InternalError(absl::StrCat(
+            "request '", id, "': its imported KV is missing or not ",
+            call->spec.prompt.size(), " tokens long"));
+      }
+    }
+    if (!refused.ok()) {
       {
         std::lock_guard<std::mutex> lock(mu_);
         --requests_waiting_;
       }
+      // The imported KV is this request's to free.
+      if (imported.has_value() &&
+          runner_.kv_cache().Find(imported->kv_sequence_id) != nullptr) {
+        runner_.Release(imported->kv_sequence_id).IgnoreError();
+      }
       RequestUpdate update;
       update.num_prompt_tokens = static_cast<int32_t>(call->spec.prompt.size());
-      update.status = absl::AlreadyExistsError(
-          absl::StrCat("request '", id, "' is already live"));
+      update.status = refused;
       call->on_update(update);
       continue;
     }
@@ -315,13 +333,45 @@ void Engine::AdmitIncomingRequests() {
         call->spec.stop.max_tokens > 0
             ? call->spec.stop.max_tokens
             : max_model_len_ - r->stop.num_prompt_tokens;
-    r->kv_id = absl::StrCat(std::string(1, kEngineSequencePrefix), "request#",
-                            next_request_number_++);
+    // A prefill leg ends with its first token; its KV goes to a lease.
+    if (call->spec.handoff == KvHandoff::kHoldForDecode) {
+      r->stop.max_output_tokens = 1;
+    }
     r->tokens = call->spec.prompt;
     r->call = std::move(call);
     ++progress_;
-    waiting_.push_back(r);
-    requests_.emplace(r->call->spec.request_id, std::move(r));
+    if (!imported.has_value()) {
+      r->kv_id = absl::StrCat(std::string(1, kEngineSequencePrefix), "request#",
+                              next_request_number_++);
+      waiting_.push_back(r);
+      requests_.emplace(r->call->spec.request_id, std::move(r));
+      continue;
+    }
+    // A decode leg: the prompt's KV is here already; it runs at once and
+    // its first output is the token the prefill worker sampled.
+    const ImportedPrompt& prompt = *r->call->spec.imported;
+    r->kv_id = prompt.kv_sequence_id;
+    r->num_computed = r->stop.num_prompt_tokens;
+    r->state = Request::State::kRunning;
+    running_.push_back(r);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --requests_waiting_;
+    }
+    requests_.emplace(r->call->spec.request_id, r);
+    r->tokens.push_back(prompt.first_token_id);
+    r->new_tokens.push_back(prompt.first_token_id);
+    r->new_logprobs.push_back(prompt.first_logprob);
+    if (r->call->spec.logprobs >= 0) {
+      r->new_token_logprobs.push_back(prompt.first_token_logprobs);
+    }
+    const StopDecision stop =
+        CheckStop(r->stop, prompt.first_token_id, r->num_outputs());
+    if (stop.reason.has_value()) {
+      FinishRequest(*r, stop.reason, absl::OkStatus(), stop.matched_token_id);
+    } else {
+      SendUpdate(*r);
+    }
   }
 }
 
@@ -825,11 +875,23 @@ void Engine::FinishRequest(Request& r, std::optional<FinishReason> reason,
     std::lock_guard<std::mutex> lock(mu_);
     --requests_waiting_;
   }
-  // Steps still in flight may write these blocks; no later step can touch
-  // them before those (one in-order stream), so they are free now.
+  std::optional<KvLeaseInfo> lease;
   if (runner_.kv_cache().Find(r.kv_id) != nullptr) {
-    const absl::Status released = runner_.Release(r.kv_id);
-    CHECK(released.ok()) << released;
+    if (reason.has_value() && reason != FinishReason::kAbort &&
+        r.call->spec.handoff == KvHandoff::kHoldForDecode &&
+        leases_ != nullptr) {
+      // A prefill leg: no step will touch the prompt's blocks again (its
+      // only sample is read); the lease keeps them for the decode worker.
+      absl::StatusOr<SequenceKv> kv = runner_.Detach(r.kv_id);
+      CHECK(kv.ok()) << kv.status();
+      lease = leases_->Add(r.call->spec.request_id, *std::move(kv));
+    } else {
+      // Steps still in flight may write these blocks; no later step can
+      // touch them before those (one in-order stream), so they are free
+      // now.
+      const absl::Status released = runner_.Release(r.kv_id);
+      CHECK(released.ok()) << released;
+    }
   }
   r.state = Request::State::kDone;
   ++finished_requests_;
@@ -843,6 +905,7 @@ void Engine::FinishRequest(Request& r, std::optional<FinishReason> reason,
   update.step = steps_;
   update.finish_reason = reason;
   update.matched_token_id = matched_token_id;
+  update.lease = std::move(lease);
   update.status = status.ok() && !reason.has_value()
                       ? absl::InternalError("request ended without a reason")
                       : status;
@@ -1116,6 +1179,19 @@ absl::Status Engine::ValidateRequest(const RequestSpec& spec) const {
   if (absl::Status s = ValidateSamplingOptions(spec.sampling); !s.ok()) {
     return s;
   }
+  if (spec.imported.has_value()) {
+    if (spec.handoff != KvHandoff::kNone) {
+      return absl::InvalidArgumentError(
+          "a request cannot both import its prompt's KV and hold it for "
+          "another worker");
+    }
+    const int32_t first = spec.imported->first_token_id;
+    if (first < 0 || first >= vocab_size_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the imported first token ", first,
+                       " is outside the vocabulary [0, ", vocab_size_, ")"));
+    }
+  }
   const int32_t max_logprobs = std::min<int32_t>(20, vocab_size_);
   if (spec.logprobs < -1 || spec.logprobs > max_logprobs) {
     return absl::InvalidArgumentError(
@@ -1186,6 +1262,13 @@ void Engine::Submit(std::unique_ptr<EngineRequest> request) {
   if (refused.ok()) {
     work_cv_.notify_one();
     return;
+  }
+  // An imported prompt's KV belongs to the refused request: free it on the
+  // engine thread (when the engine has stopped, nothing needs it).
+  if (request->spec.imported.has_value()) {
+    Post([id = request->spec.imported->kv_sequence_id](ModelRunner& r) {
+      if (r.kv_cache().Find(id) != nullptr) r.Release(id).IgnoreError();
+    }).IgnoreError();
   }
   RequestUpdate update;
   update.num_prompt_tokens = static_cast<int32_t>(request->spec.prompt.size());

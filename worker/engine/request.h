@@ -19,9 +19,36 @@
 #include "absl/types/span.h"
 #include "worker/engine/step_calls.h"
 #include "worker/engine/stop_conditions.h"
+#include "worker/runner/model_runner.h"
 #include "worker/runner/sampler.h"
+#include "worker/transfer/kv_lease_table.h"
 
 namespace pdworker {
+
+// One output token's raw logprob and its top alternatives, most likely
+// first (RequestSpec::logprobs of them).
+struct TokenLogprobs {
+  float logprob = 0.0f;
+  std::vector<TopLogprob> top;
+};
+
+// P/D through engine-owned requests.
+enum class KvHandoff {
+  kNone,
+  // Prefill leg: the request ends after its first token, and its prompt's
+  // KV moves into a lease for a decode worker instead of being freed.
+  kHoldForDecode,
+};
+
+// Decode leg: the prompt's KV was imported from a prefill worker (under
+// `kv_sequence_id`, which the request takes over) and the prefill worker
+// sampled the first output token.
+struct ImportedPrompt {
+  std::string kv_sequence_id;
+  int32_t first_token_id = -1;
+  float first_logprob = 0.0f;  // as the prefill worker reported it
+  TokenLogprobs first_token_logprobs;
+};
 
 struct RequestSpec {
   std::string request_id;  // unique among the engine's live requests
@@ -32,13 +59,8 @@ struct RequestSpec {
   // model's log_softmax, vLLM's default logprobs) and that many top
   // alternatives.
   int32_t logprobs = -1;
-};
-
-// One output token's raw logprob and its top alternatives, most likely
-// first (RequestSpec::logprobs of them).
-struct TokenLogprobs {
-  float logprob = 0.0f;
-  std::vector<TopLogprob> top;
+  KvHandoff handoff = KvHandoff::kNone;
+  std::optional<ImportedPrompt> imported;
 };
 
 // What the request's callback receives after each step that gave it
@@ -63,6 +85,9 @@ struct RequestUpdate {
   // The stop_token_ids entry that ended it (kStop by a stop id; an EOS
   // reports none, as vLLM's stop_reason does).
   std::optional<int32_t> matched_token_id;
+  // KvHandoff::kHoldForDecode, on the last update of a request that
+  // finished: the lease that now holds its prompt's KV.
+  std::optional<KvLeaseInfo> lease;
   // Not OK on the last update of a request that failed: refused when
   // admitted, a device error, the engine stopped, its deadline passed,
   // its client cancelled. Its KV is freed.

@@ -49,7 +49,7 @@ struct StopRule {
 };
 
 struct StopDecision {
-  std::optional<FinishReason> reason;       // nullopt: keep going
+  std::optional<FinishReason> reason;  // nullopt: keep going
   // A stop_token_ids entry that ended the request (vLLM's stop_reason);
   // nullopt for EOS.
   std::optional<int32_t> matched_token_id;

@@ -13,8 +13,10 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "glog/logging.h"
+#include "nlohmann/json.hpp"
 #include "worker/server/status_mapping.h"
 #include "worker/server/tokenizer_bundle.h"
+#include "worker/transfer/kv_transfer_params.h"
 
 namespace pdworker {
 namespace {
@@ -41,40 +43,148 @@ void AppendLogprobs(absl::Span<const int32_t> tokens,
   }
 }
 
+// A prefill worker reads no handle; it accepts only vLLM's NIXL hints.
+absl::Status CheckPrefillHints(const std::string& json) {
+  nlohmann::json root;
+  try {
+    root = nlohmann::json::parse(json);
+  } catch (const nlohmann::json::parse_error& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_transfer_params_json: not valid JSON: ", e.what()));
+  }
+  if (!root.is_object()) {
+    return absl::InvalidArgumentError(
+        "kv_transfer_params_json must be a JSON object");
+  }
+  if (root.contains("pdworker_kv_handle")) {
+    return absl::FailedPreconditionError(
+        "kv_transfer_params_json carries a KV handle, but this is a prefill "
+        "worker (--role=prefill): send the decode leg to a decode worker");
+  }
+  for (auto it = root.begin(); it != root.end(); ++it) {
+    if (it.key() == "do_remote_decode" || it.key() == "do_remote_prefill") {
+      if (!it.value().is_boolean()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "kv_transfer_params_json: ", it.key(), " must be a boolean"));
+      }
+      continue;
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_transfer_params_json: ", it.key(),
+                     " is not a key a prefill worker reads (do_remote_decode, "
+                     "do_remote_prefill)"));
+  }
+  return absl::OkStatus();
+}
+
+// What the reactor needs from the service and the worker.
+struct GenerateContext {
+  Engine* engine = nullptr;
+  const GenerateLimits* limits = nullptr;
+  Role role = Role::kBoth;
+  KvImporter* importer = nullptr;                 // decode side; may be null
+  const v1::KvHandle* handle_template = nullptr;  // prefill side
+  std::atomic<int64_t>* next_import = nullptr;    // unique imported KV ids
+};
+
 // One Generate stream. The engine's updates (engine thread) become
 // responses in a queue written one at a time; the stream finishes after
 // the last update's responses are written. gRPC deletes it in OnDone, which
-// comes after Finish, which comes after the engine's last update: the
-// engine never calls into a deleted reactor.
+// comes after Finish, which comes after the engine's last update (or the
+// import's failure): nothing calls into a deleted reactor.
+//
+// P/D: on a prefill worker every request is a prefill leg (it ends after
+// its first token, its KV held under a lease, and its complete carries
+// kv_transfer_params_json); on a decode worker a request with
+// kv_transfer_params_json first pulls the prompt's KV (KvImporter), then
+// emits the prefill worker's first token and decodes.
 class GenerateReactor final
     : public grpc::ServerWriteReactor<vg::GenerateResponse> {
  public:
-  GenerateReactor(Engine& engine, const vg::GenerateRequest& request,
-                  const GenerateLimits& limits,
+  GenerateReactor(const GenerateContext& context,
+                  const vg::GenerateRequest& request,
                   std::chrono::system_clock::time_point deadline)
-      : engine_(engine), control_(std::make_shared<CallControl>()) {
+      : engine_(*context.engine),
+        handle_template_(context.handle_template),
+        control_(std::make_shared<CallControl>()) {
     // The engine honours it: an expired request is aborted, its KV freed.
     control_->deadline = deadline;
-    absl::StatusOr<GenerateCall> call = ToGenerateCall(request, limits);
+    absl::StatusOr<GenerateCall> call =
+        ToGenerateCall(request, *context.limits);
     if (!call.ok()) {
       Finish(ToGrpcStatus(call.status()));
-      return;
-    }
-    if (call->kv_transfer_params_json.has_value()) {
-      Finish(ToGrpcStatus(absl::UnimplementedError(
-          "kv_transfer_params_json: KV handoff through the request-level "
-          "API is not implemented yet; use Worker.Forward with "
-          "hold_for_handoff and Worker.ImportKv")));
       return;
     }
     stream_ = call->stream;
     num_top_ = call->spec.logprobs;
     prompt_tokens_ = static_cast<uint32_t>(call->spec.prompt.size());
-    auto engine_request = std::make_unique<EngineRequest>();
-    engine_request->spec = std::move(call->spec);
-    engine_request->control = control_;
-    engine_request->on_update = [this](const RequestUpdate& u) { OnUpdate(u); };
-    engine_.Submit(std::move(engine_request));
+    prompt_ = call->spec.prompt;
+    request_id_ = call->spec.request_id;
+    if (context.role == Role::kPrefill) {
+      if (call->kv_transfer_params_json.has_value()) {
+        const absl::Status hints =
+            CheckPrefillHints(*call->kv_transfer_params_json);
+        if (!hints.ok()) {
+          Finish(ToGrpcStatus(hints));
+          return;
+        }
+      }
+      call->spec.handoff = KvHandoff::kHoldForDecode;
+      Submit(std::move(call->spec));
+      return;
+    }
+    if (!call->kv_transfer_params_json.has_value()) {
+      Submit(std::move(call->spec));  // no handoff: prefill here
+      return;
+    }
+    if (context.importer == nullptr) {
+      Finish(ToGrpcStatus(absl::FailedPreconditionError(
+          "kv_transfer_params_json: this worker imports no KV")));
+      return;
+    }
+    absl::StatusOr<KvTransferParams> params =
+        ParseKvTransferParamsJson(*call->kv_transfer_params_json);
+    if (!params.ok()) {
+      Finish(ToGrpcStatus(params.status()));
+      return;
+    }
+    const auto& handed = params->handle.prompt_token_ids();
+    if (!std::equal(handed.begin(), handed.end(), call->spec.prompt.begin(),
+                    call->spec.prompt.end())) {
+      Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+          "kv_transfer_params_json: the handle's prompt (", handed.size(),
+          " tokens) is not this request's tokenized.input_ids (",
+          call->spec.prompt.size(),
+          " tokens): the KV would belong to another prompt"))));
+      return;
+    }
+    ImportedPrompt imported;
+    imported.kv_sequence_id =
+        absl::StrCat(std::string(1, kEngineSequencePrefix), "import#",
+                     context.next_import->fetch_add(1));
+    imported.first_token_id = params->first_token.token_id;
+    imported.first_logprob = params->first_token.logprob;
+    imported.first_token_logprobs = {params->first_token.logprob,
+                                     params->first_token.top_logprobs};
+    KvImportRequest import;
+    import.sequence_id = imported.kv_sequence_id;
+    import.handle = params->handle;
+    import.deadline = deadline;
+    call->spec.imported = std::move(imported);
+    // Called once: inline when refused, else from an importer thread.
+    context.importer->Import(
+        std::move(import),
+        [this, spec = std::move(call->spec)](
+            const absl::StatusOr<KvImportResult>& result) mutable {
+          if (!result.ok()) {
+            // The importer freed what it reserved; nothing else exists.
+            std::lock_guard<std::mutex> lock(mu_);
+            final_status_ = ToGrpcStatus(result.status());
+            WriteNextLocked();
+            return;
+          }
+          Submit(std::move(spec));
+        });
   }
 
   void OnWriteDone(bool ok) override {
@@ -98,9 +208,28 @@ class GenerateReactor final
   void OnDone() override { delete this; }
 
  private:
+  void Submit(RequestSpec spec) {
+    hold_ = spec.handoff == KvHandoff::kHoldForDecode;
+    auto engine_request = std::make_unique<EngineRequest>();
+    engine_request->spec = std::move(spec);
+    engine_request->control = control_;
+    engine_request->on_update = [this](const RequestUpdate& u) { OnUpdate(u); };
+    engine_.Submit(std::move(engine_request));
+  }
+
   // Engine thread (or the constructor, when Submit refuses at once).
   void OnUpdate(const RequestUpdate& u) {
     std::lock_guard<std::mutex> lock(mu_);
+    if (!u.new_token_ids.empty() && !first_token_.has_value()) {
+      FirstToken first;
+      first.token_id = u.new_token_ids[0];
+      first.logprob = u.new_logprobs[0];
+      if (!u.new_token_logprobs.empty()) {
+        first.logprob = u.new_token_logprobs[0].logprob;
+        first.top_logprobs = u.new_token_logprobs[0].top;
+      }
+      first_token_ = std::move(first);
+    }
     if (stream_ && !u.new_token_ids.empty()) {
       vg::GenerateStreamChunk* chunk = queue_.emplace_back().mutable_chunk();
       for (const int32_t t : u.new_token_ids) chunk->add_token_ids(t);
@@ -149,6 +278,22 @@ class GenerateReactor final
         complete->set_matched_token_id(
             static_cast<uint32_t>(*u.matched_token_id));
       }
+      if (hold_ && u.lease.has_value() && first_token_.has_value()) {
+        KvTransferParams params;
+        params.handle = *handle_template_;
+        params.handle.set_lease_id(u.lease->lease_id);
+        params.handle.set_sequence_id(request_id_);
+        params.handle.set_num_tokens(u.lease->num_tokens);
+        params.handle.set_lease_expiry_unix_micros(
+            std::chrono::duration_cast<std::chrono::microseconds>(
+                u.lease->expiry.time_since_epoch())
+                .count());
+        params.handle.set_version(kKvHandleVersion);
+        *params.handle.mutable_prompt_token_ids() = {prompt_.begin(),
+                                                     prompt_.end()};
+        params.first_token = *first_token_;
+        complete->set_kv_transfer_params_json(ToKvTransferParamsJson(params));
+      }
     }
     WriteNextLocked();
   }
@@ -168,10 +313,14 @@ class GenerateReactor final
   }
 
   Engine& engine_;
+  const v1::KvHandle* const handle_template_;
   const std::shared_ptr<CallControl> control_;
   bool stream_ = false;
+  bool hold_ = false;  // a prefill leg
   int32_t num_top_ = -1;
   uint32_t prompt_tokens_ = 0;
+  std::vector<int32_t> prompt_;
+  std::string request_id_;
 
   std::mutex mu_;
   // Responses not yet written; the front is being written when writing_.
@@ -180,6 +329,7 @@ class GenerateReactor final
   bool broken_ = false;    // a write failed: the client is gone
   bool finished_ = false;  // Finish was called
   std::optional<grpc::Status> final_status_;
+  std::optional<FirstToken> first_token_;
   // Non-streaming: everything, sent at the end.
   std::vector<int32_t> outputs_;
   vg::OutputLogProbs all_logprobs_;
@@ -233,8 +383,12 @@ absl::string_view ModelType(Architecture architecture) {
 }  // namespace
 
 VllmEngineService::VllmEngineService(const ModelRunner& runner, Engine& engine,
-                                     const VllmEngineServiceOptions& options)
+                                     const VllmEngineServiceOptions& options,
+                                     KvImporter* importer,
+                                     const v1::KvHandle* handle_template)
     : engine_(engine),
+      importer_(importer),
+      handle_template_(handle_template),
       options_(options),
       limits_{static_cast<int>(runner.model_config().vocab_size),
               runner.max_model_len()},
@@ -279,7 +433,14 @@ grpc::ServerWriteReactor<vg::GenerateResponse>* VllmEngineService::Generate(
                          "serving yet"));
     return refused;
   }
-  return new GenerateReactor(engine_, *request, limits_, context->deadline());
+  GenerateContext generate;
+  generate.engine = &engine_;
+  generate.limits = &limits_;
+  generate.role = role_;
+  generate.importer = importer_;
+  generate.handle_template = handle_template_;
+  generate.next_import = &next_import_;
+  return new GenerateReactor(generate, *request, context->deadline());
 }
 
 grpc::ServerUnaryReactor* VllmEngineService::Embed(
@@ -372,6 +533,12 @@ grpc::ServerUnaryReactor* VllmEngineService::GetServerInfo(
           .count());
   response->set_server_type("vllm-grpc");
   response->set_data_parallel_size(1);
+  // P/D: kv_transfer_params_json carries pdworker's own KV handle; a
+  // router that does not know the connector relays the JSON untouched.
+  response->set_kv_connector("PdworkerConnector");
+  response->set_kv_role(role_ == Role::kPrefill  ? "kv_producer"
+                        : role_ == Role::kDecode ? "kv_consumer"
+                                                 : "kv_both");
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

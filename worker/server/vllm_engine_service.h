@@ -19,6 +19,7 @@
 #include "worker/runner/model_runner.h"
 #include "worker/server/generate_request.h"
 #include "worker/server/worker_service.h"
+#include "worker/transfer/kv_importer.h"
 
 namespace pdworker {
 
@@ -33,9 +34,13 @@ class VllmEngineService final
     : public vllm::grpc::engine::VllmEngine::CallbackService {
  public:
   // Reads the runner's static configuration now (before serving); from then
-  // on only `engine` touches the runner.
+  // on only `engine` touches the runner. `importer` (decode side; may be
+  // null) pulls the KV a request's kv_transfer_params_json names;
+  // `handle_template` (read once serving) is what a prefill leg's handle
+  // carries besides its lease.
   VllmEngineService(const ModelRunner& runner, Engine& engine,
-                    const VllmEngineServiceOptions& options);
+                    const VllmEngineServiceOptions& options,
+                    KvImporter* importer, const v1::KvHandle* handle_template);
 
   void SetState(ServingState state) {
     state_.store(state, std::memory_order_release);
@@ -77,6 +82,8 @@ class VllmEngineService final
 
  private:
   Engine& engine_;
+  KvImporter* const importer_;
+  const v1::KvHandle* const handle_template_;
   const VllmEngineServiceOptions options_;
   const GenerateLimits limits_;
   const Role role_;
@@ -88,6 +95,8 @@ class VllmEngineService final
   std::atomic<ServingState> state_{ServingState::kStarting};
   // Unix seconds of the latest Generate, as a double's bits.
   std::atomic<double> last_receive_unix_{0.0};
+  // Makes the KV sequence ids of imported prompts unique.
+  std::atomic<int64_t> next_import_{0};
 };
 
 }  // namespace pdworker

@@ -194,8 +194,9 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   VllmEngineServiceOptions engine_api;
   engine_api.model_dir = options.model_dir;
   engine_api.served_model_name = options.served_model_name;
-  s->engine_api_ =
-      std::make_unique<VllmEngineService>(runner, *s->engine_, engine_api);
+  s->engine_api_ = std::make_unique<VllmEngineService>(
+      runner, *s->engine_, engine_api, s->importer_.get(),
+      &s->service_->handle_template());
   builder.RegisterService(s->engine_api_.get());
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {

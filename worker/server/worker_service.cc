@@ -10,6 +10,7 @@
 #include "worker/engine/step_calls.h"
 #include "worker/server/status_mapping.h"
 #include "worker/transfer/cuda_ipc.h"
+#include "worker/transfer/kv_transfer_params.h"
 #include "worker/transfer/kv_transfer_service.h"
 
 namespace pdworker {
@@ -53,6 +54,11 @@ void FillResponse(const v1::ForwardRequest& request,
       handle->set_sequence_id(request.sequences(i).sequence_id());
       handle->set_num_tokens(lease.num_tokens);
       handle->set_lease_expiry_unix_micros(UnixMicros(lease.expiry));
+      handle->set_version(kKvHandleVersion);
+      // The call knows the sequence's tokens when it created it.
+      if (request.sequences(i).start()) {
+        *handle->mutable_prompt_token_ids() = request.sequences(i).token_ids();
+      }
     }
   }
   const StepInfo& s = outcome.last_step;

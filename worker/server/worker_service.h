@@ -62,6 +62,9 @@ class WorkerService final : public v1::Worker::CallbackService {
   // it without a lock once the state is kServing).
   void SetAdvertiseAddress(const std::string& address);
   ServingState state() const { return state_.load(std::memory_order_acquire); }
+  // What every KvHandle this worker issues carries besides the lease; final
+  // once serving (SetAdvertiseAddress comes before).
+  const v1::KvHandle& handle_template() const { return handle_template_; }
   // Reported by GetStatus once capture is done.
   void SetGraphsCaptured(int graphs);
 
