@@ -145,5 +145,72 @@ TEST(PdEndToEndTest, DisaggregatedTokensEqualAggregatedAndNothingLeaks) {
   for (auto& [name, w] : all) ExpectIdle(*w, name);
 }
 
+// The same requests through the request-level API only (vllm.grpc.engine
+// .VllmEngine, as SMG drives vLLM workers): P/D by relaying
+// kv_transfer_params_json, and aggregated. Same tokens as the step-level
+// router's; nothing left on any worker.
+TEST(PdEndToEndTest, RequestLevelApiGivesTheStepLevelTokens) {
+  std::unique_ptr<router_testing::PdCluster> cluster =
+      router_testing::StartPdCluster();
+  ASSERT_NE(cluster, nullptr);
+  auto& [prefill, decode, aggregated, pd_router, agg_router] = *cluster;
+  RouterOptions pd_options;
+  RouterOptions agg_options;
+  pd_options.api = agg_options.api = RouterApi::kRequestLevel;
+  for (int i = 0; i < 2; ++i) {
+    pd_options.prefill_addresses.push_back(
+        router_testing::Address(*prefill[i]));
+    pd_options.decode_addresses.push_back(router_testing::Address(*decode[i]));
+  }
+  agg_options.aggregated_addresses = {router_testing::Address(*aggregated)};
+  auto request_pd = Router::Create(pd_options);
+  auto request_agg = Router::Create(agg_options);
+  ASSERT_TRUE(request_pd.ok() && request_agg.ok());
+
+  const std::vector<GenerationRequest> requests = MakeRequests();
+  const auto step = RunAll(*agg_router, requests);
+  const auto pd = RunAll(**request_pd, requests);
+  const auto agg = RunAll(**request_agg, requests);
+  int failures = 0;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const std::string& id = requests[i].request_id;
+    if (!step[i].ok() || !pd[i].ok() || !agg[i].ok()) {
+      if (++failures <= 5) {
+        ADD_FAILURE() << id << ": step " << step[i].status() << ", P/D "
+                      << pd[i].status() << ", aggregated " << agg[i].status();
+      }
+      continue;
+    }
+    EXPECT_THAT(pd[i]->tokens, ElementsAreArray(step[i]->tokens)) << id;
+    EXPECT_THAT(agg[i]->tokens, ElementsAreArray(step[i]->tokens)) << id;
+    EXPECT_EQ(pd[i]->finish_reason, step[i]->finish_reason) << id;
+    EXPECT_EQ(agg[i]->finish_reason, step[i]->finish_reason) << id;
+  }
+  EXPECT_EQ(failures, 0);
+
+  std::vector<std::pair<std::string, TestWorker*>> all;
+  for (int i = 0; i < 2; ++i) {
+    all.emplace_back("prefill " + std::to_string(i), prefill[i].get());
+    all.emplace_back("decode " + std::to_string(i), decode[i].get());
+  }
+  all.emplace_back("aggregated", aggregated.get());
+  const auto give_up =
+      std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  auto settled = [&] {
+    for (auto& [name, w] : all) {
+      const v1::WorkerStatus s = w->Status();
+      if (s.kv_blocks_free() != s.kv_blocks_total() || s.num_sequences() != 0 ||
+          s.kv_leases() != 0 || s.kv_imports() != 0) {
+        return false;
+      }
+    }
+    return true;
+  };
+  while (!settled() && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  for (auto& [name, w] : all) ExpectIdle(*w, name);
+}
+
 }  // namespace
 }  // namespace pdworker::router

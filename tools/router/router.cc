@@ -129,6 +129,9 @@ DecodeBatcher& Router::BatcherFor(PoolWorker& worker, WorkerPool& pool) {
 absl::StatusOr<GenerationResult> Router::Generate(
     const GenerationRequest& request, const TokenCallback& on_token) {
   if (absl::Status valid = ValidateRequest(request); !valid.ok()) return valid;
+  if (options_.api == RouterApi::kRequestLevel) {
+    return GenerateRequestLevel(request, on_token);
+  }
   return disaggregated() ? GenerateDisaggregated(request, on_token)
                          : GenerateAggregated(request, on_token);
 }

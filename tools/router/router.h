@@ -42,7 +42,20 @@
 
 namespace pdworker::router {
 
+// Which of pdworker's APIs the router drives.
+enum class RouterApi {
+  // pdworker.v1.Worker: the router schedules every step (Forward with
+  // hold_for_handoff, ImportKv, batched decode Forward calls).
+  kStepLevel,
+  // vllm.grpc.engine.VllmEngine only, the way SMG drives vLLM workers: one
+  // streamed Generate per request (aggregated), or a prefill Generate with
+  // max_tokens 1 whose kv_transfer_params_json the decode Generate carries
+  // (P/D); the workers own the decode loop.
+  kRequestLevel,
+};
+
 struct RouterOptions {
+  RouterApi api = RouterApi::kStepLevel;
   // Either prefill AND decode addresses (disaggregated), or aggregated ones
   // (role both, no handoff); host:port each.
   std::vector<std::string> prefill_addresses;
@@ -171,6 +184,9 @@ class Router {
   absl::StatusOr<GenerationResult> GenerateDisaggregated(
       const GenerationRequest& request, const TokenCallback& on_token);
   absl::StatusOr<GenerationResult> GenerateAggregated(
+      const GenerationRequest& request, const TokenCallback& on_token);
+  // RouterApi::kRequestLevel (request_level.cc).
+  absl::StatusOr<GenerationResult> GenerateRequestLevel(
       const GenerationRequest& request, const TokenCallback& on_token);
   // Steps the live sequence on `worker` through its batcher until done and
   // frees it there (on success and on error).

@@ -87,6 +87,11 @@ ABSL_FLAG(int, wait_s, 0,
           "Wait up to this many seconds for every worker to serve before "
           "starting (0: don't wait).");
 ABSL_FLAG(int, timeout_s, 60, "Deadline of each prefill/import/decode RPC.");
+ABSL_FLAG(std::string, api, "step",
+          "Which API drives the workers: step (pdworker.v1.Worker: the "
+          "router schedules every decode step) or request "
+          "(vllm.grpc.engine.VllmEngine only, as SMG drives vLLM workers: "
+          "the workers own the decode loop).");
 
 namespace pdworker::router {
 namespace {
@@ -374,6 +379,13 @@ int RunLoadMode(Router& router, const std::string& prefix) {
 
 int Run() {
   RouterOptions options;
+  const std::string api = absl::GetFlag(FLAGS_api);
+  if (api == "request") {
+    options.api = RouterApi::kRequestLevel;
+  } else if (api != "step") {
+    std::cerr << "--api: '" << api << "' is not step or request\n";
+    return 2;
+  }
   options.prefill_addresses = SplitAddresses(absl::GetFlag(FLAGS_prefill));
   options.decode_addresses = SplitAddresses(absl::GetFlag(FLAGS_decode));
   options.aggregated_addresses =

@@ -60,6 +60,7 @@ absl::StatusOr<std::unique_ptr<WorkerPool>> WorkerPool::Create(
     worker->channel = MakeWorkerChannel(address);
     worker->worker = v1::Worker::NewStub(worker->channel);
     worker->kv_transfer = v1::KvTransfer::NewStub(worker->channel);
+    worker->engine = vllm::grpc::engine::VllmEngine::NewStub(worker->channel);
     pool->workers_.push_back(std::move(worker));
     pool->state_->entries.emplace_back();
     pool->state_->entries.back().address = address;

@@ -30,6 +30,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "proto/vllm_engine.grpc.pb.h"
 #include "proto/worker.grpc.pb.h"
 
 namespace pdworker::router {
@@ -55,6 +56,8 @@ struct PoolWorker {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Worker::Stub> worker;
   std::unique_ptr<v1::KvTransfer::Stub> kv_transfer;
+  // The request-level API on the same port.
+  std::unique_ptr<vllm::grpc::engine::VllmEngine::Stub> engine;
 };
 
 // A channel for the router's calls: no message size limit (prompts can be
