@@ -6,8 +6,10 @@
 //  2. engine-owned requests (Engine::Submit, in process), host/device
 //     overlap on and off: tokens/s, inter-token latency p50/p99, and the
 //     device's idle fraction between steps (stream time);
-//  3. the reference router driving step-level Forward over loopback gRPC
-//     against an in-process worker (aggregated role): tokens/s and ITL.
+//  3. the reference router over loopback gRPC against an in-process worker
+//     (aggregated role), driving step-level Forward (it schedules every
+//     step) or sending the request-level Generate (what SMG sends; the
+//     worker owns the decode loop): tokens/s, TTFT and ITL.
 //
 //   bazel build --config=opt //bench:engine_bench
 //   bazel-bin/bench/engine_bench [--tokens=128] [--concurrency=1,64]
@@ -49,6 +51,8 @@ ABSL_FLAG(std::string, model_dir, "/tmp/pdworker_bench_small",
           "A checkpoint directory; the `small` tiny model is written there "
           "when it has no config.json.");
 ABSL_FLAG(std::string, json_out, "", "Also write the figures as JSON here.");
+ABSL_FLAG(int, rounds, 3,
+          "Runs of every path, interleaved; each figure is their median.");
 
 namespace pdworker {
 namespace {
@@ -141,6 +145,7 @@ Percentiles InProcessStep(const Setup& s, int c) {
 
 struct GenerationFigures {
   double tokens_per_second = 0;
+  Percentiles ttft_us;  // submit -> first token, per request
   Percentiles itl_us;
   double idle_fraction = -1;  // device idle between steps / stream time
 };
@@ -155,6 +160,7 @@ GenerationFigures EngineRequests(const Setup& s, int c, StepOverlap overlap) {
   Engine engine(*runner, options, /*metrics=*/nullptr);
 
   struct PerRequest {
+    Clock::time_point submitted;
     std::vector<Clock::time_point> arrivals;
   };
   std::vector<PerRequest> per(c);
@@ -168,6 +174,7 @@ GenerationFigures EngineRequests(const Setup& s, int c, StepOverlap overlap) {
       request->spec.prompt = Prompt(i, s.prompt_len, vocab);
       request->spec.stop.max_tokens = s.tokens;
       request->spec.stop.eos = EosHandling::kIgnore;
+      per[i].submitted = Clock::now();
       request->on_update = [&, i, timed](const RequestUpdate& u) {
         if (timed) {
           const auto now = Clock::now();
@@ -194,21 +201,27 @@ GenerationFigures EngineRequests(const Setup& s, int c, StepOverlap overlap) {
   const EngineSnapshot after = engine.snapshot();
   GenerationFigures f;
   f.tokens_per_second = static_cast<double>(c) * s.tokens / seconds;
-  std::vector<double> itl;
+  std::vector<double> itl, ttft;
   for (const PerRequest& r : per) {
+    if (!r.arrivals.empty()) {
+      ttft.push_back(Micros(r.arrivals[0] - r.submitted));
+    }
     for (size_t k = 1; k < r.arrivals.size(); ++k) {
       itl.push_back(Micros(r.arrivals[k] - r.arrivals[k - 1]));
     }
   }
   f.itl_us = Summarize(itl);
+  f.ttft_us = Summarize(ttft);
   const double busy = after.device_busy_seconds - before.device_busy_seconds;
   const double idle = after.device_idle_seconds - before.device_idle_seconds;
   f.idle_fraction = idle / (busy + idle);
   return f;
 }
 
-// 3. The reference router drives Forward over loopback gRPC.
-GenerationFigures RouterForward(const Setup& s, int c) {
+// 3. The reference router over loopback gRPC: driving step-level Forward
+// (the router schedules every step), or sending the request-level Generate
+// (the worker owns the decode loop; what SMG sends).
+GenerationFigures ViaRouter(const Setup& s, int c, router::RouterApi api) {
   auto device = NewDevice(s);
   auto runner = NewRunner(*device, s);
   const int vocab = static_cast<int>(runner->model_config().vocab_size);
@@ -216,12 +229,14 @@ GenerationFigures RouterForward(const Setup& s, int c) {
   CHECK(server.ok()) << server.status();
   CHECK((*server)->CaptureGraphsAndServe().ok());
   router::RouterOptions options;
+  options.api = api;
   options.aggregated_addresses = {
       absl::StrCat("127.0.0.1:", (*server)->port())};
   auto r = router::Router::Create(options);
   CHECK(r.ok()) << r.status();
 
   std::vector<std::vector<int64_t>> itl(c);
+  std::vector<double> ttft(c);
   const auto run = [&](const std::string& tag, bool timed) {
     std::vector<std::thread> threads;
     for (int i = 0; i < c; ++i) {
@@ -233,7 +248,10 @@ GenerationFigures RouterForward(const Setup& s, int c) {
         absl::StatusOr<router::GenerationResult> result =
             (*r)->Generate(request);
         CHECK(result.ok()) << result.status();
-        if (timed) itl[i] = result->timings.inter_token_us;
+        if (timed) {
+          itl[i] = result->timings.inter_token_us;
+          ttft[i] = static_cast<double>(result->timings.ttft_us);
+        }
       });
     }
     for (std::thread& t : threads) t.join();
@@ -253,8 +271,41 @@ GenerationFigures RouterForward(const Setup& s, int c) {
   std::vector<double> all;
   for (const auto& v : itl) all.insert(all.end(), v.begin(), v.end());
   f.itl_us = Summarize(all);
+  f.ttft_us = Summarize(ttft);
   r->reset();
   (*server)->Drain();
+  return f;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+Percentiles MedianOf(const std::vector<Percentiles>& runs) {
+  std::vector<double> p50, p99;
+  for (const Percentiles& r : runs) {
+    p50.push_back(r.p50);
+    p99.push_back(r.p99);
+  }
+  return {Median(p50), Median(p99)};
+}
+
+// Each field's median over the runs.
+GenerationFigures MedianOf(const std::vector<GenerationFigures>& runs) {
+  std::vector<double> tps, idle;
+  std::vector<Percentiles> ttft, itl;
+  for (const GenerationFigures& r : runs) {
+    tps.push_back(r.tokens_per_second);
+    idle.push_back(r.idle_fraction);
+    ttft.push_back(r.ttft_us);
+    itl.push_back(r.itl_us);
+  }
+  GenerationFigures f;
+  f.tokens_per_second = Median(tps);
+  f.idle_fraction = Median(idle);
+  f.ttft_us = MedianOf(ttft);
+  f.itl_us = MedianOf(itl);
   return f;
 }
 
@@ -285,39 +336,55 @@ int Main(int argc, char** argv) {
 
   std::string json = "[";
   std::printf(
-      "| concurrent | path | tokens/s | ITL p50 us | ITL p99 us | ITL p50 / "
-      "in-process step | device idle between steps |\n"
-      "| ---: | --- | ---: | ---: | ---: | ---: | ---: |\n");
+      "| concurrent | path | tokens/s | TTFT p50 us | ITL p50 us | ITL p99 us "
+      "| ITL p50 / in-process step | device idle between steps |\n"
+      "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+  const int rounds = absl::GetFlag(FLAGS_rounds);
+  CHECK_GE(rounds, 1) << "--rounds";
   for (const int c : concurrency) {
-    const Percentiles step = InProcessStep(s, c);
-    const GenerationFigures overlap = EngineRequests(s, c, StepOverlap::kOn);
-    const GenerationFigures serial = EngineRequests(s, c, StepOverlap::kOff);
-    const GenerationFigures forward = RouterForward(s, c);
+    // Every path once per round, interleaved, so that a noisy neighbour
+    // on a shared machine hits all of them alike; each figure is the
+    // median over the rounds.
+    std::vector<Percentiles> steps;
+    std::vector<GenerationFigures> overlaps, serials, forwards, generates;
+    for (int round = 0; round < rounds; ++round) {
+      steps.push_back(InProcessStep(s, c));
+      overlaps.push_back(EngineRequests(s, c, StepOverlap::kOn));
+      serials.push_back(EngineRequests(s, c, StepOverlap::kOff));
+      forwards.push_back(ViaRouter(s, c, router::RouterApi::kStepLevel));
+      generates.push_back(ViaRouter(s, c, router::RouterApi::kRequestLevel));
+    }
+    const Percentiles step = MedianOf(steps);
+    const GenerationFigures overlap = MedianOf(overlaps);
+    const GenerationFigures serial = MedianOf(serials);
+    const GenerationFigures forward = MedianOf(forwards);
+    const GenerationFigures generate = MedianOf(generates);
     std::printf(
-        "| %d | in-process step (ModelRunner::Execute) | %.0f | %.0f "
+        "| %d | in-process step (ModelRunner::Execute) | %.0f | | %.0f "
         "| %.0f | 1.00 | |\n",
         c, c * 1e6 / step.p50, step.p50, step.p99);
     const auto row = [&](const char* path, const GenerationFigures& f) {
       std::printf(
-          "| %d | %s | %.0f | %.0f | %.0f | %.2f | %s |\n", c, path,
-          f.tokens_per_second, f.itl_us.p50, f.itl_us.p99,
+          "| %d | %s | %.0f | %.0f | %.0f | %.0f | %.2f | %s |\n", c, path,
+          f.tokens_per_second, f.ttft_us.p50, f.itl_us.p50, f.itl_us.p99,
           f.itl_us.p50 / step.p50,
           f.idle_fraction >= 0
               ? absl::StrCat(
                     static_cast<int>(f.idle_fraction * 1000 + 0.5) / 10.0, "%")
                     .c_str()
               : "");
-      absl::StrAppend(&json, json.size() > 1 ? "," : "", "{\"concurrent\":", c,
-                      ",\"path\":\"", path,
-                      "\",\"tokens_per_second\":", f.tokens_per_second,
-                      ",\"itl_p50_us\":", f.itl_us.p50,
-                      ",\"itl_p99_us\":", f.itl_us.p99,
-                      ",\"step_p50_us\":", step.p50,
-                      ",\"idle_fraction\":", f.idle_fraction, "}");
+      absl::StrAppend(
+          &json, json.size() > 1 ? "," : "", "{\"concurrent\":", c,
+          ",\"path\":\"", path,
+          "\",\"tokens_per_second\":", f.tokens_per_second,
+          ",\"ttft_p50_us\":", f.ttft_us.p50, ",\"itl_p50_us\":", f.itl_us.p50,
+          ",\"itl_p99_us\":", f.itl_us.p99, ",\"step_p50_us\":", step.p50,
+          ",\"idle_fraction\":", f.idle_fraction, "}");
     };
     row("engine requests, overlap on", overlap);
     row("engine requests, overlap off", serial);
     row("router driving Forward (gRPC)", forward);
+    row("router sending Generate (gRPC, request-level)", generate);
   }
   json += "]\n";
   const std::string json_out = absl::GetFlag(FLAGS_json_out);
