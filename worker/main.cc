@@ -16,6 +16,7 @@
 #include <signal.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <iostream>
@@ -25,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
@@ -32,9 +35,12 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "common/status_macros.h"
 #include "dispatcher/compilation_config.h"
 #include "dispatcher/role_defaults.h"
 #include "glog/logging.h"
@@ -43,6 +49,7 @@
 #include "metrics/worker_metrics.h"
 #include "worker/runner/model_runner.h"
 #include "worker/runtime/device_factory.h"
+#include "worker/server/tls_material.h"
 #include "worker/server/worker_server.h"
 
 ABSL_FLAG(std::string, role, "both", "Worker role: prefill, decode or both.");
@@ -293,6 +300,18 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
     return FlagError("tls_client_ca",
                      "mutual TLS needs --tls_cert and --tls_key as well");
   }
+  // Before the model loads: gRPC would only say it cannot listen.
+  const PemFile cert{"tls_cert", absl::GetFlag(FLAGS_tls_cert),
+                     tls.cert_chain_pem};
+  const PemFile key{"tls_key", absl::GetFlag(FLAGS_tls_key),
+                    tls.private_key_pem};
+  const PemFile client_ca{"tls_client_ca", absl::GetFlag(FLAGS_tls_client_ca),
+                          tls.client_ca_pem};
+  if (!cert.pem.empty()) {
+    PDW_RETURN_IF_ERROR(CheckCertificates(cert));
+    PDW_RETURN_IF_ERROR(CheckKeyMatchesCertificate(key, cert));
+  }
+  if (!client_ca.pem.empty()) PDW_RETURN_IF_ERROR(CheckCertificates(client_ca));
 
   c.server.max_receive_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   c.server.engine.max_queue = absl::GetFlag(FLAGS_max_queue);
@@ -352,6 +371,8 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
     return FlagError("kv_peer_ca", "needs --tls_cert and --tls_key");
   }
   if (!pem->empty()) {
+    const PemFile peer_ca{"kv_peer_ca", absl::GetFlag(FLAGS_kv_peer_ca), *pem};
+    PDW_RETURN_IF_ERROR(CheckCertificates(peer_ca));
     c.server.peer_tls.enabled = true;
     c.server.peer_tls.root_certs_pem = *pem;
     c.server.peer_tls.cert_chain_pem = tls.cert_chain_pem;
@@ -475,6 +496,99 @@ std::vector<std::string> UnderscoreFlagNames(int argc, char** argv) {
   return args;
 }
 
+// The flags `--help` lists, by subsystem. A flag of this file missing here
+// is listed under "Other", so none is ever hidden.
+struct FlagGroup {
+  const char* title;
+  std::vector<const char*> flags;
+};
+
+std::vector<FlagGroup> FlagGroups() {
+  return {
+      {"Model and device",
+       {"role", "model", "served_model_name", "device", "cpu_stream",
+        "compilation_config"}},
+      {"Scheduling and KV cache",
+       {"max_num_seqs", "max_num_batched_tokens", "max_model_len",
+        "kv_cache_bytes", "block_size", "max_queue", "max_waiting_requests",
+        "async_scheduling", "sequence_idle_timeout"}},
+      {"gRPC server and lifecycle",
+       {"host", "port", "max_message_bytes", "grpc_keepalive_time",
+        "grpc_keepalive_timeout", "grpc_min_client_ping_interval",
+        "drain_timeout", "drain_linger"}},
+      {"TLS", {"tls_cert", "tls_key", "tls_client_ca"}},
+      {"KV handoff (prefill/decode)",
+       {"advertise_address", "kv_lease_ttl", "kv_pull_timeout",
+        "kv_import_threads", "kv_peer_ca", "kv_peer_tls_server_name"}},
+      {"Metrics and logs", {"metrics_port", "stats_log_interval"}},
+  };
+}
+
+// `text` wrapped to lines of at most `width` characters, each indented.
+std::string Wrapped(absl::string_view text, size_t width,
+                    absl::string_view indent) {
+  std::string out;
+  std::string line;
+  for (absl::string_view word : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
+    if (!line.empty() && line.size() + 1 + word.size() > width) {
+      absl::StrAppend(&out, indent, line, "\n");
+      line.clear();
+    }
+    absl::StrAppend(&line, line.empty() ? "" : " ", word);
+  }
+  if (!line.empty()) absl::StrAppend(&out, indent, line, "\n");
+  return out;
+}
+
+// What `pdworker --help` prints: every flag this file defines, grouped, with
+// its default. (Abseil's own --help lists only flags defined in a file named
+// after the program, none here, and exits 1.)
+std::string HelpText() {
+  absl::flat_hash_map<std::string, const absl::CommandLineFlag*> ours;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (absl::EndsWith(flag->Filename(), "worker/main.cc")) {
+      ours[std::string(name)] = flag;
+    }
+  }
+  std::string out = absl::StrCat(
+      absl::ProgramUsageMessage(),
+      "\n\nFlags take --name=value; dashes work too (--max-num-seqs=8).\n");
+  const auto append = [&](const absl::CommandLineFlag& flag) {
+    absl::StrAppend(&out, "  --", flag.Name(), " (default: ",
+                    flag.DefaultValue().empty() ? "\"\"" : flag.DefaultValue(),
+                    ")\n", Wrapped(flag.Help(), 72, "      "));
+  };
+  for (const FlagGroup& group : FlagGroups()) {
+    absl::StrAppend(&out, "\n", group.title, ":\n");
+    for (const char* name : group.flags) {
+      auto it = ours.find(name);
+      if (it == ours.end()) continue;
+      append(*it->second);
+      ours.erase(it);
+    }
+  }
+  if (!ours.empty()) {
+    std::vector<std::string> rest;
+    for (const auto& [name, flag] : ours) rest.push_back(name);
+    std::sort(rest.begin(), rest.end());
+    absl::StrAppend(&out, "\nOther:\n");
+    for (const std::string& name : rest) append(*ours[name]);
+  }
+  return out;
+}
+
+// Whether argv asks for help (before "--").
+bool WantsHelp(const std::vector<std::string>& args) {
+  for (size_t i = 1; i < args.size(); ++i) {
+    if (args[i] == "--") return false;
+    if (args[i] == "--help" || args[i] == "-help" || args[i] == "-h" ||
+        args[i] == "--helpfull" || args[i] == "--helpshort") {
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 }  // namespace pdworker
 
@@ -492,6 +606,10 @@ int main(int argc, char** argv) {
       "pdworker: gRPC worker for disaggregated prefill/decode LLM serving.\n"
       "  pdworker --role=both --model=DIR [--port=50051] ...");
   std::vector<std::string> args = pdworker::UnderscoreFlagNames(argc, argv);
+  if (pdworker::WantsHelp(args)) {
+    std::cout << pdworker::HelpText();
+    return 0;
+  }
   std::vector<char*> arg_pointers;
   arg_pointers.reserve(args.size());
   for (std::string& a : args) arg_pointers.push_back(a.data());

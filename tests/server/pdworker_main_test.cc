@@ -8,7 +8,10 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <memory>
+#include <regex>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -30,6 +33,7 @@ using server_testing::RunfilePath;
 using server_testing::Subprocess;
 using server_testing::TinyModelDir;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::string TmpPath(const std::string& name) {
   const char* tmp = std::getenv("TEST_TMPDIR");
@@ -249,6 +253,101 @@ TEST(PdworkerMainTest, BadConfigurationFailsAtStartupNamingTheFlag) {
     const std::string output = (*worker)->Output();
     EXPECT_THAT(output, HasSubstr(cases[i].message));
     EXPECT_THAT(output, ::testing::Not(HasSubstr("listening on")));
+  }
+}
+
+// `pdworker --help` lists every flag worker/main.cc defines, with its
+// default, and exits 0 (the README promises it; Abseil's own --help finds
+// none of them and exits 1).
+TEST(PdworkerMainTest, HelpListsEveryFlagWithItsDefaultAndExitsZero) {
+  std::ifstream source(RunfilePath("worker/main.cc"));
+  ASSERT_TRUE(source.good());
+  std::stringstream text;
+  text << source.rdbuf();
+  // ABSL_FLAG(type, name, default, help): the names, read from the source so
+  // a flag added later is checked too.
+  std::vector<std::string> names;
+  const std::regex flag_definition(R"(ABSL_FLAG\(\s*[\w:]+\s*,\s*(\w+)\s*,)");
+  const std::string source_text = text.str();
+  for (auto it = std::sregex_iterator(source_text.begin(), source_text.end(),
+                                      flag_definition);
+       it != std::sregex_iterator(); ++it) {
+    names.push_back((*it)[1].str());
+  }
+  ASSERT_GE(names.size(), 30u);
+
+  for (const char* spelling : {"--help", "-h", "--helpfull"}) {
+    SCOPED_TRACE(spelling);
+    auto help = Subprocess::Start({RunfilePath("worker/pdworker"), spelling},
+                                  TmpPath("help.log"));
+    ASSERT_TRUE(help.ok()) << help.status();
+    auto code = (*help)->Wait(absl::Seconds(60));
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 0);
+    const std::string output = (*help)->Output();
+    EXPECT_THAT(output, Not(HasSubstr("No flags matched")));
+    EXPECT_THAT(output, Not(HasSubstr("loading")));  // nothing started
+    for (const std::string& name : names) {
+      EXPECT_THAT(output, HasSubstr(absl::StrCat("--", name, " (default: ")))
+          << name;
+    }
+    // Grouped by subsystem, with the defaults an operator looks for.
+    EXPECT_THAT(output, HasSubstr("TLS:\n  --tls_cert (default: \"\")"));
+    EXPECT_THAT(output, HasSubstr("--port (default: 50051)"));
+  }
+}
+
+// Broken TLS material is refused before the model loads, naming the flag,
+// the file and what is wrong with it, not as a port that cannot be bound.
+TEST(PdworkerMainTest, BadTlsMaterialFailsBeforeLoadingTheModel) {
+  auto certs = server_testing::MakeTestCertificates(TmpPath("bad_tls"));
+  ASSERT_TRUE(certs.ok()) << certs.status();
+  const std::string dir = certs->dir;
+  // Not PEM at all, and a PEM block whose body is damaged.
+  const std::string garbage = TmpPath("garbage.pem");
+  std::ofstream(garbage) << "this is not a certificate\n";
+  const std::string damaged = TmpPath("damaged.pem");
+  std::ofstream(damaged) << "-----BEGIN CERTIFICATE-----\nAAAA\n"
+                            "-----END CERTIFICATE-----\n";
+  struct Case {
+    std::vector<std::string> flags;
+    std::vector<std::string> message;
+  };
+  const std::vector<Case> cases = {
+      // The client's key with the server's certificate.
+      {{"--tls_cert=" + dir + "/server.crt",
+        "--tls_key=" + dir + "/client.key"},
+       {"--tls_key '" + dir + "/client.key'", "is not the private key",
+        "--tls_cert '" + dir + "/server.crt'"}},
+      {{"--tls_cert=" + garbage, "--tls_key=" + dir + "/server.key"},
+       {"--tls_cert '" + garbage + "'", "is not a PEM certificate"}},
+      {{"--tls_cert=" + damaged, "--tls_key=" + dir + "/server.key"},
+       {"--tls_cert '" + damaged + "'", "is not a PEM certificate"}},
+      // A certificate where the key belongs.
+      {{"--tls_cert=" + dir + "/server.crt",
+        "--tls_key=" + dir + "/server.crt"},
+       {"--tls_key '" + dir + "/server.crt'", "is not a PEM private key"}},
+      {{"--tls_cert=" + dir + "/server.crt", "--tls_key=" + dir + "/server.key",
+        "--tls_client_ca=" + garbage},
+       {"--tls_client_ca '" + garbage + "'", "is not a PEM certificate"}},
+      {{"--tls_cert=" + dir + "/server.crt", "--tls_key=" + dir + "/server.key",
+        "--kv_peer_ca=" + damaged},
+       {"--kv_peer_ca '" + damaged + "'", "is not a PEM certificate"}},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(cases[i].message[0]);
+    auto worker = Subprocess::Start(WorkerArgs(cases[i].flags),
+                                    TmpPath(absl::StrCat("tls", i, ".log")));
+    ASSERT_TRUE(worker.ok());
+    auto code = (*worker)->Wait(absl::Seconds(60));
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 2);  // bad flags, not a failed startup
+    const std::string output = (*worker)->Output();
+    for (const std::string& part : cases[i].message) {
+      EXPECT_THAT(output, HasSubstr(part));
+    }
+    EXPECT_THAT(output, Not(HasSubstr("loading ")));
+    EXPECT_THAT(output, Not(HasSubstr("cannot listen")));
   }
 }
 
