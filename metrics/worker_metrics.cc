@@ -108,6 +108,8 @@ absl::string_view KvTransferOutcomeName(KvTransferOutcome outcome) {
       return "malformed_stream";
     case KvTransferOutcome::kCancelled:
       return "cancelled";
+    case KvTransferOutcome::kHandleMismatch:
+      return "handle_mismatch";
     case KvTransferOutcome::kInternal:
       return "internal";
   }

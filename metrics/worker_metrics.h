@@ -79,12 +79,13 @@ enum class KvTransferOutcome : uint8_t {
   kModelMismatch,      // another model's fingerprint or KV layout
   kMalformedStream,    // chunks out of order, wrong sizes, stream cut short
   kCancelled,          // send side: the puller went away mid-stream
+  kHandleMismatch,     // the handle's num_tokens is not its lease's
   kInternal,           // anything else (a device copy failed, ...)
 };
-inline constexpr int kNumKvTransferOutcomes = 9;
+inline constexpr int kNumKvTransferOutcomes = 10;
 // "ok", "source_unavailable", "deadline", "lease_not_found",
 // "already_pulled", "model_mismatch", "malformed_stream", "cancelled",
-// "internal".
+// "handle_mismatch", "internal".
 absl::string_view KvTransferOutcomeName(KvTransferOutcome outcome);
 
 // gRPC code name ("OK", "INVALID_ARGUMENT", ...); "UNKNOWN" for values

@@ -298,7 +298,7 @@ TEST_F(KvHandoffTest, ImportOfALeasePulledElsewhereIsRefused) {
   EXPECT_EQ(released.freed_blocks(), 2);
   grpc::ClientContext again;
   EXPECT_EQ(transfer.ReleaseKv(&again, release, &released).error_code(),
-            grpc::StatusCode::FAILED_PRECONDITION);
+            grpc::StatusCode::NOT_FOUND);
 }
 
 TEST_F(KvHandoffTest, WrongModelOrLayoutIsRefusedWithNothingAllocated) {
@@ -359,6 +359,14 @@ TEST_F(KvHandoffTest, BadImportsAreRefusedWithNothingAllocated) {
       {"unknown lease", "b",
        [](v1::KvHandle* h) { h->set_lease_id(std::string(32, '0')); },
        grpc::StatusCode::NOT_FOUND, "unknown KV lease"},
+      // The handle disagrees with its lease: the source refuses before
+      // sending anything (not INTERNAL: no device fault).
+      {"fewer tokens than the lease", "b",
+       [](v1::KvHandle* h) { h->set_num_tokens(h->num_tokens() - 1); },
+       grpc::StatusCode::FAILED_PRECONDITION, "num_tokens is 7 but lease"},
+      {"more tokens than the lease", "b",
+       [](v1::KvHandle* h) { h->set_num_tokens(h->num_tokens() + 1); },
+       grpc::StatusCode::FAILED_PRECONDITION, "num_tokens is 9 but lease"},
   };
   for (const Case& c : cases) {
     v1::KvHandle h = handle;
@@ -380,6 +388,45 @@ TEST_F(KvHandoffTest, BadImportsAreRefusedWithNothingAllocated) {
   ASSERT_TRUE(Import(*decode_->stub, "b", handle).ok());
   Decode(*decode_, "b", token, 1, v1::SamplingParams());
   Decode(*decode_, "live", 5, 1, v1::SamplingParams());
+}
+
+// What each role accepts (README, "Roles"): prompts are held for handoff by
+// prefill and both workers, KV is imported by decode and both workers. The
+// rest is a misrouted call: FAILED_PRECONDITION naming the role, nothing
+// allocated, nothing consumed.
+TEST_F(KvHandoffTest, EachRoleRefusesTheHandoffSideItDoesNotServe) {
+  // A decode worker holds no prompt for handoff.
+  v1::SequenceInput hold = Input("h", Prompt(6, 9), true);
+  hold.set_hold_for_handoff(true);
+  v1::ForwardResponse response;
+  grpc::Status s = Forward(*decode_->stub, Request({hold}), &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("hold_for_handoff"));
+  EXPECT_THAT(s.error_message(), HasSubstr("role is decode"));
+  ExpectNothingHeld(*decode_, "decode after a refused hold");
+
+  // A prefill worker imports no KV: not another's, not its own.
+  const auto [token, handle] =
+      Prefill(*prefill_, "r", Prompt(6, 10), v1::SamplingParams());
+  s = Import(*prefill_->stub, "r2", handle);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("role is prefill"));
+  EXPECT_EQ(prefill_->Status().num_sequences(), 0);
+  EXPECT_EQ(prefill_->Status().kv_leases(), 1);  // the lease is untouched
+
+  // A worker of role both does either, its own leases included.
+  std::unique_ptr<TestWorker> both =
+      StartWorker(Options(Role::kBoth), ServerOptions());
+  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_TRUE(Import(*both->stub, "r", handle).ok());
+  Decode(*both, "r", token, 1, v1::SamplingParams());
+  const auto [own_token, own_handle] =
+      Prefill(*both, "o", Prompt(5, 11), v1::SamplingParams());
+  ASSERT_TRUE(Import(*both->stub, "o2", own_handle).ok());
+  Decode(*both, "o2", own_token, 1, v1::SamplingParams());
+  ExpectNothingHeld(*both, "both");
 }
 
 TEST_F(KvHandoffTest, UnreachableSourceFailsWithUnavailable) {

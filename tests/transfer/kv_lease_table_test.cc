@@ -67,14 +67,34 @@ TEST(KvLeaseTableTest, OnePullThenRelease) {
   table.EndPull(a.lease_id, /*sent_all=*/true);
   EXPECT_THAT(freed.Take(), ElementsAre(ElementsAre(3, 4)));
   // Gone: a late pull or release is told why.
+  // Pulled in full, then released: a second pull is FAILED_PRECONDITION
+  // (consumed), a second release NOT_FOUND (nothing left), as the README's
+  // contract table says.
   absl::Status late = table.BeginPull(a.lease_id).status();
   EXPECT_EQ(late.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(late.message(), HasSubstr("already released"));
+  EXPECT_THAT(late.message(), HasSubstr("already pulled"));
   EXPECT_EQ(table.Release(a.lease_id).status().code(),
-            absl::StatusCode::kFailedPrecondition);
+            absl::StatusCode::kNotFound);
   EXPECT_EQ(table.BeginPull("nope").status().code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(table.size(), 1);
+}
+
+// A lease its router releases before any pull (it gave up on the request)
+// is gone: a late pull is NOT_FOUND, like an expired lease.
+TEST(KvLeaseTableTest, PullAfterReleaseKvIsNotFound) {
+  Freed freed;
+  KvLeaseTable table(std::chrono::seconds(60), Recorder(freed), nullptr);
+  const KvLeaseInfo a = table.Add("s", Kv({5, 6}, 20));
+  absl::StatusOr<int32_t> released = table.Release(a.lease_id);
+  ASSERT_TRUE(released.ok());
+  EXPECT_EQ(*released, 2);
+  absl::Status late = table.BeginPull(a.lease_id).status();
+  EXPECT_EQ(late.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(late.message(), HasSubstr("released (ReleaseKv)"));
+  EXPECT_EQ(table.Release(a.lease_id).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(table.size(), 0);
 }
 
 TEST(KvLeaseTableTest, FailedPullMayBeRetriedCompletedPullMayNot) {

@@ -186,7 +186,8 @@ WorkerService::WorkerService(const ModelRunner& runner, Engine& engine,
       handoff_(handoff),
       handle_template_(HandleTemplate(runner, handoff)),
       fingerprint_(runner.model_config().Fingerprint()),
-      kv_layout_(runner.kv_cache_view().layout) {
+      kv_layout_(runner.kv_cache_view().layout),
+      role_(runner.options().role) {
   const ModelRunnerOptions& o = runner.options();
   std::lock_guard<std::mutex> lock(mu_);
   v1::WorkerStatus& s = status_template_;
@@ -257,6 +258,16 @@ grpc::ServerUnaryReactor* WorkerService::Forward(
   if (!spec.ok()) {
     reactor->Complete(spec.status());
     return reactor;
+  }
+  if (role_ == Role::kDecode) {
+    for (int i = 0; i < request->sequences_size(); ++i) {
+      if (!request->sequences(i).hold_for_handoff()) continue;
+      reactor->Complete(absl::FailedPreconditionError(absl::StrCat(
+          "sequences[", i,
+          "].hold_for_handoff: this worker's role is decode; prompts are "
+          "held for handoff by prefill (or both) workers")));
+      return reactor;
+    }
   }
   auto call = std::make_unique<ForwardCall>();
   call->spec = std::move(*spec);
@@ -344,6 +355,11 @@ grpc::ServerUnaryReactor* WorkerService::ImportKv(
     v1::ImportKvResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::Status refused = CheckServing(WhileDraining::kRefuse);
+  if (refused.ok() && role_ == Role::kPrefill) {
+    refused = absl::FailedPreconditionError(
+        "ImportKv: this worker's role is prefill; KV is imported by decode "
+        "(or both) workers");
+  }
   if (refused.ok() && handoff_.importer == nullptr) {
     refused = absl::UnimplementedError("this worker imports no KV");
   }

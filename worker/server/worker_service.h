@@ -100,6 +100,9 @@ class WorkerService final : public v1::Worker::CallbackService {
   v1::KvHandle handle_template_;
   const std::string fingerprint_;
   const KvLayoutInfo kv_layout_;
+  // What the handoff RPCs accept: decode holds no prompt, prefill imports no
+  // KV (README, "Roles").
+  const Role role_;
   std::atomic<ServingState> state_{ServingState::kStarting};
 
   mutable std::mutex mu_;

@@ -72,6 +72,7 @@ v1::PullKvRequest PullRequestFor(const KvPullParams& p,
   request.set_model_fingerprint(p.model_fingerprint);
   *request.mutable_layout() = ToProto(p.view->layout);
   request.set_transport(std::string(transport));
+  request.set_num_tokens(p.handle->num_tokens());
   return request;
 }
 
@@ -96,12 +97,15 @@ absl::Status ClassifyPullEnd(const KvPullParams& p,
       *outcome = KvTransferOutcome::kLeaseNotFound;
       break;
     case grpc::StatusCode::FAILED_PRECONDITION:
-      // The source's two refusals (see KvTransferService / CheckCompatible).
-      *outcome =
-          absl::StrContains(finished.error_message(), "fingerprint") ||
-                  absl::StrContains(finished.error_message(), "KV layout")
-              ? KvTransferOutcome::kModelMismatch
-              : KvTransferOutcome::kAlreadyPulled;
+      // The source's refusals (see KvTransferService / CheckCompatible).
+      if (absl::StrContains(finished.error_message(), "fingerprint") ||
+          absl::StrContains(finished.error_message(), "KV layout")) {
+        *outcome = KvTransferOutcome::kModelMismatch;
+      } else if (absl::StrContains(finished.error_message(), "num_tokens")) {
+        *outcome = KvTransferOutcome::kHandleMismatch;
+      } else {
+        *outcome = KvTransferOutcome::kAlreadyPulled;
+      }
       break;
     case grpc::StatusCode::INVALID_ARGUMENT:
       *outcome = KvTransferOutcome::kInternal;

@@ -68,16 +68,24 @@ KvLeaseInfo KvLeaseTable::Add(absl::string_view sequence_id, SequenceKv kv) {
 
 absl::Status KvLeaseTable::GoneLocked(absl::string_view lease_id) const {
   auto t = tombstones_.find(lease_id);
-  if (t != tombstones_.end() && t->second == Ending::kReleased) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("KV lease ", lease_id, " was already released"));
+  if (t == tombstones_.end()) {
+    return absl::NotFoundError(absl::StrCat("unknown KV lease '", lease_id,
+                                            "' (expired long ago, or never "
+                                            "issued by this worker)"));
   }
-  if (t != tombstones_.end()) {
-    return absl::NotFoundError(absl::StrCat("KV lease ", lease_id, " expired"));
+  switch (t->second) {
+    case Ending::kPulledThenReleased:
+      // Consumed: the README's "second or late pull".
+      return absl::FailedPreconditionError(absl::StrCat(
+          "KV lease ", lease_id, " was already pulled (and then released)"));
+    case Ending::kReleased:
+      return absl::NotFoundError(absl::StrCat(
+          "KV lease ", lease_id,
+          " was released (ReleaseKv) before it was pulled; its KV is gone"));
+    case Ending::kExpired:
+      break;
   }
-  return absl::NotFoundError(absl::StrCat("unknown KV lease '", lease_id,
-                                          "' (expired long ago, or never "
-                                          "issued by this worker)"));
+  return absl::NotFoundError(absl::StrCat("KV lease ", lease_id, " expired"));
 }
 
 absl::StatusOr<KvPullGrant> KvLeaseTable::BeginPull(
@@ -129,7 +137,10 @@ absl::StatusOr<int32_t> KvLeaseTable::Release(absl::string_view lease_id) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = leases_.find(lease_id);
-    if (it == leases_.end()) return GoneLocked(lease_id);
+    if (it == leases_.end()) {
+      // Whatever ended it, there is nothing left to release.
+      return absl::NotFoundError(GoneLocked(lease_id).message());
+    }
     if (it->second.state == State::kPulling) {
       it->second.release_requested = true;
       return 0;
@@ -149,6 +160,9 @@ int64_t KvLeaseTable::size() const {
 
 SequenceKv KvLeaseTable::RemoveLocked(
     absl::flat_hash_map<std::string, Lease>::iterator it, Ending ending) {
+  if (ending == Ending::kReleased && it->second.state == State::kPulled) {
+    ending = Ending::kPulledThenReleased;
+  }
   SequenceKv kv = std::move(it->second.kv);
   std::string id = it->first;
   leases_.erase(it);

@@ -94,7 +94,9 @@ class KvLeaseTable {
     State state = State::kHeld;
     bool release_requested = false;
   };
-  enum class Ending { kReleased, kExpired };
+  // How a lease ended, for the status a late pull gets. RemoveLocked turns
+  // kReleased into kPulledThenReleased for a lease pulled in full.
+  enum class Ending { kPulledThenReleased, kReleased, kExpired };
 
   void Sweep();
   // Removes `it`, leaves a tombstone, and returns the blocks to free.

@@ -101,7 +101,9 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
   }
 
   // Starts the pull, or finishes at once with the reason it is refused.
-  void Start(const absl::Status& compatible, const std::string& lease_id) {
+  // `expected_tokens`: the puller's handle's num_tokens (0: not checked).
+  void Start(const absl::Status& compatible, const std::string& lease_id,
+             int32_t expected_tokens) {
     if (!compatible.ok()) {
       outcome_ = KvTransferOutcome::kModelMismatch;
       Finish(ToGrpcStatus(compatible));
@@ -113,6 +115,16 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
                      ? KvTransferOutcome::kLeaseNotFound
                      : KvTransferOutcome::kAlreadyPulled;
       Finish(ToGrpcStatus(grant.status()));
+      return;
+    }
+    if (expected_tokens > 0 && expected_tokens != grant->kv.num_tokens) {
+      // Put the lease back: the right handle may still pull it.
+      leases_.EndPull(lease_id, /*sent_all=*/false);
+      outcome_ = KvTransferOutcome::kHandleMismatch;
+      Finish(ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
+          "the KV handle's num_tokens is ", expected_tokens, " but lease ",
+          lease_id, " holds ", grant->kv.num_tokens,
+          " tokens: the handle was altered or belongs to another lease"))));
       return;
     }
     lease_id_ = lease_id;
@@ -368,7 +380,7 @@ grpc::ServerWriteReactor<v1::KvChunk>* KvTransferService::PullKv(
     reactor->UseNccl(request->nccl_unique_id(), nccl_sender_.get(),
                      std::chrono::steady_clock::now() + left);
   }
-  reactor->Start(allowed, request->lease_id());
+  reactor->Start(allowed, request->lease_id(), request->num_tokens());
   return reactor;
 }
 
