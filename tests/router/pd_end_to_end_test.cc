@@ -79,6 +79,34 @@ std::vector<absl::StatusOr<GenerationResult>> RunAll(
   return results;
 }
 
+// Every worker ends idle: all KV blocks free, no sequence, lease or import.
+// A decode worker may tell the prefill worker to release a lease just after
+// the import returned: wait (bounded) for every worker to settle.
+void ExpectClusterIdle(router_testing::PdCluster& cluster) {
+  std::vector<std::pair<std::string, TestWorker*>> all;
+  for (int i = 0; i < 2; ++i) {
+    all.emplace_back("prefill " + std::to_string(i), cluster.prefill[i].get());
+    all.emplace_back("decode " + std::to_string(i), cluster.decode[i].get());
+  }
+  all.emplace_back("aggregated", cluster.aggregated.get());
+  const auto give_up =
+      std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  auto settled = [&] {
+    for (auto& [name, w] : all) {
+      const v1::WorkerStatus s = w->Status();
+      if (s.kv_blocks_free() != s.kv_blocks_total() || s.num_sequences() != 0 ||
+          s.kv_leases() != 0 || s.kv_imports() != 0) {
+        return false;
+      }
+    }
+    return true;
+  };
+  while (!settled() && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  for (auto& [name, w] : all) ExpectIdle(*w, name);
+}
+
 TEST(PdEndToEndTest, DisaggregatedTokensEqualAggregatedAndNothingLeaks) {
   std::unique_ptr<router_testing::PdCluster> cluster =
       router_testing::StartPdCluster();
@@ -119,30 +147,7 @@ TEST(PdEndToEndTest, DisaggregatedTokensEqualAggregatedAndNothingLeaks) {
   EXPECT_EQ(decode_used.size(), 2u);
   EXPECT_GE(pd_router->decode_stats().max_sequences_per_call, 2);
 
-  // A decode worker may tell the prefill worker to release a lease just
-  // after ImportKv returned: wait (bounded) for every worker to settle.
-  std::vector<std::pair<std::string, TestWorker*>> all;
-  for (int i = 0; i < 2; ++i) {
-    all.emplace_back("prefill " + std::to_string(i), prefill[i].get());
-    all.emplace_back("decode " + std::to_string(i), decode[i].get());
-  }
-  all.emplace_back("aggregated", aggregated.get());
-  const auto give_up =
-      std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  auto settled = [&] {
-    for (auto& [name, w] : all) {
-      const v1::WorkerStatus s = w->Status();
-      if (s.kv_blocks_free() != s.kv_blocks_total() || s.num_sequences() != 0 ||
-          s.kv_leases() != 0 || s.kv_imports() != 0) {
-        return false;
-      }
-    }
-    return true;
-  };
-  while (!settled() && std::chrono::steady_clock::now() < give_up) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  for (auto& [name, w] : all) ExpectIdle(*w, name);
+  ExpectClusterIdle(*cluster);
 }
 
 // The same requests through the request-level API only (vllm.grpc.engine
@@ -188,28 +193,7 @@ TEST(PdEndToEndTest, RequestLevelApiGivesTheStepLevelTokens) {
   }
   EXPECT_EQ(failures, 0);
 
-  std::vector<std::pair<std::string, TestWorker*>> all;
-  for (int i = 0; i < 2; ++i) {
-    all.emplace_back("prefill " + std::to_string(i), prefill[i].get());
-    all.emplace_back("decode " + std::to_string(i), decode[i].get());
-  }
-  all.emplace_back("aggregated", aggregated.get());
-  const auto give_up =
-      std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  auto settled = [&] {
-    for (auto& [name, w] : all) {
-      const v1::WorkerStatus s = w->Status();
-      if (s.kv_blocks_free() != s.kv_blocks_total() || s.num_sequences() != 0 ||
-          s.kv_leases() != 0 || s.kv_imports() != 0) {
-        return false;
-      }
-    }
-    return true;
-  };
-  while (!settled() && std::chrono::steady_clock::now() < give_up) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  for (auto& [name, w] : all) ExpectIdle(*w, name);
+  ExpectClusterIdle(*cluster);
 }
 
 }  // namespace
