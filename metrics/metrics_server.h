@@ -6,79 +6,83 @@
 // stack, and the worker binary's static TLS (cuBLASLt ~92 KiB + glog ~30 KiB
 // + cuBLAS ~12 KiB) does not fit, so civetweb cannot start a thread and the
 // Exposer constructor throws ("null context when constructing CivetServer")
-// in any binary that links CUDA. This server is plain sockets and
-// std::threads with default stacks; prometheus-cpp still does the
+// in any binary that links CUDA. This server is plain sockets and one
+// std::thread with a default stack; prometheus-cpp still does the
 // serialization.
 #ifndef PDWORKER_METRICS_METRICS_SERVER_H_
 #define PDWORKER_METRICS_METRICS_SERVER_H_
 
-#include <condition_variable>
-#include <deque>
+#include <chrono>
+#include <cstddef>
 #include <memory>
-#include <mutex>
-#include <set>
 #include <string>
 #include <thread>
-#include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "prometheus/registry.h"
 
 namespace pdworker {
 
-// Connections are served by a small fixed pool (kNumWorkers); each request
-// has a few seconds to arrive and be answered, excess concurrent
-// connections are closed at once, so a stuck client cannot pin memory or
-// threads. Each response is "Connection: close".
+struct MetricsServerOptions {
+  // Open connections at most. Each costs one fd and at most ~8 KiB of
+  // request buffer (plus its response while it is being written). At the cap
+  // a newcomer evicts the oldest connection that has not sent a complete
+  // request yet: a real scrape completes in milliseconds, so the oldest
+  // idle connections are the likely attackers.
+  size_t max_connections = 1024;
+  // From accept to the last response byte; a connection past it is closed,
+  // so an idle or slow client holds its slot for at most this long.
+  std::chrono::milliseconds connection_timeout{5000};
+};
+
+// One event-loop thread poll()s the listening socket and every open
+// connection (all non-blocking), so an idle or slow-loris client costs an fd
+// and a buffer but never a thread: a scrape is parsed and answered as soon as
+// its request head arrives, however many other clients sit idle. Each
+// response is "Connection: close".
 class MetricsServer {
  public:
   // Listens on `bind_address` ("host:port" or "[v6-host]:port"; port 0 picks
   // a free port, see port()) and serves `registry` at /metrics until
   // destroyed. Keeps `registry` alive.
-  // INVALID_ARGUMENT for a null registry or a malformed address;
-  // UNAVAILABLE when the address cannot be bound (e.g. in use).
+  // INVALID_ARGUMENT for a null registry, a malformed address or options
+  // that are not positive; UNAVAILABLE when the address cannot be bound
+  // (e.g. in use).
   static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
       const std::string& bind_address,
-      std::shared_ptr<prometheus::Registry> registry);
+      std::shared_ptr<prometheus::Registry> registry,
+      MetricsServerOptions options = {});
 
   MetricsServer(const MetricsServer&) = delete;
   MetricsServer& operator=(const MetricsServer&) = delete;
-  // Stops listening, aborts in-flight connections and joins every thread:
-  // no scrape touches the registry afterwards. Prompt (no timeout waits).
+  // Stops listening, closes every connection (answered or not) and joins the
+  // thread: no scrape touches the registry afterwards. Prompt (no timeout
+  // waits).
   ~MetricsServer();
 
   // The port actually bound.
   int port() const { return port_; }
 
  private:
-  static constexpr int kNumWorkers = 2;
-  static constexpr size_t kMaxPendingConnections = 16;
+  MetricsServer(std::shared_ptr<prometheus::Registry> registry,
+                MetricsServerOptions options, int listen_fd, int wake_read_fd,
+                int wake_write_fd, int port);
 
-  MetricsServer(std::shared_ptr<prometheus::Registry> registry, int listen_fd,
-                int wake_read_fd, int wake_write_fd, int port);
-
-  void AcceptLoop();
-  void WorkerLoop();
-  // Reads one request from `fd` and writes the response.
-  void Serve(int fd);
+  // Runs on loop_ until the wake pipe becomes readable; owns every
+  // connection, so no state is shared with other threads.
+  void EventLoop();
+  // The full response (status line, headers, body) to one request head.
+  std::string Respond(const std::string& request_head) const;
 
   const std::shared_ptr<prometheus::Registry> registry_;
+  const MetricsServerOptions options_;
   const int listen_fd_;
-  // A byte written here wakes the acceptor's poll() on shutdown.
+  // A byte written here wakes the loop's poll() on shutdown.
   const int wake_read_fd_;
   const int wake_write_fd_;
   const int port_;
 
-  std::mutex mu_;
-  std::condition_variable work_;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::deque<int> pending_ ABSL_GUARDED_BY(mu_);
-  // Being served: shut down on stop so blocked reads return at once.
-  std::set<int> active_ ABSL_GUARDED_BY(mu_);
-
-  std::thread acceptor_;
-  std::vector<std::thread> workers_;
+  std::thread loop_;
 };
 
 }  // namespace pdworker

@@ -421,7 +421,7 @@ TEST(WorkerMetricsTest, KvTransfersAndLeases) {
                                   "\"send\",transport=\"cuda_ipc\"} 0"));
   const std::vector<std::string> failures =
       Samples(text, "pdworker_kv_transfer_failures_total");
-  EXPECT_EQ(failures.size(), 48u);  // x 8 reasons
+  EXPECT_EQ(failures.size(), 54u);  // x 9 reasons
   EXPECT_THAT(failures, Contains("pdworker_kv_transfer_failures_total{"
                                  "direction=\"receive\",reason=\"source_"
                                  "unavailable\",transport=\"grpc\"} 1"));
