@@ -14,6 +14,7 @@
 #include "absl/time/time.h"
 #include "glog/logging.h"
 #include "nlohmann/json.hpp"
+#include "worker/server/parsed_call.h"
 #include "worker/server/status_mapping.h"
 #include "worker/server/tokenizer_bundle.h"
 #include "worker/transfer/kv_transfer_params.h"
@@ -98,8 +99,7 @@ struct GenerateContext {
 // kv_transfer_params_json); on a decode worker a request with
 // kv_transfer_params_json first pulls the prompt's KV (KvImporter), then
 // emits the prefill worker's first token and decodes.
-class GenerateReactor final
-    : public grpc::ServerWriteReactor<vg::GenerateResponse> {
+class GenerateReactor final : public MessageWriter {
  public:
   GenerateReactor(const GenerateContext& context,
                   const vg::GenerateRequest& request,
@@ -303,7 +303,7 @@ class GenerateReactor final
     if (broken_) queue_.clear();
     if (!queue_.empty()) {
       writing_ = true;
-      StartWrite(&queue_.front());
+      StartWriteMessage(queue_.front());
       return;
     }
     if (final_status_.has_value() && !finished_) {
@@ -333,39 +333,6 @@ class GenerateReactor final
   // Non-streaming: everything, sent at the end.
   std::vector<int32_t> outputs_;
   vg::OutputLogProbs all_logprobs_;
-};
-
-// A stream that ends at once with `status` (and, for GetTokenizer, the
-// archive in pieces).
-template <typename Message>
-class ListWriter final : public grpc::ServerWriteReactor<Message> {
- public:
-  ListWriter(std::vector<Message> messages, grpc::Status status)
-      : messages_(std::move(messages)), status_(std::move(status)) {
-    Next();
-  }
-  void OnWriteDone(bool ok) override {
-    if (!ok) {
-      this->Finish(
-          grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
-      return;
-    }
-    ++next_;
-    Next();
-  }
-  void OnDone() override { delete this; }
-
- private:
-  void Next() {
-    if (next_ < messages_.size()) {
-      this->StartWrite(&messages_[next_]);
-    } else {
-      this->Finish(status_);
-    }
-  }
-  std::vector<Message> messages_;
-  grpc::Status status_;
-  size_t next_ = 0;
 };
 
 absl::string_view ModelType(Architecture architecture) {
@@ -421,17 +388,20 @@ VllmEngineService::VllmEngineService(const ModelRunner& runner, Engine& engine,
   model_info_.set_max_req_input_len(runner.max_model_len() - 1);
 }
 
-grpc::ServerWriteReactor<vg::GenerateResponse>* VllmEngineService::Generate(
-    grpc::CallbackServerContext* context, const vg::GenerateRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* VllmEngineService::Generate(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request) {
   last_receive_unix_.store(
       absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()),
       std::memory_order_relaxed);
+  vg::GenerateRequest request;
+  if (grpc::Status parsed = ParseRequest(*raw_request, &request);
+      !parsed.ok()) {
+    return new ListWriter({}, parsed);
+  }
   if (state_.load(std::memory_order_acquire) == ServingState::kStarting) {
-    auto* refused = new ListWriter<vg::GenerateResponse>(
-        {}, grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                         "the worker is capturing CUDA graphs and not "
-                         "serving yet"));
-    return refused;
+    return new ListWriter({}, grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                           "the worker is capturing CUDA "
+                                           "graphs and not serving yet"));
   }
   GenerateContext generate;
   generate.engine = &engine_;
@@ -440,56 +410,71 @@ grpc::ServerWriteReactor<vg::GenerateResponse>* VllmEngineService::Generate(
   generate.importer = importer_;
   generate.handle_template = handle_template_;
   generate.next_import = &next_import_;
-  return new GenerateReactor(generate, *request, context->deadline());
+  return new GenerateReactor(generate, request, context->deadline());
 }
 
 grpc::ServerUnaryReactor* VllmEngineService::Embed(
-    grpc::CallbackServerContext* context, const vg::EmbedRequest*,
-    vg::EmbedResponse*) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(
-      grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                   "Embed: pdworker serves generative (decoder) models only"));
-  return reactor;
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
+    grpc::ByteBuffer* raw_response) {
+  return AnswerNow<vg::EmbedRequest, vg::EmbedResponse>(
+      context, raw_request, raw_response,
+      [](const vg::EmbedRequest&, vg::EmbedResponse*) {
+        return grpc::Status(
+            grpc::StatusCode::UNIMPLEMENTED,
+            "Embed: pdworker serves generative (decoder) models only");
+      });
 }
 
 grpc::ServerUnaryReactor* VllmEngineService::HealthCheck(
-    grpc::CallbackServerContext* context, const vg::HealthCheckRequest*,
-    vg::HealthCheckResponse* response) {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
+    grpc::ByteBuffer* raw_response) {
+  return AnswerNow<vg::HealthCheckRequest, vg::HealthCheckResponse>(
+      context, raw_request, raw_response,
+      [this](const vg::HealthCheckRequest&, vg::HealthCheckResponse* response) {
+        const std::string problem = HealthProblem();
+        response->set_healthy(problem.empty());
+        response->set_message(problem.empty() ? "healthy" : problem);
+        return grpc::Status::OK;
+      });
+}
+
+std::string VllmEngineService::HealthProblem() const {
   const EngineSnapshot s = engine_.snapshot();
   const ServingState state = state_.load(std::memory_order_acquire);
   const bool busy =
       s.queued_calls > 0 || s.running_requests > 0 || s.waiting_requests > 0;
-  std::string problem;
   if (state == ServingState::kStarting) {
-    problem = "capturing CUDA graphs, not serving yet";
-  } else if (state == ServingState::kDraining) {
-    problem = "draining (shutting down)";
-  } else if (!s.device_error.ok()) {
-    problem = absl::StrCat("device error: ", s.device_error.message());
-  } else if (busy && std::chrono::steady_clock::now() - s.last_step_at >
-                         options_.health_step_window) {
-    problem = absl::StrCat("busy, and no step finished in the last ",
-                           std::chrono::duration_cast<std::chrono::seconds>(
-                               options_.health_step_window)
-                               .count(),
-                           " s");
+    return "capturing CUDA graphs, not serving yet";
   }
-  response->set_healthy(problem.empty());
-  response->set_message(problem.empty() ? "healthy" : problem);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  if (state == ServingState::kDraining) return "draining (shutting down)";
+  if (!s.device_error.ok()) {
+    return absl::StrCat("device error: ", s.device_error.message());
+  }
+  if (busy && std::chrono::steady_clock::now() - s.last_step_at >
+                  options_.health_step_window) {
+    return absl::StrCat("busy, and no step finished in the last ",
+                        std::chrono::duration_cast<std::chrono::seconds>(
+                            options_.health_step_window)
+                            .count(),
+                        " s");
+  }
+  return "";
 }
 
 grpc::ServerUnaryReactor* VllmEngineService::Abort(
-    grpc::CallbackServerContext* context, const vg::AbortRequest* request,
-    vg::AbortResponse*) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    grpc::CallbackServerContext* /*context*/,
+    const grpc::ByteBuffer* raw_request, grpc::ByteBuffer* raw_response) {
+  // Answered by the engine thread once the aborts ran.
+  auto* reactor = new UnaryCall<vg::AbortRequest, vg::AbortResponse>(
+      raw_request, raw_response);
+  if (!reactor->parse_status().ok()) {
+    reactor->Reply(reactor->parse_status());
+    return reactor;
+  }
   auto call = std::make_unique<AbortCall>();
-  for (const std::string& id : request->request_ids()) {
+  for (const std::string& id : reactor->request().request_ids()) {
     if (id.empty()) {
-      reactor->Finish(ToGrpcStatus(
+      reactor->Reply(ToGrpcStatus(
           absl::InvalidArgumentError("request_ids has an empty id")));
       return reactor;
     }
@@ -499,109 +484,128 @@ grpc::ServerUnaryReactor* VllmEngineService::Abort(
     }
   }
   if (call->request_ids.empty()) {
-    reactor->Finish(
+    reactor->Reply(
         ToGrpcStatus(absl::InvalidArgumentError("request_ids is empty")));
     return reactor;
   }
   call->done = [reactor](const absl::StatusOr<AbortOutcome>& outcome) {
-    reactor->Finish(ToGrpcStatus(outcome.status()));
+    reactor->Reply(ToGrpcStatus(outcome.status()));
   };
   engine_.Submit(std::move(call));
   return reactor;
 }
 
 grpc::ServerUnaryReactor* VllmEngineService::GetModelInfo(
-    grpc::CallbackServerContext* context, const vg::GetModelInfoRequest*,
-    vg::GetModelInfoResponse* response) {
-  *response = model_info_;
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
+    grpc::ByteBuffer* raw_response) {
+  return AnswerNow<vg::GetModelInfoRequest, vg::GetModelInfoResponse>(
+      context, raw_request, raw_response,
+      [this](const vg::GetModelInfoRequest&,
+             vg::GetModelInfoResponse* response) {
+        *response = model_info_;
+        return grpc::Status::OK;
+      });
 }
 
 grpc::ServerUnaryReactor* VllmEngineService::GetServerInfo(
-    grpc::CallbackServerContext* context, const vg::GetServerInfoRequest*,
-    vg::GetServerInfoResponse* response) {
-  const EngineSnapshot s = engine_.snapshot();
-  response->set_active_requests(
-      static_cast<uint32_t>(s.running_requests + s.waiting_requests));
-  response->set_is_paused(false);
-  response->set_last_receive_timestamp(
-      last_receive_unix_.load(std::memory_order_relaxed));
-  response->set_uptime_seconds(
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - started_)
-          .count());
-  response->set_server_type("vllm-grpc");
-  response->set_data_parallel_size(1);
-  // P/D: kv_transfer_params_json carries pdworker's own KV handle; a
-  // router that does not know the connector relays the JSON untouched.
-  response->set_kv_connector("PdworkerConnector");
-  response->set_kv_role(role_ == Role::kPrefill  ? "kv_producer"
-                        : role_ == Role::kDecode ? "kv_consumer"
-                                                 : "kv_both");
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
+    grpc::ByteBuffer* raw_response) {
+  return AnswerNow<vg::GetServerInfoRequest, vg::GetServerInfoResponse>(
+      context, raw_request, raw_response,
+      [this](const vg::GetServerInfoRequest&,
+             vg::GetServerInfoResponse* response) {
+        const EngineSnapshot s = engine_.snapshot();
+        response->set_active_requests(
+            static_cast<uint32_t>(s.running_requests + s.waiting_requests));
+        response->set_is_paused(false);
+        response->set_last_receive_timestamp(
+            last_receive_unix_.load(std::memory_order_relaxed));
+        response->set_uptime_seconds(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                          started_)
+                .count());
+        response->set_server_type("vllm-grpc");
+        response->set_data_parallel_size(1);
+        // P/D: kv_transfer_params_json carries pdworker's own KV handle; a
+        // router that does not know the connector relays the JSON untouched.
+        response->set_kv_connector("PdworkerConnector");
+        response->set_kv_role(role_ == Role::kPrefill  ? "kv_producer"
+                              : role_ == Role::kDecode ? "kv_consumer"
+                                                       : "kv_both");
+        return grpc::Status::OK;
+      });
 }
 
 grpc::ServerUnaryReactor* VllmEngineService::GetLoads(
-    grpc::CallbackServerContext* context, const vg::GetLoadsRequest* request,
-    vg::GetLoadsResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (request->has_dp_rank() && request->dp_rank() != 0) {
-    reactor->Finish(ToGrpcStatus(absl::InvalidArgumentError(
-        absl::StrCat("dp_rank=", request->dp_rank(),
-                     ": this worker has one data-parallel rank (0)"))));
-    return reactor;
-  }
-  const EngineSnapshot s = engine_.snapshot();
-  response->set_timestamp(
-      absl::FormatTime(absl::RFC3339_full, absl::Now(), absl::UTCTimeZone()));
-  response->set_version("pdworker");
-  response->set_dp_rank_count(1);
-  vg::SchedulerLoad* load = response->add_loads();
-  load->set_dp_rank(0);
-  load->set_num_running_reqs(static_cast<int32_t>(s.running_requests));
-  load->set_num_waiting_reqs(static_cast<int32_t>(s.waiting_requests));
-  load->set_num_total_reqs(
-      static_cast<int32_t>(s.running_requests + s.waiting_requests));
-  load->set_num_used_tokens(
-      static_cast<int32_t>(int64_t{s.kv.used_blocks} * kv_block_size_));
-  load->set_max_total_num_tokens(static_cast<int32_t>(kv_total_tokens_));
-  load->set_token_usage(s.kv.total_blocks > 0
-                            ? static_cast<double>(s.kv.used_blocks) /
-                                  s.kv.total_blocks
-                            : 0.0);
-  load->set_max_running_requests(max_num_seqs_);
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
+    grpc::ByteBuffer* raw_response) {
+  return AnswerNow<vg::GetLoadsRequest, vg::GetLoadsResponse>(
+      context, raw_request, raw_response,
+      [this](const vg::GetLoadsRequest& request,
+             vg::GetLoadsResponse* response) {
+        if (request.has_dp_rank() && request.dp_rank() != 0) {
+          return ToGrpcStatus(absl::InvalidArgumentError(
+              absl::StrCat("dp_rank=", request.dp_rank(),
+                           ": this worker has one data-parallel rank (0)")));
+        }
+        const EngineSnapshot s = engine_.snapshot();
+        response->set_timestamp(absl::FormatTime(
+            absl::RFC3339_full, absl::Now(), absl::UTCTimeZone()));
+        response->set_version("pdworker");
+        response->set_dp_rank_count(1);
+        vg::SchedulerLoad* load = response->add_loads();
+        load->set_dp_rank(0);
+        load->set_num_running_reqs(static_cast<int32_t>(s.running_requests));
+        load->set_num_waiting_reqs(static_cast<int32_t>(s.waiting_requests));
+        load->set_num_total_reqs(
+            static_cast<int32_t>(s.running_requests + s.waiting_requests));
+        load->set_num_used_tokens(
+            static_cast<int32_t>(int64_t{s.kv.used_blocks} * kv_block_size_));
+        load->set_max_total_num_tokens(static_cast<int32_t>(kv_total_tokens_));
+        load->set_token_usage(s.kv.total_blocks > 0
+                                  ? static_cast<double>(s.kv.used_blocks) /
+                                        s.kv.total_blocks
+                                  : 0.0);
+        load->set_max_running_requests(max_num_seqs_);
+        return grpc::Status::OK;
+      });
 }
 
-grpc::ServerWriteReactor<common::GetTokenizerChunk>*
-VllmEngineService::GetTokenizer(grpc::CallbackServerContext*,
-                                const common::GetTokenizerRequest*) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* VllmEngineService::GetTokenizer(
+    grpc::CallbackServerContext* /*context*/,
+    const grpc::ByteBuffer* raw_request) {
+  common::GetTokenizerRequest request;
+  if (grpc::Status parsed = ParseRequest(*raw_request, &request);
+      !parsed.ok()) {
+    return new ListWriter({}, parsed);
+  }
   absl::StatusOr<TokenizerBundle> bundle =
       BuildTokenizerBundle(options_.model_dir);
-  if (!bundle.ok()) {
-    return new ListWriter<common::GetTokenizerChunk>(
-        {}, ToGrpcStatus(bundle.status()));
-  }
-  std::vector<common::GetTokenizerChunk> chunks;
-  for (size_t offset = 0; offset < bundle->zip.size();
+  if (!bundle.ok()) return new ListWriter({}, ToGrpcStatus(bundle.status()));
+  std::vector<grpc::ByteBuffer> chunks;
+  for (size_t offset = 0; offset < bundle->zip.size() || chunks.empty();
        offset += kTokenizerChunkBytes) {
-    common::GetTokenizerChunk& chunk = chunks.emplace_back();
-    chunk.set_data(bundle->zip.substr(offset, kTokenizerChunkBytes));
+    common::GetTokenizerChunk chunk;
+    if (offset < bundle->zip.size()) {
+      chunk.set_data(bundle->zip.substr(offset, kTokenizerChunkBytes));
+    }
+    if (offset + kTokenizerChunkBytes >= bundle->zip.size()) {
+      chunk.set_sha256(bundle->sha256_hex);  // the last piece
+    }
+    SerializeMessage(chunk, &chunks.emplace_back());
   }
-  if (chunks.empty()) chunks.emplace_back();
-  chunks.back().set_sha256(bundle->sha256_hex);
-  return new ListWriter<common::GetTokenizerChunk>(std::move(chunks),
-                                                   grpc::Status::OK);
+  return new ListWriter(std::move(chunks), grpc::Status::OK);
 }
 
-grpc::ServerWriteReactor<common::KvEventBatch>*
-VllmEngineService::SubscribeKvEvents(grpc::CallbackServerContext*,
-                                     const common::SubscribeKvEventsRequest*) {
-  return new ListWriter<common::KvEventBatch>(
+grpc::ServerWriteReactor<grpc::ByteBuffer>*
+VllmEngineService::SubscribeKvEvents(grpc::CallbackServerContext* /*context*/,
+                                     const grpc::ByteBuffer* raw_request) {
+  common::SubscribeKvEventsRequest request;
+  if (grpc::Status parsed = ParseRequest(*raw_request, &request);
+      !parsed.ok()) {
+    return new ListWriter({}, parsed);
+  }
+  return new ListWriter(
       {}, grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
                        "SubscribeKvEvents: pdworker has no prefix cache yet, "
                        "so it publishes no KV cache events"));

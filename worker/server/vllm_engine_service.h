@@ -30,8 +30,23 @@ struct VllmEngineServiceOptions {
   std::chrono::milliseconds health_step_window{30000};
 };
 
-class VllmEngineService final
-    : public vllm::grpc::engine::VllmEngine::CallbackService {
+// Every method raw: requests are parsed by us (parsed_call.h says why).
+namespace vllm_engine_raw {
+using vllm::grpc::engine::VllmEngine;
+using Service = VllmEngine::WithRawCallbackMethod_Generate<
+    VllmEngine::WithRawCallbackMethod_Embed<
+        VllmEngine::WithRawCallbackMethod_HealthCheck<
+            VllmEngine::WithRawCallbackMethod_Abort<
+                VllmEngine::WithRawCallbackMethod_GetModelInfo<
+                    VllmEngine::WithRawCallbackMethod_GetServerInfo<
+                        VllmEngine::WithRawCallbackMethod_GetLoads<
+                            VllmEngine::WithRawCallbackMethod_GetTokenizer<
+                                VllmEngine::
+                                    WithRawCallbackMethod_SubscribeKvEvents<
+                                        VllmEngine::Service>>>>>>>>>;
+}  // namespace vllm_engine_raw
+
+class VllmEngineService final : public vllm_engine_raw::Service {
  public:
   // Reads the runner's static configuration now (before serving); from then
   // on only `engine` touches the runner. `importer` (decode side; may be
@@ -46,41 +61,40 @@ class VllmEngineService final
     state_.store(state, std::memory_order_release);
   }
 
-  grpc::ServerWriteReactor<vllm::grpc::engine::GenerateResponse>* Generate(
+  // Requests and responses are proto/vllm_engine.proto's messages,
+  // serialized.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Generate(
       grpc::CallbackServerContext* context,
-      const vllm::grpc::engine::GenerateRequest* request) override;
-  grpc::ServerUnaryReactor* Embed(
+      const grpc::ByteBuffer* request) override;
+  grpc::ServerUnaryReactor* Embed(grpc::CallbackServerContext* context,
+                                  const grpc::ByteBuffer* request,
+                                  grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* HealthCheck(grpc::CallbackServerContext* context,
+                                        const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context,
+                                  const grpc::ByteBuffer* request,
+                                  grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* GetLoads(grpc::CallbackServerContext* context,
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* GetTokenizer(
       grpc::CallbackServerContext* context,
-      const vllm::grpc::engine::EmbedRequest* request,
-      vllm::grpc::engine::EmbedResponse* response) override;
-  grpc::ServerUnaryReactor* HealthCheck(
+      const grpc::ByteBuffer* request) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* SubscribeKvEvents(
       grpc::CallbackServerContext* context,
-      const vllm::grpc::engine::HealthCheckRequest* request,
-      vllm::grpc::engine::HealthCheckResponse* response) override;
-  grpc::ServerUnaryReactor* Abort(
-      grpc::CallbackServerContext* context,
-      const vllm::grpc::engine::AbortRequest* request,
-      vllm::grpc::engine::AbortResponse* response) override;
-  grpc::ServerUnaryReactor* GetModelInfo(
-      grpc::CallbackServerContext* context,
-      const vllm::grpc::engine::GetModelInfoRequest* request,
-      vllm::grpc::engine::GetModelInfoResponse* response) override;
-  grpc::ServerUnaryReactor* GetServerInfo(
-      grpc::CallbackServerContext* context,
-      const vllm::grpc::engine::GetServerInfoRequest* request,
-      vllm::grpc::engine::GetServerInfoResponse* response) override;
-  grpc::ServerUnaryReactor* GetLoads(
-      grpc::CallbackServerContext* context,
-      const vllm::grpc::engine::GetLoadsRequest* request,
-      vllm::grpc::engine::GetLoadsResponse* response) override;
-  grpc::ServerWriteReactor<smg::grpc::common::GetTokenizerChunk>* GetTokenizer(
-      grpc::CallbackServerContext* context,
-      const smg::grpc::common::GetTokenizerRequest* request) override;
-  grpc::ServerWriteReactor<smg::grpc::common::KvEventBatch>* SubscribeKvEvents(
-      grpc::CallbackServerContext* context,
-      const smg::grpc::common::SubscribeKvEventsRequest* request) override;
+      const grpc::ByteBuffer* request) override;
 
  private:
+  // Empty when healthy, else why not (HealthCheck's message).
+  std::string HealthProblem() const;
+
   Engine& engine_;
   KvImporter* const importer_;
   const v1::KvHandle* const handle_template_;

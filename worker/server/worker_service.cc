@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "worker/engine/step_calls.h"
+#include "worker/server/parsed_call.h"
 #include "worker/server/status_mapping.h"
 #include "worker/transfer/cuda_ipc.h"
 #include "worker/transfer/kv_transfer_params.h"
@@ -77,17 +78,17 @@ void FillResponse(const v1::ForwardRequest& request,
 
 // One Forward RPC. Finished exactly once, by Complete (from the engine
 // thread, or inline when refused); gRPC deletes it in OnDone.
-class ForwardReactor final : public grpc::ServerUnaryReactor {
+class ForwardReactor final
+    : public UnaryCall<v1::ForwardRequest, v1::ForwardResponse> {
  public:
   ForwardReactor(Engine& engine, WorkerMetrics* metrics,
                  const v1::KvHandle& handle_template,
-                 const v1::ForwardRequest* request,
-                 v1::ForwardResponse* response)
-      : engine_(engine),
+                 const grpc::ByteBuffer* raw_request,
+                 grpc::ByteBuffer* raw_response)
+      : UnaryCall(raw_request, raw_response),
+        engine_(engine),
         metrics_(metrics),
         handle_template_(handle_template),
-        request_(request),
-        response_(response),
         control_(std::make_shared<CallControl>()),
         start_(std::chrono::steady_clock::now()) {}
 
@@ -95,7 +96,7 @@ class ForwardReactor final : public grpc::ServerUnaryReactor {
 
   void Complete(const absl::StatusOr<ForwardOutcome>& outcome) {
     if (outcome.ok()) {
-      FillResponse(*request_, *outcome, handle_template_, response_);
+      FillResponse(request(), *outcome, handle_template_, &response());
     }
     if (metrics_ != nullptr) {
       metrics_->ObserveForwardCall(
@@ -104,50 +105,46 @@ class ForwardReactor final : public grpc::ServerUnaryReactor {
                                         start_)
               .count());
     }
-    // Last use of `this`: OnDone may delete it from another thread as soon
-    // as Finish is called.
-    Finish(ToGrpcStatus(outcome.status()));
+    // Last use of `this`.
+    Reply(ToGrpcStatus(outcome.status()));
   }
 
   void OnCancel() override {
     control_->cancelled.store(true, std::memory_order_release);
     engine_.NotifyCancelled();
   }
-  void OnDone() override { delete this; }
 
  private:
   Engine& engine_;
   WorkerMetrics* const metrics_;
   const v1::KvHandle& handle_template_;
-  const v1::ForwardRequest* const request_;
-  v1::ForwardResponse* const response_;
   const std::shared_ptr<CallControl> control_;
   const std::chrono::steady_clock::time_point start_;
 };
 
-class ReleaseReactor final : public grpc::ServerUnaryReactor {
+class ReleaseReactor final
+    : public UnaryCall<v1::ReleaseRequest, v1::ReleaseResponse> {
  public:
-  ReleaseReactor(Engine& engine, v1::ReleaseResponse* response)
-      : engine_(engine),
-        response_(response),
+  ReleaseReactor(Engine& engine, const grpc::ByteBuffer* raw_request,
+                 grpc::ByteBuffer* raw_response)
+      : UnaryCall(raw_request, raw_response),
+        engine_(engine),
         control_(std::make_shared<CallControl>()) {}
 
   const std::shared_ptr<CallControl>& control() const { return control_; }
 
   void Complete(const absl::StatusOr<ReleaseOutcome>& outcome) {
-    if (outcome.ok()) response_->set_freed_blocks(outcome->freed_blocks);
-    Finish(ToGrpcStatus(outcome.status()));
+    if (outcome.ok()) response().set_freed_blocks(outcome->freed_blocks);
+    Reply(ToGrpcStatus(outcome.status()));
   }
 
   void OnCancel() override {
     control_->cancelled.store(true, std::memory_order_release);
     engine_.NotifyCancelled();
   }
-  void OnDone() override { delete this; }
 
  private:
   Engine& engine_;
-  v1::ReleaseResponse* const response_;
   const std::shared_ptr<CallControl> control_;
 };
 
@@ -244,10 +241,15 @@ absl::Status WorkerService::CheckServing(WhileDraining while_draining) const {
 }
 
 grpc::ServerUnaryReactor* WorkerService::Forward(
-    grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
-    v1::ForwardResponse* response) {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
+    grpc::ByteBuffer* raw_response) {
   auto* reactor = new ForwardReactor(engine_, metrics_, handle_template_,
-                                     request, response);
+                                     raw_request, raw_response);
+  if (!reactor->parse_status().ok()) {
+    reactor->Complete(FromGrpcStatus(reactor->parse_status()));
+    return reactor;
+  }
+  const v1::ForwardRequest* request = &reactor->request();
   if (absl::Status serving = CheckServing(WhileDraining::kLetTheEngineDecide);
       !serving.ok()) {
     reactor->Complete(serving);
@@ -282,9 +284,14 @@ grpc::ServerUnaryReactor* WorkerService::Forward(
 }
 
 grpc::ServerUnaryReactor* WorkerService::Release(
-    grpc::CallbackServerContext* context, const v1::ReleaseRequest* request,
-    v1::ReleaseResponse* response) {
-  auto* reactor = new ReleaseReactor(engine_, response);
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
+    grpc::ByteBuffer* raw_response) {
+  auto* reactor = new ReleaseReactor(engine_, raw_request, raw_response);
+  if (!reactor->parse_status().ok()) {
+    reactor->Reply(reactor->parse_status());
+    return reactor;
+  }
+  const v1::ReleaseRequest* request = &reactor->request();
   if (absl::Status serving = CheckServing(WhileDraining::kLetTheEngineDecide);
       !serving.ok()) {
     reactor->Complete(serving);
@@ -307,9 +314,7 @@ grpc::ServerUnaryReactor* WorkerService::Release(
   return reactor;
 }
 
-grpc::ServerUnaryReactor* WorkerService::GetStatus(
-    grpc::CallbackServerContext* context, const v1::GetStatusRequest* /*req*/,
-    v1::WorkerStatus* response) {
+void WorkerService::FillStatus(v1::WorkerStatus* response) const {
   const EngineSnapshot snapshot = engine_.snapshot();
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -326,15 +331,9 @@ grpc::ServerUnaryReactor* WorkerService::GetStatus(
     response->set_kv_imports(
         static_cast<int32_t>(handoff_.importer->in_flight()));
   }
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* WorkerService::GetGraphStats(
-    grpc::CallbackServerContext* context,
-    const v1::GetGraphStatsRequest* /*request*/,
-    v1::GraphStatsResponse* response) {
+void WorkerService::FillGraphStats(v1::GraphStatsResponse* response) const {
   const std::vector<GraphStatsRow> rows = graph_stats_.Snapshot();
   for (const GraphStatsRow& row : rows) {
     v1::GraphStatsRow* out = response->add_rows();
@@ -345,15 +344,41 @@ grpc::ServerUnaryReactor* WorkerService::GetGraphStats(
     out->set_count(row.count);
   }
   response->set_table(RenderGraphStatsTable(table_header_, rows));
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+}
+
+grpc::ServerUnaryReactor* WorkerService::GetStatus(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
+    grpc::ByteBuffer* raw_response) {
+  return AnswerNow<v1::GetStatusRequest, v1::WorkerStatus>(
+      context, raw_request, raw_response,
+      [this](const v1::GetStatusRequest&, v1::WorkerStatus* response) {
+        FillStatus(response);
+        return grpc::Status::OK;
+      });
+}
+
+grpc::ServerUnaryReactor* WorkerService::GetGraphStats(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
+    grpc::ByteBuffer* raw_response) {
+  return AnswerNow<v1::GetGraphStatsRequest, v1::GraphStatsResponse>(
+      context, raw_request, raw_response,
+      [this](const v1::GetGraphStatsRequest&,
+             v1::GraphStatsResponse* response) {
+        FillGraphStats(response);
+        return grpc::Status::OK;
+      });
 }
 
 grpc::ServerUnaryReactor* WorkerService::ImportKv(
-    grpc::CallbackServerContext* context, const v1::ImportKvRequest* request,
-    v1::ImportKvResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
+    grpc::ByteBuffer* raw_response) {
+  using ImportCall = UnaryCall<v1::ImportKvRequest, v1::ImportKvResponse>;
+  auto* call = new ImportCall(raw_request, raw_response);
+  if (!call->parse_status().ok()) {
+    call->Reply(call->parse_status());
+    return call;
+  }
+  const v1::ImportKvRequest& request = call->request();
   absl::Status refused = CheckServing(WhileDraining::kRefuse);
   if (refused.ok() && role_ == Role::kPrefill) {
     refused = absl::FailedPreconditionError(
@@ -364,10 +389,10 @@ grpc::ServerUnaryReactor* WorkerService::ImportKv(
     refused = absl::UnimplementedError("this worker imports no KV");
   }
   if (refused.ok()) {
-    refused = CheckSequenceId("sequence_id", request->sequence_id());
+    refused = CheckSequenceId("sequence_id", request.sequence_id());
   }
   if (refused.ok()) {
-    refused = ValidateKvHandle(request->handle(), fingerprint_, kv_layout_,
+    refused = ValidateKvHandle(request.handle(), fingerprint_, kv_layout_,
                                limits_.max_model_len);
     if (refused.code() == absl::StatusCode::kFailedPrecondition &&
         metrics_ != nullptr) {
@@ -377,29 +402,29 @@ grpc::ServerUnaryReactor* WorkerService::ImportKv(
     }
   }
   if (!refused.ok()) {
-    reactor->Finish(ToGrpcStatus(refused));
-    return reactor;
+    call->Reply(ToGrpcStatus(refused));
+    return call;
   }
   KvImportRequest import;
-  import.sequence_id = request->sequence_id();
-  import.handle = request->handle();
+  import.sequence_id = request.sequence_id();
+  import.handle = request.handle();
   import.deadline = context->deadline();
   handoff_.importer->Import(
-      std::move(import),
-      [reactor, response](const absl::StatusOr<KvImportResult>& result) {
+      std::move(import), [call](const absl::StatusOr<KvImportResult>& result) {
         if (result.ok()) {
-          response->set_num_tokens(result->num_tokens);
-          response->set_transport(
+          v1::ImportKvResponse& response = call->response();
+          response.set_num_tokens(result->num_tokens);
+          response.set_transport(
               std::string{KvTransportName(result->transport)});
-          response->set_transfer_bytes(result->transfer_bytes);
-          response->set_transfer_micros(
+          response.set_transfer_bytes(result->transfer_bytes);
+          response.set_transfer_micros(
               static_cast<int64_t>(result->transfer_seconds * 1e6));
-          response->set_import_micros(
+          response.set_import_micros(
               static_cast<int64_t>(result->import_seconds * 1e6));
         }
-        reactor->Finish(ToGrpcStatus(result.status()));
+        call->Reply(ToGrpcStatus(result.status()));
       });
-  return reactor;
+  return call;
 }
 
 }  // namespace pdworker

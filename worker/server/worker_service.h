@@ -49,7 +49,15 @@ struct HandoffParts {
   bool offers_nccl = false;        // ... and nccl
 };
 
-class WorkerService final : public v1::Worker::CallbackService {
+// Every method raw: requests are parsed by us (parsed_call.h says why).
+using RawWorkerService = v1::Worker::WithRawCallbackMethod_Forward<
+    v1::Worker::WithRawCallbackMethod_Release<
+        v1::Worker::WithRawCallbackMethod_GetStatus<
+            v1::Worker::WithRawCallbackMethod_GetGraphStats<
+                v1::Worker::WithRawCallbackMethod_ImportKv<
+                    v1::Worker::Service>>>>>;
+
+class WorkerService final : public RawWorkerService {
  public:
   // Reads the runner's static configuration now (before serving); from then
   // on only `engine` touches the runner. `metrics` may be null.
@@ -68,27 +76,31 @@ class WorkerService final : public v1::Worker::CallbackService {
   // Reported by GetStatus once capture is done.
   void SetGraphsCaptured(int graphs);
 
+  // Requests and responses are ForwardRequest/ForwardResponse and so on, as
+  // proto/worker.proto says, serialized.
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
-                                    const v1::ForwardRequest* request,
-                                    v1::ForwardResponse* response) override;
+                                    const grpc::ByteBuffer* request,
+                                    grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* context,
-                                    const v1::ReleaseRequest* request,
-                                    v1::ReleaseResponse* response) override;
+                                    const grpc::ByteBuffer* request,
+                                    grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* context,
-                                      const v1::GetStatusRequest* request,
-                                      v1::WorkerStatus* response) override;
-  grpc::ServerUnaryReactor* GetGraphStats(
-      grpc::CallbackServerContext* context,
-      const v1::GetGraphStatsRequest* request,
-      v1::GraphStatsResponse* response) override;
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* GetGraphStats(grpc::CallbackServerContext* context,
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ImportKv(grpc::CallbackServerContext* context,
-                                     const v1::ImportKvRequest* request,
-                                     v1::ImportKvResponse* response) override;
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
 
  private:
   // OK while serving (and while draining, for kLetTheEngineDecide);
   // UNAVAILABLE naming why otherwise.
   absl::Status CheckServing(WhileDraining while_draining) const;
+  // GetStatus's answer.
+  void FillStatus(v1::WorkerStatus* response) const;
+  void FillGraphStats(v1::GraphStatsResponse* response) const;
 
   Engine& engine_;
   WorkerMetrics* const metrics_;

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "worker/runtime/stream.h"
+#include "worker/server/parsed_call.h"
 #include "worker/server/status_mapping.h"
 #include "worker/transfer/cuda_ipc.h"
 #include "worker/transfer/nccl_transfer.h"
@@ -68,7 +69,7 @@ namespace {
 
 // One PullKv stream. Walks (layer, K then V, token runs) and writes one
 // chunk at a time; gRPC deletes it in OnDone, which ends the pull.
-class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
+class PullReactor final : public MessageWriter {
  public:
   PullReactor(KvLeaseTable& leases, Device& device, const KvCacheView& view,
               size_t max_chunk_bytes, WorkerMetrics* metrics)
@@ -143,7 +144,7 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
     if (!nccl_id_.empty()) {
       nccl_ready_sent_ = true;
       chunk_.set_nccl_ready(true);
-      StartWrite(&chunk_);
+      StartWriteMessage(chunk_);
       return;
     }
     NextWrite();
@@ -216,7 +217,7 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
         ++layer_;
       }
     }
-    StartWrite(&chunk_);
+    StartWriteMessage(chunk_);
   }
 
   // One chunk saying where the lease lives. The lease stays pullable (see
@@ -238,7 +239,7 @@ class PullReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
     e->set_block_size(view_.block_size);
     for (const int32_t b : grant_.kv.blocks) e->add_blocks(b);
     e->set_num_tokens(grant_.kv.num_tokens);
-    StartWrite(&chunk_);
+    StartWriteMessage(chunk_);
   }
 
   // On the NcclSender's thread; the last use of `this` is Finish.
@@ -356,8 +357,14 @@ KvTransferService::KvTransferService(KvLeaseTable& leases, Device& device,
 
 KvTransferService::~KvTransferService() = default;
 
-grpc::ServerWriteReactor<v1::KvChunk>* KvTransferService::PullKv(
-    grpc::CallbackServerContext* context, const v1::PullKvRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* KvTransferService::PullKv(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request) {
+  v1::PullKvRequest parsed_request;
+  if (grpc::Status parsed = ParseRequest(*raw_request, &parsed_request);
+      !parsed.ok()) {
+    return new ListWriter({}, parsed);
+  }
+  const v1::PullKvRequest* request = &parsed_request;
   auto* reactor = new PullReactor(leases_, device_, view_,
                                   options_.max_chunk_bytes, metrics_);
   absl::Status allowed =
@@ -385,13 +392,16 @@ grpc::ServerWriteReactor<v1::KvChunk>* KvTransferService::PullKv(
 }
 
 grpc::ServerUnaryReactor* KvTransferService::ReleaseKv(
-    grpc::CallbackServerContext* context, const v1::ReleaseKvRequest* request,
-    v1::ReleaseKvResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::StatusOr<int32_t> freed = leases_.Release(request->lease_id());
-  if (freed.ok()) response->set_freed_blocks(*freed);
-  reactor->Finish(ToGrpcStatus(freed.status()));
-  return reactor;
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
+    grpc::ByteBuffer* raw_response) {
+  return AnswerNow<v1::ReleaseKvRequest, v1::ReleaseKvResponse>(
+      context, raw_request, raw_response,
+      [this](const v1::ReleaseKvRequest& request,
+             v1::ReleaseKvResponse* response) {
+        absl::StatusOr<int32_t> freed = leases_.Release(request.lease_id());
+        if (freed.ok()) response->set_freed_blocks(*freed);
+        return ToGrpcStatus(freed.status());
+      });
 }
 
 }  // namespace pdworker

@@ -32,7 +32,12 @@ struct KvTransferServiceOptions {
 
 class NcclSender;
 
-class KvTransferService final : public v1::KvTransfer::CallbackService {
+// Every method raw: requests are parsed by us (worker/server/parsed_call.h
+// says why).
+using RawKvTransferService = v1::KvTransfer::WithRawCallbackMethod_PullKv<
+    v1::KvTransfer::WithRawCallbackMethod_ReleaseKv<v1::KvTransfer::Service>>;
+
+class KvTransferService final : public RawKvTransferService {
  public:
   // All references must outlive the service; `metrics` may be null.
   KvTransferService(KvLeaseTable& leases, Device& device, KvCacheView view,
@@ -41,12 +46,14 @@ class KvTransferService final : public v1::KvTransfer::CallbackService {
                     WorkerMetrics* metrics);
   ~KvTransferService() override;
 
-  grpc::ServerWriteReactor<v1::KvChunk>* PullKv(
+  // PullKvRequest -> stream of KvChunk; ReleaseKvRequest ->
+  // ReleaseKvResponse (proto/worker.proto), serialized.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* PullKv(
       grpc::CallbackServerContext* context,
-      const v1::PullKvRequest* request) override;
+      const grpc::ByteBuffer* request) override;
   grpc::ServerUnaryReactor* ReleaseKv(grpc::CallbackServerContext* context,
-                                      const v1::ReleaseKvRequest* request,
-                                      v1::ReleaseKvResponse* response) override;
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
 
   // Whether pullers on this host may map our KV (CUDA device and the
   // allocation exported); KvHandle.transports lists "cuda_ipc" then.
