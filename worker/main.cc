@@ -120,6 +120,11 @@ ABSL_FLAG(std::string, drain_timeout, "30s",
           "On SIGTERM: how long live sequences may keep stepping (new ones "
           "are refused) before the worker stops anyway. Keep it below the "
           "kill deadline (Kubernetes terminationGracePeriodSeconds).");
+ABSL_FLAG(std::string, drain_linger, "3s",
+          "After the drain: keep answering UNAVAILABLE while calls still "
+          "arrive (until none for 250ms), at most this long, before the gRPC "
+          "server shuts down; a call arriving during the shutdown would end "
+          "CANCELLED, on which routers do not fail over. 0 = no linger.");
 ABSL_FLAG(std::string, kv_lease_ttl, "30s",
           "How long a prefill worker holds a prompt's KV for its decode "
           "worker (hold_for_handoff) before freeing it.");
@@ -358,7 +363,9 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
            {"sequence_idle_timeout", absl::GetFlag(FLAGS_sequence_idle_timeout),
             &c.server.engine.sequence_idle_timeout, ZeroDuration::kAllowed},
            {"drain_timeout", absl::GetFlag(FLAGS_drain_timeout),
-            &c.server.drain_timeout, ZeroDuration::kAllowed}}) {
+            &c.server.drain_timeout, ZeroDuration::kAllowed},
+           {"drain_linger", absl::GetFlag(FLAGS_drain_linger),
+            &c.server.drain_linger, ZeroDuration::kAllowed}}) {
     if (absl::Status s = ParseMillisFlag(f.flag, f.text, f.zero, f.out);
         !s.ok()) {
       return s;

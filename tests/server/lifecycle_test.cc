@@ -7,13 +7,16 @@
 // "Busy" is made deterministic with Engine::Pause(), never with timing.
 #include <grpcpp/generic/generic_stub.h>
 
+#include <atomic>
 #include <chrono>
 #include <future>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/unknown_field_set.h"
 #include "gtest/gtest.h"
@@ -205,6 +208,83 @@ TEST(LifecycleTest, DrainLetsLiveSequencesFinishAndRefusesNewOnes) {
   drained.get();
 
   EXPECT_TRUE(server_testing::Gone(*w->stub));  // nothing listens any more
+}
+
+// Routers keep sending new sequences to a draining worker until they
+// notice (a health check period later). A call that arrives as the last
+// live sequence is released must still get UNAVAILABLE, on which routers
+// fail over, never CANCELLED, which means "the client cancelled": the worker
+// lingers until calls stop arriving before gRPC's shutdown would drop them.
+TEST(LifecycleTest, CallsArrivingAsTheDrainEndsGetUnavailableNeverCancelled) {
+  constexpr int kTrials = 3;
+  constexpr int kClients = 8;
+  // How long the routers keep sending after the last release.
+  constexpr auto kRouterLag = std::chrono::milliseconds(300);
+  int calls = 0;
+  int after_release = 0;
+  for (int trial = 0; trial < kTrials; ++trial) {
+    SCOPED_TRACE(trial);
+    auto w = StartWorker(SmallRunnerOptions());
+    ASSERT_NE(w, nullptr);
+    v1::ForwardResponse response;
+    ASSERT_TRUE(
+        Forward(*w->stub, Request({Input("live", {1, 2, 3}, true)}), &response)
+            .ok());
+    // Draining before any client sends: no new sequence gets in.
+    w->server->BeginDrain();
+    auto drained = std::async(std::launch::async, [&] { w->server->Drain(); });
+
+    std::atomic<bool> released{false};
+    std::atomic<int64_t> stop_at_ns{std::numeric_limits<int64_t>::max()};
+    std::vector<std::vector<std::pair<grpc::StatusCode, bool>>> codes(kClients);
+    std::vector<std::thread> clients;
+    const std::string target = absl::StrCat("127.0.0.1:", w->server->port());
+    for (int c = 0; c < kClients; ++c) {
+      clients.emplace_back([&, c] {
+        // One connection per router.
+        grpc::ChannelArguments args;
+        args.SetInt("pdworker.test.router", c);
+        auto stub = v1::Worker::NewStub(grpc::CreateCustomChannel(
+            target, grpc::InsecureChannelCredentials(), args));
+        for (int n = 0;
+             std::chrono::steady_clock::now().time_since_epoch().count() <
+             stop_at_ns.load();
+             ++n) {
+          const bool late = released.load();
+          v1::ForwardResponse r;
+          const grpc::Status s = Forward(
+              *stub, Request({Input(absl::StrCat("c", c, "-", n), {1}, true)}),
+              &r);
+          codes[c].emplace_back(s.error_code(), late);
+        }
+      });
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    v1::SequenceInput last =
+        Input("live", {response.sequences(0).token_id()}, false);
+    last.set_release_after_step(true);
+    ASSERT_TRUE(Forward(*w->stub, Request({last}), &response).ok());
+    released = true;
+    stop_at_ns = (std::chrono::steady_clock::now() + kRouterLag)
+                     .time_since_epoch()
+                     .count();
+    for (std::thread& t : clients) t.join();
+    drained.get();
+
+    for (const auto& per_client : codes) {
+      for (const auto& [code, late] : per_client) {
+        ++calls;
+        after_release += late ? 1 : 0;
+        // UNAVAILABLE from the draining worker, or from a closed port.
+        EXPECT_EQ(code, grpc::StatusCode::UNAVAILABLE)
+            << (late ? "after" : "before") << " the last release";
+      }
+    }
+    EXPECT_TRUE(server_testing::Gone(*w->stub));
+  }
+  EXPECT_GT(after_release, kTrials * kClients);  // the race was exercised
+  RecordProperty("calls", calls);
+  RecordProperty("calls_after_the_last_release", after_release);
 }
 
 // A sequence whose router never finishes it does not hold the shutdown

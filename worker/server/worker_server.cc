@@ -12,6 +12,7 @@
 #include <thread>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
@@ -147,6 +148,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   std::unique_ptr<WorkerServer> s(new WorkerServer());
   s->metrics_ = metrics;
   s->drain_timeout_ = options.drain_timeout;
+  s->drain_linger_ = options.drain_linger;
   WorkerServer* self = s.get();
   // Lease blocks go back to the pool on the engine thread, between steps.
   s->leases_ = std::make_unique<KvLeaseTable>(
@@ -198,6 +200,13 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
       runner, *s->engine_, engine_api, s->importer_.get(),
       &s->service_->handle_template());
   builder.RegisterService(s->engine_api_.get());
+  auto arrivals = std::make_unique<CallArrivals>();
+  s->arrivals_ = arrivals.get();
+  std::vector<
+      std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+      interceptors;
+  interceptors.push_back(std::move(arrivals));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {
     s->server_.reset();
@@ -291,6 +300,19 @@ void WorkerServer::Drain() {
   // the engine to install or give back their blocks.
   while (importer_->in_flight() > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  // Calls still on their way (a router that has not yet noticed the drain)
+  // get UNAVAILABLE from us, not CANCELLED from gRPC's shutdown.
+  const auto now = [] { return std::chrono::steady_clock::now(); };
+  const auto linger_end = now() + drain_linger_;
+  while (now() < linger_end && now() - arrivals_->last() < kDrainQuietPeriod) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (now() - arrivals_->last() < kDrainQuietPeriod) {
+    LOG(WARNING) << "calls still arriving after a " << drain_linger_.count()
+                 << " ms linger (--drain_linger): shutting down anyway; "
+                    "calls that arrive now may end CANCELLED. Routers should "
+                    "stop sending once health reports NOT_SERVING";
   }
   Shutdown();
   LOG(INFO) << "drained";

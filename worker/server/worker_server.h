@@ -22,6 +22,7 @@
 #include "worker/engine/engine.h"
 #include "worker/runner/model_runner.h"
 #include "worker/runtime/capture_session.h"
+#include "worker/server/call_arrivals.h"
 #include "worker/server/vllm_engine_service.h"
 #include "worker/server/worker_service.h"
 #include "worker/transfer/kv_importer.h"
@@ -38,6 +39,12 @@ struct ServerTls {
   std::string private_key_pem;
   std::string client_ca_pem;
 };
+
+// How long no call may have arrived before a drained worker shuts its
+// server down (see WorkerServerOptions::drain_linger). A call on its way
+// reaches the server within a network round trip; a router still sending
+// to a draining worker sends more often than this.
+inline constexpr std::chrono::milliseconds kDrainQuietPeriod{250};
 
 // HTTP/2 keepalive on the worker's connections (routers and decode workers
 // pulling KV).
@@ -89,6 +96,10 @@ struct WorkerServerOptions {
   // below the orchestrator's kill deadline (Kubernetes'
   // terminationGracePeriodSeconds).
   std::chrono::milliseconds drain_timeout{30000};
+  // After the drain, before the server shuts down: keep answering
+  // UNAVAILABLE until no call has arrived for kDrainQuietPeriod, for at most
+  // this long (0: shut down at once). See call_arrivals.h for why.
+  std::chrono::milliseconds drain_linger{3000};
   KvImporterOptions importer;
   KvTransferServiceOptions transfer;
   // How KV pulls connect to peers. Not enabled: derived from `tls` (a TLS
@@ -131,9 +142,10 @@ class WorkerServer {
   // nothing: no live sequence (routers finish and release them, as vLLM and
   // SGLang let in-flight requests finish on SIGTERM), no queued call, no
   // KV import, no held lease (PullKv and ReleaseKv keep being served). Then
-  // wait for accepted imports (each bounded by the pull timeout), stop the
-  // engine (calls still queued get UNAVAILABLE) and stop listening (other
-  // RPCs get a one-second grace).
+  // wait for accepted imports (each bounded by the pull timeout), linger
+  // while calls still arrive (they get UNAVAILABLE; at most
+  // `drain_linger`), stop the engine (calls still queued get UNAVAILABLE)
+  // and stop listening (other RPCs get a one-second grace).
   void Drain();
 
   Engine& engine() { return *engine_; }
@@ -151,6 +163,9 @@ class WorkerServer {
   bool shut_down_ = false;
   std::string advertise_address_;
   std::chrono::milliseconds drain_timeout_{0};
+  std::chrono::milliseconds drain_linger_{0};
+  // Owned by server_ (its interceptor factory); valid while server_ is.
+  const CallArrivals* arrivals_ = nullptr;
   // Destroyed in reverse: the gRPC server (whose reactors call into the
   // rest) goes first; the importer joins its pulls; the lease table hands
   // its blocks to the (stopped) engine last.
