@@ -70,14 +70,12 @@ def render(values_files=(), release="pdworker", namespace="default",
 
 
 def pdworker_flags():
-    """Flag names defined in worker/main.cc, from `pdworker --helpfull`."""
-    proc = subprocess.run([ARGS.pdworker, "--helpfull"], capture_output=True,
+    """Flag names defined in worker/main.cc, from `pdworker --help` (which
+    lists exactly those, grouped, as "  --name (default: ...)")."""
+    proc = subprocess.run([ARGS.pdworker, "--help"], capture_output=True,
                           text=True, timeout=60)
-    text = proc.stdout + proc.stderr
-    section = text.split("Flags from worker/main.cc:", 1)
-    assert len(section) == 2, "pdworker --helpfull lists no worker/main.cc flags:\n" + text
-    body = re.split(r"\n  Flags from ", section[1], maxsplit=1)[0]
-    flags = set(re.findall(r"^\s+--(\w+) \(", body, re.M))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    flags = set(re.findall(r"^  --(\w+) \(default: ", proc.stdout, re.M))
     assert {"role", "port", "metrics_port", "compilation_config"} <= flags, flags
     return flags
 

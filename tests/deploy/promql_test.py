@@ -583,7 +583,7 @@ class PromqlTest(unittest.TestCase):
         nonzero = {k for k, v in failures.items() if v > 0}
         self.assertEqual(nonzero, {("decode", "receive", "lease_not_found"),
                                    ("prefill", "send", "lease_not_found")})
-        self.assertEqual(len(failures), 2 * 2 * 8, "every reason pre-initialised per direction")
+        self.assertEqual(len(failures), 2 * 2 * 9, "every reason pre-initialised per direction")
         # Leases: all released or expired; the abandoned ones expired.
         held = by("KV leases held and lease expiries", "A", "role")
         self.assertEqual(held, {("prefill",): 0, ("decode",): 0})
