@@ -1,8 +1,11 @@
 #include "tests/engine/engine_test_util.h"
 
+#include <condition_variable>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
+#include <optional>
 #include <sstream>
 #include <utility>
 
@@ -88,8 +91,7 @@ std::unique_ptr<TestEngine> StartEngine(const std::string& model_dir,
 }
 
 PendingGeneration::PendingGeneration(Engine& engine, RequestSpec spec,
-                                     std::shared_ptr<CallControl> control)
-    : done_future_(done_.get_future()) {
+                                     std::shared_ptr<CallControl> control) {
   auto request = std::make_unique<EngineRequest>();
   request->spec = std::move(spec);
   request->control = std::move(control);
@@ -105,15 +107,16 @@ PendingGeneration::PendingGeneration(Engine& engine, RequestSpec spec,
       result_.finish_reason = u.finish_reason;
       result_.matched_token_id = u.matched_token_id;
       result_.status = u.status;
-      done_.set_value();
+      done_ = true;
+      done_cv_.notify_all();
     }
   };
   engine.Submit(std::move(request));
 }
 
 Generation PendingGeneration::Wait() {
-  done_future_.wait();
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait(lock, [this] { return done_; });
   return result_;
 }
 
@@ -190,34 +193,62 @@ std::vector<int32_t> Prompt(int length, uint64_t seed) {
   return tokens;
 }
 
+namespace {
+
+// One value handed from the engine thread to the test thread. Not
+// std::promise: TSan does not model libstdc++'s futex-based future wait.
+// Set notifies under the lock, so the waiter cannot destroy this while the
+// engine thread still touches it.
+template <typename T>
+class OneValue {
+ public:
+  void Set(T value) {
+    std::lock_guard<std::mutex> lock(mu_);
+    value_ = std::move(value);
+    cv_.notify_all();
+  }
+  T Get() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return value_.has_value(); });
+    return *std::move(value_);
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::optional<T> value_;
+};
+
+}  // namespace
+
 absl::StatusOr<AbortOutcome> Abort(Engine& engine,
                                    std::vector<std::string> ids) {
-  std::promise<absl::StatusOr<AbortOutcome>> promise;
+  OneValue<absl::StatusOr<AbortOutcome>> result;
   auto call = std::make_unique<AbortCall>();
   call->request_ids = std::move(ids);
-  call->done = [&promise](const absl::StatusOr<AbortOutcome>& outcome) {
-    promise.set_value(outcome);
+  call->done = [&result](const absl::StatusOr<AbortOutcome>& outcome) {
+    result.Set(outcome);
   };
   engine.Submit(std::move(call));
-  return promise.get_future().get();
+  return result.Get();
 }
 
 absl::StatusOr<ForwardOutcome> Forward(Engine& engine, const std::string& id,
                                        std::vector<int32_t> tokens,
                                        SequenceCreation creation,
                                        AfterStep after) {
-  std::promise<absl::StatusOr<ForwardOutcome>> promise;
+  OneValue<absl::StatusOr<ForwardOutcome>> result;
   auto call = std::make_unique<ForwardCall>();
   call->spec.total_tokens = static_cast<int64_t>(tokens.size());
   call->spec.sequences.push_back(
       MakeSequenceStep(id, std::move(tokens), creation));
   call->spec.after_step.push_back(after);
   call->control = std::make_shared<CallControl>();
-  call->done = [&promise](const absl::StatusOr<ForwardOutcome>& outcome) {
-    promise.set_value(outcome);
+  call->done = [&result](const absl::StatusOr<ForwardOutcome>& outcome) {
+    result.Set(outcome);
   };
   engine.Submit(std::move(call));
-  return promise.get_future().get();
+  return result.Get();
 }
 
 }  // namespace pdworker::engine_testing

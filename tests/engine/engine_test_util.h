@@ -7,8 +7,8 @@
 #ifndef PDWORKER_TESTS_ENGINE_ENGINE_TEST_UTIL_H_
 #define PDWORKER_TESTS_ENGINE_ENGINE_TEST_UTIL_H_
 
+#include <condition_variable>
 #include <cstdint>
-#include <future>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -74,10 +74,13 @@ class PendingGeneration {
   int TokensSoFar() const;
 
  private:
+  // A condition variable, not std::promise: TSan models pthread condition
+  // variables, but not libstdc++'s futex-based future wait, and would report
+  // the engine's later frees as races with the waiter.
   mutable std::mutex mu_;
+  std::condition_variable done_cv_;
+  bool done_ = false;
   Generation result_;
-  std::promise<void> done_;
-  std::future<void> done_future_;
 };
 
 // A greedy (or `sampling`) request for `prompt`, at most `max_tokens`
