@@ -59,7 +59,10 @@ def cuda_library(
         obj = "_nvcc_%s/%s.pic.o" % (name, stem)
         native.genrule(
             name = "%s_%s_nvcc" % (name, stem),
-            srcs = [src] + hdrs + textual_hdrs + ["@local_cuda//:cuda_headers"],
+            srcs = [src] + hdrs + textual_hdrs + [
+                "@local_cuda//:pdw_cuda_config.h",
+                "@local_cuda//:cuda_headers",
+            ],
             outs = [obj],
             # -I. and the bin dir so '#include "worker/kernels/x.h"' resolves.
             cmd = " ".join([
@@ -69,7 +72,8 @@ def cuda_library(
                 "-I.",
                 "-I$(GENDIR)",
                 "-Iexternal/local_cuda/include",
-                "-DPDW_HAVE_CUDA=1",
+                # pdw_cuda_config.h (PDW_HAVE_CUDA, PDW_HAVE_NCCL).
+                "-Iexternal/local_cuda",
             ] + _GENCODE + _NVCC_FLAGS + nvcc_flags),
             tags = ["cuda"],
         )

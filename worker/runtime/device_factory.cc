@@ -1,5 +1,7 @@
 #include "worker/runtime/device_factory.h"
 
+#include "pdw_cuda_config.h"  // PDW_HAVE_CUDA, PDW_HAVE_NCCL
+
 #if PDW_HAVE_CUDA
 #include "worker/runtime/cuda_device.h"
 #endif

@@ -1,5 +1,7 @@
 #include "worker/transfer/nccl_transfer.h"
 
+#include "pdw_cuda_config.h"  // PDW_HAVE_CUDA, PDW_HAVE_NCCL
+
 #if PDW_HAVE_NCCL
 #include <cuda_runtime_api.h>
 #include <nccl.h>

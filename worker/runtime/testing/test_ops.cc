@@ -3,6 +3,7 @@
 #include <cstddef>
 
 #include "absl/strings/str_format.h"
+#include "pdw_cuda_config.h"  // PDW_HAVE_CUDA, PDW_HAVE_NCCL
 
 #if PDW_HAVE_CUDA
 #include "worker/runtime/testing/test_kernels.h"
