@@ -7,12 +7,13 @@
 // every process series flat within +-5% after warm-up.
 //
 //   bazel build --config=opt //bench:soak_bench //worker:pdworker
-//   bazel-bin/bench/soak_bench --pdworker=bazel-bin/worker/pdworker \
-//       --minutes=30 --clients=64
+//   bazel-bin/bench/soak_bench --pdworker=bazel-bin/worker/pdworker
+//       --minutes=30 --clients=64   (one line)
 //
 // Prints a Markdown table (one row per sample) and a summary for
 // bench/RESULTS.md. CPU backend, `small` tiny model.
 #include <dirent.h>
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
