@@ -8,10 +8,11 @@ False, so the whole workspace still builds CPU-only. Targets that depend on
 which defines PDW_HAVE_CUDA and PDW_HAVE_NCCL as 1 or 0.
 
 Why a header and not `defines`: a define propagates to the command line of
-every dependent, so switching between the CPU-only and the CUDA build
-recompiled the whole workspace. With the header (and the same include path
-in both builds), only the files that include it, and the CUDA sources,
-recompile; Bazel prunes every other compile's inputs to what it included.
+every dependent, while the header reaches only the files that test the
+macros (and -Wundef in .bazelrc catches one that forgets to include it).
+The CPU-only and the CUDA builds still share no compiled object: the CUDA
+headers are declared inputs of every compile that depends on cudart, and
+Bazel 4 keys C++ compiles on their declared headers.
 
 Force a CPU-only build on a machine that has CUDA with CUDA_HOME=/nonexistent.
 """
