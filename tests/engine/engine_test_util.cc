@@ -106,7 +106,11 @@ PendingGeneration::PendingGeneration(Engine& engine, RequestSpec spec,
     if (u.last()) {
       result_.finish_reason = u.finish_reason;
       result_.matched_token_id = u.matched_token_id;
-      result_.status = u.status;
+      // A fresh copy, not a shared reference: absl::Status counts
+      // references in Debian's uninstrumented abseil, so TSan would not
+      // see the test thread's release of a shared one before the engine
+      // thread frees it.
+      result_.status = absl::Status(u.status.code(), u.status.message());
       done_ = true;
       done_cv_.notify_all();
     }
