@@ -20,7 +20,9 @@
 # TORCH_COMPARE_BATCHES (1,2,4,8,16,32,64,128,256),
 # TORCH_COMPARE_PREFILL (64,128,256,512,1024,2048),
 # TORCH_COMPARE_COMPILE (torch.compile phases: "decode"; "decode,prefill"
-# adds ~2 compilations per shape), TORCH_COMPARE_CKPT (/tmp/torch_compare).
+# adds ~2 compilations per shape; "none"), TORCH_COMPARE_SYSTEMS (torch
+# baselines: eager,cuda_graph,compile,hf_eager), TORCH_COMPARE_CKPT
+# (/tmp/torch_compare).
 # For a flow test without a GPU or transformers: TORCH_COMPARE_DEVICE=cpu
 # TORCH_COMPARE_BACKEND=builtin TORCH_COMPARE_SHAPES=tiny.
 set -u
@@ -46,7 +48,8 @@ REPS="${TORCH_COMPARE_REPS:-20}"
 CONTEXT="${TORCH_COMPARE_CONTEXT:-512}"
 BATCHES="${TORCH_COMPARE_BATCHES:-1,2,4,8,16,32,64,128,256}"
 PREFILL="${TORCH_COMPARE_PREFILL:-64,128,256,512,1024,2048}"
-COMPILE="${TORCH_COMPARE_COMPILE:-decode}"
+COMPILE="${TORCH_COMPARE_COMPILE:-decode}"  # "none": no torch.compile
+SYSTEMS="${TORCH_COMPARE_SYSTEMS:-eager,cuda_graph,compile,hf_eager}"
 DEVICE="${TORCH_COMPARE_DEVICE:-cuda}"          # cpu: flow test only
 BACKEND="${TORCH_COMPARE_BACKEND:-transformers}"  # builtin: no transformers
 CKPT_ROOT="${TORCH_COMPARE_CKPT:-/tmp/torch_compare}"
@@ -143,7 +146,8 @@ for shape in $SHAPES; do
   step "$shape.torch_bench" 480 \
     "$PY" "$HERE/torch_bench.py" --model "$CKPT" --out "$D/torch.json" \
     --batches "$BATCHES" --prefill_lens "$PREFILL" --context "$CONTEXT" \
-    --reps "$REPS" --compile_scope "$COMPILE" --device "$DEVICE"
+    --reps "$REPS" --compile_scope "$COMPILE" --device "$DEVICE" \
+    --systems "$SYSTEMS"
   step "$shape.gpu_decode_bench" 420 \
     "$BIN/gpu_decode_bench" --model_dir="$CKPT" --json_out="$D/pdworker.json" \
     --batches="$BATCHES" --prefill_lens="$PREFILL" --context="$CONTEXT" \

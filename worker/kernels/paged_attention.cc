@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/strings/str_format.h"
+#include "glog/logging.h"
 #include "pdw_cuda_config.h"  // PDW_HAVE_CUDA, PDW_HAVE_NCCL
 #include "worker/kernels/kernel_checks.h"
 
@@ -457,6 +458,41 @@ absl::Status LaunchPagedAttention(Stream& stream,
 #if PDW_HAVE_CUDA
   if (stream.kind() == DeviceKind::kCuda) {
     const PagedAttentionCudaParams c = ToCudaParams(resolved);
+    bool tensor_cores = false;
+    switch (resolved.varlen_kernel) {
+      case VarlenAttentionKernel::kAuto:
+        tensor_cores = PagedAttentionMmaSupports(c);
+        if (!tensor_cores) {
+          LOG_FIRST_N(WARNING, 1)
+              << "paged_attention: no tensor-core kernel for head_dim "
+              << p.head_dim << " with " << p.num_heads << " heads over "
+              << p.num_kv_heads
+              << " kv heads (it covers head_dim 64 and 128, GQA groups of "
+                 "1-8, 16-byte aligned query rows); varlen steps use the "
+                 "CUDA-core kernel";
+        }
+        break;
+      case VarlenAttentionKernel::kTensorCores:
+        if (!PagedAttentionMmaSupports(c)) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "%s: varlen_kernel kTensorCores covers head_dim 64 or 128 and "
+              "GQA groups of 1-%d with 16-byte aligned query rows; got "
+              "head_dim %d, %d heads over %d kv heads, query_row_stride %d",
+              kOp, kCudaAttentionMmaMaxGroup, p.head_dim, p.num_heads,
+              p.num_kv_heads, resolved.query_row_stride));
+        }
+        tensor_cores = true;
+        break;
+      case VarlenAttentionKernel::kCudaCores:
+        break;
+    }
+    if (tensor_cores) {
+      return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
+        return CudaStatus(LaunchPagedAttentionVarlenMmaCuda(
+                              c, static_cast<cudaStream_t>(ctx.cuda_stream)),
+                          "paged_attention (tensor cores)");
+      });
+    }
     return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
       return CudaStatus(LaunchPagedAttentionVarlenCuda(
                             c, static_cast<cudaStream_t>(ctx.cuda_stream)),

@@ -78,6 +78,20 @@ size_t PagedAttentionWorkspaceBytes(int max_decode_tokens, int num_heads,
                                     int head_dim, int max_blocks_per_seq,
                                     int block_size);
 
+// Which CUDA kernel a varlen launch runs (the CPU backend has one).
+enum class VarlenAttentionKernel {
+  // Tensor cores (FlashAttention-2 style, mma.sync) where they cover the
+  // shape: head_dim 64 or 128, GQA groups of 1-8; the CUDA-core kernel
+  // otherwise (logged once per process).
+  kAuto,
+  // The tensor-core kernel; InvalidArgument where it does not cover the
+  // shape (tests and benchmarks).
+  kTensorCores,
+  // The CUDA-core kernel: one CTA per (token, kv head); the reference the
+  // tensor-core kernel is tested against.
+  kCudaCores,
+};
+
 struct PagedAttentionParams {
   // --- Step metadata (int32), read at run time. ---
   // Real requests this step, [1]. Varlen only (uniform decode may leave it
@@ -121,6 +135,8 @@ struct PagedAttentionParams {
   // processed, padding requests (seq_len 0) included.
   int uniform_query_len = 0;
   DType dtype = DType::kFloat32;
+  // CUDA varlen only: which kernel (uniform decode has one).
+  VarlenAttentionKernel varlen_kernel = VarlenAttentionKernel::kAuto;
   // CUDA uniform decode only: scratch of at least
   // PagedAttentionWorkspaceBytes(num_tokens, num_heads, head_dim,
   // max_blocks_per_seq, block_size) bytes, from the startup arena. Ignored

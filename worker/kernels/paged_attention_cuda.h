@@ -67,10 +67,34 @@ __host__ __device__
   return even > kCudaAttentionMinSplitKeys ? even : kCudaAttentionMinSplitKeys;
 }
 
-// Varlen causal attention: one CTA per (token row, kv head [, head chunk]);
-// writes every output row (zeros for rows no request owns).
+// Varlen causal attention on CUDA cores: one CTA per (token row, kv head [,
+// head chunk]); writes every output row (zeros for rows no request owns).
+// The reference for the tensor-core routine below, and the routine for the
+// head dims and groups it does not cover.
 cudaError_t LaunchPagedAttentionVarlenCuda(const PagedAttentionCudaParams& p,
                                            cudaStream_t stream);
+
+// Varlen causal attention on tensor cores (paged_attention_mma.cu,
+// FlashAttention-2's algorithm): one CTA per (query tile of one request,
+// kv head), the tile being 64 / G query tokens × the G query heads of the
+// kv head's group; K/V tiles of 64 positions gathered through the block
+// table into shared memory, Q·Kᵀ and P·V with bf16 mma.sync (fp32
+// accumulation). Covers head_dim 64 and 128 and GQA groups of 1–8; writes
+// every output row (zeros for rows no request owns) like the CUDA-core
+// routine. Needs query_start_loc non-decreasing.
+inline constexpr int kCudaAttentionMmaMaxGroup = 8;
+// Most query-tile CTAs per kv head a launch may need (grid.y's limit).
+inline constexpr int kCudaAttentionMmaMaxTiles = 65535;
+
+// True when the tensor-core routine covers this launch: head_dim 64 or 128,
+// num_heads / num_kv_heads in [1, 8], 16-byte aligned query rows and output,
+// and a grid within kCudaAttentionMmaMaxTiles.
+bool PagedAttentionMmaSupports(const PagedAttentionCudaParams& p);
+
+// The tensor-core varlen routine; cudaErrorInvalidValue for a launch that
+// PagedAttentionMmaSupports refuses.
+cudaError_t LaunchPagedAttentionVarlenMmaCuda(const PagedAttentionCudaParams& p,
+                                              cudaStream_t stream);
 
 // Uniform decode, flash-decoding: num_splits CTAs per (request, kv head [,
 // head chunk]) each write the normalized partial output of one slice of the

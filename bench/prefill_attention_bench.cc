@@ -1,0 +1,242 @@
+// Prefill attention throughput (issue 22): one fresh prompt of N tokens
+// attending causally to itself through the paged KV cache (block size 16,
+// blocks in random order), 32 query heads over 8 kv heads (Llama-3.2-1B at
+// head_dim 64, Llama-3-8B's layout at 128), for the tensor-core kernel and
+// the CUDA-core kernel. Prints a Markdown table; --jsonl appends one
+// bench/results/gpu.jsonl record per figure (metric attention_tflops).
+//
+// FLOPs of causal attention: 4 · heads · head_dim · N(N+1)/2 (Q·Kᵀ and P·V,
+// 2 per multiply-add, each query token attending to itself and every
+// earlier one). Kernel time: median of 5 replays of a graph of
+// back-to-back launches, timed with events (no launch overhead).
+// bench/torch_compare/sdpa_bench.py times PyTorch's SDPA on the same shapes.
+//
+//   bazel build --config=opt //bench:prefill_attention_bench
+//   bazel-bin/bench/prefill_attention_bench [--tokens=1024,...]
+//       [--head_dims=64,128] [--cuda_cores_max_tokens=4096]
+//       [--jsonl=FILE --commit=SHA]
+// Without a usable GPU it prints why and exits 0.
+#include <algorithm>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "glog/logging.h"
+#include "nlohmann/json.hpp"
+#include "worker/kernels/paged_attention.h"
+#include "worker/model/float16.h"
+#include "worker/runtime/arena.h"
+#include "worker/runtime/device_factory.h"
+#include "worker/runtime/event.h"
+
+ABSL_FLAG(std::vector<std::string>, tokens,
+          (std::vector<std::string>{"1024", "2048", "4096", "8192", "16384"}),
+          "Prompt lengths (tokens).");
+ABSL_FLAG(std::vector<std::string>, head_dims,
+          (std::vector<std::string>{"64", "128"}), "Head dims.");
+ABSL_FLAG(int, cuda_cores_max_tokens, 4096,
+          "Longest prompt the CUDA-core kernel is timed at (it is ~50x "
+          "slower).");
+ABSL_FLAG(std::string, jsonl, "", "Append gpu.jsonl records to this file.");
+ABSL_FLAG(std::string, commit, "", "Commit the binary was built from.");
+
+namespace pdworker {
+namespace {
+
+constexpr int kHeads = 32, kKvHeads = 8, kBlockSize = 16;
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct Row {
+  int head_dim;
+  int tokens;
+  double mma_us = 0, cuda_cores_us = 0;  // 0: not run
+  double flops = 0;
+};
+
+Row Measure(Device& device, Stream& stream, int head_dim, int tokens,
+            bool with_cuda_cores) {
+  const int blocks = (tokens + kBlockSize - 1) / kBlockSize;
+  const size_t kv_elems =
+      static_cast<size_t>(blocks) * kBlockSize * kKvHeads * head_dim;
+  const size_t q_elems = static_cast<size_t>(tokens) * kHeads * head_dim;
+  ArenaOptions options;
+  options.capacity_bytes = 2 * (2 * kv_elems + 2 * q_elems) +
+                           sizeof(int32_t) * (blocks + 8) + (1 << 20);
+  options.name = "prefill_attention_bench";
+  auto arena = Arena::Create(device, options);
+  CHECK(arena.ok()) << arena.status();
+  auto alloc = [&](size_t bytes) {
+    auto b = (*arena)->Allocate(bytes);
+    CHECK(b.ok()) << b.status();
+    return *b;
+  };
+  kernels::PagedAttentionParams p;
+  p.num_reqs = alloc(sizeof(int32_t));
+  p.query_start_loc = alloc(2 * sizeof(int32_t));
+  p.seq_lens = alloc(sizeof(int32_t));
+  p.block_tables = alloc(sizeof(int32_t) * blocks);
+  p.query = alloc(2 * q_elems);
+  p.key_cache = alloc(2 * kv_elems);
+  p.value_cache = alloc(2 * kv_elems);
+  p.output = alloc(2 * q_elems);
+  p.num_tokens = tokens;
+  p.max_num_seqs = 1;
+  p.num_heads = kHeads;
+  p.num_kv_heads = kKvHeads;
+  p.head_dim = head_dim;
+  p.block_size = kBlockSize;
+  p.num_blocks = blocks;
+  p.max_blocks_per_seq = blocks;
+  p.dtype = DType::kBFloat16;
+
+  std::mt19937 rng(7);
+  std::vector<int32_t> table(blocks);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), rng);
+  const int32_t one = 1, qsl[2] = {0, tokens};
+  CHECK(stream.CopyToDevice(p.num_reqs, &one, 4).ok());
+  CHECK(stream.CopyToDevice(p.query_start_loc, qsl, 8).ok());
+  CHECK(stream.CopyToDevice(p.seq_lens, &tokens, 4).ok());
+  CHECK(stream.CopyToDevice(p.block_tables, table.data(), 4 * blocks).ok());
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<uint16_t> host(std::max(kv_elems, q_elems));
+  for (auto& v : host) v = FloatToBFloat16Bits(dist(rng));
+  CHECK(stream.CopyToDevice(p.key_cache, host.data(), 2 * kv_elems).ok());
+  std::shuffle(host.begin(), host.end(), rng);
+  CHECK(stream.CopyToDevice(p.value_cache, host.data(), 2 * kv_elems).ok());
+  std::shuffle(host.begin(), host.end(), rng);
+  CHECK(stream.CopyToDevice(p.query, host.data(), 2 * q_elems).ok());
+
+  auto time_us = [&](kernels::VarlenAttentionKernel kernel, int launches) {
+    p.varlen_kernel = kernel;
+    CHECK(kernels::LaunchPagedAttention(stream, p).ok());  // warm-up
+    CHECK(stream.BeginCapture().ok());
+    for (int i = 0; i < launches; ++i) {
+      CHECK(kernels::LaunchPagedAttention(stream, p).ok());
+    }
+    auto graph = stream.EndCapture();
+    CHECK(graph.ok()) << graph.status();
+    CHECK((*graph)->Replay().ok());
+    auto start = device.CreateEvent();
+    auto stop = device.CreateEvent();
+    CHECK(start.ok() && stop.ok());
+    std::vector<double> runs;
+    for (int rep = 0; rep < 5; ++rep) {
+      CHECK(stream.RecordEvent(**start).ok());
+      CHECK((*graph)->Replay().ok());
+      CHECK(stream.RecordEvent(**stop).ok());
+      auto ms = (*stop)->ElapsedMillisecondsSince(**start);
+      CHECK(ms.ok()) << ms.status();
+      runs.push_back(*ms * 1000.0 / launches);
+    }
+    return Median(runs);
+  };
+  Row row;
+  row.head_dim = head_dim;
+  row.tokens = tokens;
+  row.flops = 4.0 * kHeads * head_dim *
+              (static_cast<double>(tokens) * (tokens + 1) / 2.0);
+  row.mma_us = time_us(kernels::VarlenAttentionKernel::kTensorCores,
+                       tokens >= 8192 ? 5 : 20);
+  if (with_cuda_cores) {
+    row.cuda_cores_us = time_us(kernels::VarlenAttentionKernel::kCudaCores, 2);
+  }
+  return row;
+}
+
+std::vector<int> ParseInts(const std::vector<std::string>& items) {
+  std::vector<int> out;
+  for (const std::string& s : items) {
+    int v = 0;
+    CHECK(absl::SimpleAtoi(s, &v) && v > 0) << "not a positive integer: " << s;
+    out.push_back(v);
+  }
+  return out;
+}
+
+int Main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  google::InitGoogleLogging(argv[0]);
+  auto device = CreateDevice(DeviceKind::kCuda);
+  if (!device.ok()) {
+    std::printf(
+        "prefill_attention_bench: skipped, no usable CUDA device (%s)\n",
+        std::string(device.status().message()).c_str());
+    return 0;
+  }
+  auto stream = (*device)->CreateStream();
+  CHECK(stream.ok()) << stream.status();
+  const std::string gpu = (*device)->name();
+  const int cuda_cores_max = absl::GetFlag(FLAGS_cuda_cores_max_tokens);
+  std::vector<Row> rows;
+  for (const int d : ParseInts(absl::GetFlag(FLAGS_head_dims))) {
+    for (const int n : ParseInts(absl::GetFlag(FLAGS_tokens))) {
+      rows.push_back(Measure(**device, **stream, d, n, n <= cuda_cores_max));
+    }
+  }
+  std::printf(
+      "device: %s; %d heads over %d kv heads, block size %d, one causal "
+      "prompt\n\n",
+      gpu.c_str(), kHeads, kKvHeads, kBlockSize);
+  std::printf(
+      "| head_dim | tokens | tensor cores µs | TFLOP/s | CUDA cores µs | "
+      "TFLOP/s | speed-up |\n| ---: | ---: | ---: | ---: | ---: | ---: | "
+      "---: |\n");
+  for (const Row& r : rows) {
+    std::printf("| %d | %d | %.1f | %.1f |", r.head_dim, r.tokens, r.mma_us,
+                r.flops / r.mma_us / 1e6);
+    if (r.cuda_cores_us > 0) {
+      std::printf(" %.1f | %.1f | %.1fx |\n", r.cuda_cores_us,
+                  r.flops / r.cuda_cores_us / 1e6, r.cuda_cores_us / r.mma_us);
+    } else {
+      std::printf(" | | |\n");
+    }
+  }
+  const std::string path = absl::GetFlag(FLAGS_jsonl);
+  if (!path.empty()) {
+    char date[16];
+    const std::time_t now = std::time(nullptr);
+    std::strftime(date, sizeof(date), "%Y-%m-%d", std::gmtime(&now));
+    std::ofstream out(path, std::ios::app);
+    auto record = [&](const Row& r, const char* system, double us) {
+      nlohmann::json j = {{"date", date},
+                          {"gpu", gpu},
+                          {"commit", absl::GetFlag(FLAGS_commit)},
+                          {"metric", "attention_tflops"},
+                          {"shape", absl::StrFormat("h%d_kv%d_d%d", kHeads,
+                                                    kKvHeads, r.head_dim)},
+                          {"system", system},
+                          {"batch", 1},
+                          {"tokens", r.tokens},
+                          {"context", r.tokens},
+                          {"value", r.flops / us / 1e6}};
+      out << j.dump() << "\n";
+    };
+    for (const Row& r : rows) {
+      record(r, "pdworker_mma", r.mma_us);
+      if (r.cuda_cores_us > 0) {
+        record(r, "pdworker_cuda_cores", r.cuda_cores_us);
+      }
+    }
+    CHECK(out.good()) << "cannot write " << path;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace pdworker
+
+int main(int argc, char** argv) { return pdworker::Main(argc, argv); }

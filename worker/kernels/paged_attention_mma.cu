@@ -1,0 +1,503 @@
+// Varlen paged attention on tensor cores (FlashAttention-2's algorithm over
+// the paged KV cache), for head_dim 64 and 128: prefill, chunked prefill,
+// cached prefixes and mixed batches.
+//
+// A CTA (4 warps) owns one query tile of one request and one kv head: the
+// tile's 64 rows are kTokens consecutive query tokens × the G query heads of
+// the kv head's GQA group (row = token_in_tile · G + head_in_group; G <= 8,
+// kTokens = 64 / G), so every K/V tile it loads serves the whole group. Warp
+// w owns rows [16w, 16w + 16). Per key tile of 64 positions:
+//   (a) cp.async loads of K and V rows through the block table into shared
+//       memory (double-buffered: tile i+1 loads while tile i computes);
+//       positions past the tile's last visible key, and block ids outside
+//       the cache, are zero-filled and masked;
+//   (b) S = Q·Kᵀ with mma.m16n8k16 (bf16 in, fp32 accumulate), Q fragments
+//       held in registers for the whole key loop;
+//   (c) online softmax on the fragments (exp2 with the scale folded in),
+//       the causal / validity mask only on tiles that need it;
+//   (d) O += P·V with P converted to bf16 A fragments in registers and V
+//       read by ldmatrix.trans.
+// At the end O / l is rounded to bf16 and stored. No atomics; the key loop
+// and every reduction have a fixed order, so a launch is deterministic and a
+// graph replay gives the eager bits.
+//
+// Shared memory rows are 16-byte chunks XOR-swizzled by (row mod 8), so the
+// 8 rows one ldmatrix reads sit in 8 different bank groups.
+//
+// Grid: (num_kv_heads, ceil(num_tokens / kTokens) + min(max_num_seqs,
+// num_tokens)): from the launch shape only, enough for any split of
+// num_tokens into requests (each request adds at most one partial tile).
+// Tiles are handed out heaviest first (the last tiles of the last request
+// see the longest context). Every CTA also zero-fills its share of the rows
+// no request owns. Requires query_start_loc non-decreasing (as StepInputs
+// writes it).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "worker/kernels/cuda_common.cuh"
+#include "worker/kernels/paged_attention_cuda.h"
+
+namespace pdworker {
+namespace kernels {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kTileRows = 64;  // query rows per CTA: 16 per warp
+constexpr int kTileKeys = 64;  // key positions per tile
+constexpr int kChunk = 8;      // bf16 per 16-byte chunk
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -INFINITY;
+
+// --- PTX wrappers ------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared; src_bytes 0 zero-fills the destination.
+__device__ __forceinline__ void CopyAsync16(uint32_t dst, const void* src,
+                                            int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+               "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void CommitCopies() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+// Waits until at most N committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void WaitCopies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void LoadMatrixX4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile(
+      "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+      : "r"(addr));
+}
+__device__ __forceinline__ void LoadMatrixX4Trans(uint32_t (&r)[4],
+                                                  uint32_t addr) {
+  asm volatile(
+      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, "
+      "[%4];\n"
+      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+      : "r"(addr));
+}
+
+// d += a · b for one 16×8×16 bf16 tile (a: 16×16 row-major fragment, b:
+// 16×8 column-major fragment, d: 16×8 fp32).
+__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4],
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of
+// rows kHeadDim elements wide.
+template <int kHeadDim>
+__device__ __forceinline__ int Swizzled(int row, int chunk) {
+  return row * kHeadDim + ((chunk ^ (row & 7)) * kChunk);
+}
+
+template <int kHeadDim>
+struct TileSizes {
+  static constexpr int kChunksPerRow = kHeadDim / kChunk;
+  static constexpr int kTileElems = kTileRows * kHeadDim;  // Q, K or V tile
+  // Q, then K and V of two stages.
+  static constexpr int kSharedBytes = 5 * kTileElems * 2;
+};
+
+// --- The kernel
+// ---------------------------------------------------------------
+
+// Which request and which of its query tiles CTA tile index `t` handles:
+// tiles are numbered request by request (ceil(q_len / tokens) each).
+struct TileAssignment {
+  int request = -1;        // -1: no tile (only the padding rows to zero)
+  int first_row = 0;       // token row of the tile's first query token
+  int num_tokens = 0;      // real query tokens in the tile (<= tokens per tile)
+  int first_position = 0;  // absolute position of the first token
+};
+
+__device__ TileAssignment FindTile(const PagedAttentionCudaParams& p,
+                                   int num_reqs, int tokens_per_tile, int t) {
+  // Warp 0 scans the requests 32 at a time with an inclusive warp scan.
+  TileAssignment a;
+  const int lane = threadIdx.x;
+  int before = 0;  // tiles of earlier chunks
+  for (int base = 0; base < num_reqs; base += cuda::kWarpSize) {
+    const int r = base + lane;
+    int begin = 0, end = 0;
+    if (r < num_reqs) {
+      begin = min(max(p.query_start_loc[r], 0), p.num_tokens);
+      end = min(max(p.query_start_loc[r + 1], begin), p.num_tokens);
+    }
+    const int tiles = (end - begin + tokens_per_tile - 1) / tokens_per_tile;
+    int inclusive = tiles;
+    for (int offset = 1; offset < cuda::kWarpSize; offset *= 2) {
+      const int v = __shfl_up_sync(cuda::kFullMask, inclusive, offset);
+      if (lane >= offset) inclusive += v;
+    }
+    const int exclusive = before + inclusive - tiles;
+    const bool mine = tiles > 0 && exclusive <= t && t < exclusive + tiles;
+    const unsigned owner = __ballot_sync(cuda::kFullMask, mine);
+    if (owner != 0) {
+      const int src = __ffs(owner) - 1;
+      const int tile_in_req = __shfl_sync(cuda::kFullMask, t - exclusive, src);
+      const int req_begin = __shfl_sync(cuda::kFullMask, begin, src);
+      const int req_end = __shfl_sync(cuda::kFullMask, end, src);
+      a.request = base + src;
+      a.first_row = req_begin + tile_in_req * tokens_per_tile;
+      a.num_tokens = min(tokens_per_tile, req_end - a.first_row);
+      // Query token j of the request sits at seq_len - q_len + j.
+      a.first_position = p.seq_lens[a.request] - (req_end - req_begin) +
+                         tile_in_req * tokens_per_tile;
+      return a;
+    }
+    before += __shfl_sync(cuda::kFullMask, inclusive, cuda::kWarpSize - 1);
+  }
+  return a;
+}
+
+template <int kHeadDim>
+__global__ void __launch_bounds__(kThreads)
+    MmaVarlenAttentionKernel(PagedAttentionCudaParams p) {
+  using Sizes = TileSizes<kHeadDim>;
+  constexpr int kChunks = Sizes::kChunksPerRow;
+  constexpr int kDimTiles = kHeadDim / 8;    // n8 tiles of O
+  constexpr int kDimSteps = kHeadDim / 16;   // k16 steps of Q·Kᵀ
+  constexpr int kKeyTiles = kTileKeys / 8;   // n8 tiles of S
+  constexpr int kKeySteps = kTileKeys / 16;  // k16 steps of P·V
+  extern __shared__ __align__(128) __nv_bfloat16 smem[];
+  __nv_bfloat16* q_tile = smem;
+  __nv_bfloat16* k_tiles = smem + Sizes::kTileElems;      // 2 stages
+  __nv_bfloat16* v_tiles = smem + 3 * Sizes::kTileElems;  // 2 stages
+  __shared__ TileAssignment tile_s;
+  __shared__ int8_t key_ok[2][kTileKeys];
+
+  const int kv_head = blockIdx.x;
+  const int group = p.num_heads / p.num_kv_heads;  // G <= 8
+  const int tokens_per_tile = kTileRows / group;
+  const int num_reqs = min(max(p.num_reqs[0], 0), p.max_num_seqs);
+  const int head0 = kv_head * group;
+  const int tid = threadIdx.x;
+
+  // Rows no request owns ([0, qsl[0]) and [qsl[num_reqs], num_tokens)) get
+  // zeros, spread over the CTAs of this kv head.
+  {
+    const int owned_begin = min(max(p.query_start_loc[0], 0), p.num_tokens);
+    const int owned_end =
+        min(max(p.query_start_loc[num_reqs], owned_begin), p.num_tokens);
+    const int padding = owned_begin + (p.num_tokens - owned_end);
+    const int width = group * kHeadDim;
+    for (int idx = blockIdx.y; idx < padding; idx += gridDim.y) {
+      const int row = idx < owned_begin ? idx : owned_end + idx - owned_begin;
+      __nv_bfloat16* out = p.output +
+                           static_cast<int64_t>(row) * p.num_heads * kHeadDim +
+                           static_cast<int64_t>(head0) * kHeadDim;
+      for (int i = tid * kChunk; i < width; i += kThreads * kChunk) {
+        *reinterpret_cast<uint4*>(out + i) = make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+
+  // Heaviest tiles first: the last tile index gets the first CTAs.
+  const int t = gridDim.y - 1 - blockIdx.y;
+  if (tid < cuda::kWarpSize) {
+    const TileAssignment a = FindTile(p, num_reqs, tokens_per_tile, t);
+    if (tid == 0) tile_s = a;
+  }
+  __syncthreads();
+  const TileAssignment a = tile_s;
+  if (a.request < 0) return;
+
+  const int num_rows = a.num_tokens * group;
+  const int64_t cap = static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
+  const int64_t last_position =
+      static_cast<int64_t>(a.first_position) + a.num_tokens - 1;
+  // Keys [0, kv_len) are visible to some row of the tile.
+  const int kv_len = static_cast<int>(min(last_position + 1, cap));
+  const int32_t* block_table =
+      p.block_tables + static_cast<int64_t>(a.request) * p.max_blocks_per_seq;
+
+  // A block id outside the cache (a corrupt table: the KV cache manager never
+  // writes one) makes every tile take the masked path.
+  int bad_block = 0;
+  if (kv_len > 0) {
+    const int blocks = (kv_len + p.block_size - 1) / p.block_size;
+    for (int b = tid; b < blocks; b += kThreads) {
+      const int32_t id = block_table[b];
+      bad_block |= id < 0 || id >= p.num_blocks;
+    }
+  }
+  const bool any_bad_block = __syncthreads_or(bad_block) != 0;
+
+  const int64_t kv_row = static_cast<int64_t>(p.num_kv_heads) * kHeadDim;
+  const __nv_bfloat16* k_base = p.key_cache + kv_head * kHeadDim;
+  const __nv_bfloat16* v_base = p.value_cache + kv_head * kHeadDim;
+
+  // Q tile: row r = token r / G, head r % G; rows past the tile are zeros.
+  for (int i = tid; i < kTileRows * kChunks; i += kThreads) {
+    const int row = i / kChunks;
+    const int chunk = i % kChunks;
+    const bool real = row < num_rows;
+    const __nv_bfloat16* src =
+        real ? p.query +
+                   static_cast<int64_t>(a.first_row + row / group) *
+                       p.query_row_stride +
+                   static_cast<int64_t>(head0 + row % group) * kHeadDim +
+                   chunk * kChunk
+             : p.query;
+    CopyAsync16(SharedAddress(q_tile + Swizzled<kHeadDim>(row, chunk)), src,
+                real ? 16 : 0);
+  }
+
+  // K and V rows of key tile `tile` into stage `stage`; key_ok records which
+  // keys are real (below kv_len, in a valid block).
+  auto load_kv = [&](int tile, int stage) {
+    __nv_bfloat16* k_dst = k_tiles + stage * Sizes::kTileElems;
+    __nv_bfloat16* v_dst = v_tiles + stage * Sizes::kTileElems;
+    for (int i = tid; i < kTileKeys * kChunks; i += kThreads) {
+      const int key = i / kChunks;
+      const int chunk = i % kChunks;
+      const int position = tile * kTileKeys + key;
+      int64_t offset = -1;
+      if (position < kv_len) {
+        const int32_t block = block_table[position / p.block_size];
+        if (block >= 0 && block < p.num_blocks) {
+          offset = (static_cast<int64_t>(block) * p.block_size +
+                    position % p.block_size) *
+                   kv_row;
+        }
+      }
+      const int bytes = offset >= 0 ? 16 : 0;
+      const int64_t at = (offset >= 0 ? offset : 0) + chunk * kChunk;
+      const int dst = Swizzled<kHeadDim>(key, chunk);
+      CopyAsync16(SharedAddress(k_dst + dst), k_base + at, bytes);
+      CopyAsync16(SharedAddress(v_dst + dst), v_base + at, bytes);
+      if (chunk == 0) key_ok[stage][key] = offset >= 0;
+    }
+  };
+
+  const int num_key_tiles =
+      kv_len > 0 ? (kv_len + kTileKeys - 1) / kTileKeys : 0;
+  if (num_key_tiles > 0) load_kv(0, 0);
+  CommitCopies();  // group 0: Q (+ key tile 0)
+
+  const int warp = tid / cuda::kWarpSize;
+  const int lane = tid % cuda::kWarpSize;
+  const int g = lane / 4;   // fragment row within 8
+  const int tq = lane % 4;  // fragment column pair
+  // This thread's two rows (warp rows g and g + 8) and their positions.
+  const int row0 = warp * 16 + g;
+  const int row1 = row0 + 8;
+  const int position0 = a.first_position + row0 / group;
+  const int position1 = a.first_position + row1 / group;
+  const float scale_log2 = p.scale * kLog2e;
+  // Warps whose rows are all past the tile skip the math (not the loads or
+  // barriers).
+  const bool warp_has_rows = warp * 16 < num_rows;
+
+  uint32_t q_frag[kDimSteps][4];
+  float o[kDimTiles][4];
+#pragma unroll
+  for (int n = 0; n < kDimTiles; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n][e] = 0.0f;
+  }
+  float row_max[2] = {kNegInf, kNegInf};  // of scaled (log2) scores
+  float row_sum[2] = {0.0f, 0.0f};        // this thread's share
+
+  for (int tile = 0; tile < num_key_tiles; ++tile) {
+    const int stage = tile & 1;
+    if (tile + 1 < num_key_tiles) load_kv(tile + 1, stage ^ 1);
+    CommitCopies();
+    WaitCopies<1>();  // everything but the group just committed
+    __syncthreads();
+
+    if (warp_has_rows) {
+      if (tile == 0) {
+#pragma unroll
+        for (int ks = 0; ks < kDimSteps; ++ks) {
+          const int row = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+          const int chunk = ks * 2 + lane / 16;
+          LoadMatrixX4(q_frag[ks],
+                       SharedAddress(q_tile + Swizzled<kHeadDim>(row, chunk)));
+        }
+      }
+      const __nv_bfloat16* k_tile = k_tiles + stage * Sizes::kTileElems;
+      const __nv_bfloat16* v_tile = v_tiles + stage * Sizes::kTileElems;
+
+      // (b) S = Q·Kᵀ: 16 rows × 64 keys per warp.
+      float s[kKeyTiles][4];
+#pragma unroll
+      for (int n = 0; n < kKeyTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+      }
+#pragma unroll
+      for (int kp = 0; kp < kKeyTiles / 2; ++kp) {  // 16 keys at a time
+#pragma unroll
+        for (int ks = 0; ks < kDimSteps; ++ks) {
+          uint32_t b[4];
+          const int key = kp * 16 + (lane % 8) + (lane / 16) * 8;
+          const int chunk = ks * 2 + (lane / 8) % 2;
+          LoadMatrixX4(b,
+                       SharedAddress(k_tile + Swizzled<kHeadDim>(key, chunk)));
+          Mma16816(s[2 * kp], q_frag[ks], b[0], b[1]);
+          Mma16816(s[2 * kp + 1], q_frag[ks], b[2], b[3]);
+        }
+      }
+
+      // (c) Scale, mask, online softmax. Element e of s[n]: row (e < 2 ?
+      // row0 : row1), key tile·64 + 8n + 2tq + (e & 1).
+      const int key0 = tile * kTileKeys;
+      const bool needs_mask = any_bad_block ||
+                              key0 + kTileKeys - 1 > a.first_position ||
+                              key0 + kTileKeys > kv_len;
+#pragma unroll
+      for (int n = 0; n < kKeyTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float v = s[n][e] * scale_log2;
+          if (needs_mask) {
+            const int j = 8 * n + 2 * tq + (e & 1);
+            const int position = e < 2 ? position0 : position1;
+            if (!key_ok[stage][j] || key0 + j > position) v = kNegInf;
+          }
+          s[n][e] = v;
+        }
+      }
+      float rescale[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float m = row_max[h];
+#pragma unroll
+        for (int n = 0; n < kKeyTiles; ++n) {
+          m = fmaxf(m, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
+        }
+        m = fmaxf(m, __shfl_xor_sync(cuda::kFullMask, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(cuda::kFullMask, m, 2));
+        // A row that has seen only masked keys keeps max -inf: its weights
+        // are exp2(-inf) = 0 (never exp2(-inf - -inf)).
+        rescale[h] = m == kNegInf ? 1.0f : exp2f(row_max[h] - m);
+        row_max[h] = m;
+        const float base = m == kNegInf ? 0.0f : m;
+        float sum = 0.0f;
+#pragma unroll
+        for (int n = 0; n < kKeyTiles; ++n) {
+          s[n][2 * h] = exp2f(s[n][2 * h] - base);
+          s[n][2 * h + 1] = exp2f(s[n][2 * h + 1] - base);
+          sum += s[n][2 * h] + s[n][2 * h + 1];
+        }
+        row_sum[h] = row_sum[h] * rescale[h] + sum;
+      }
+#pragma unroll
+      for (int n = 0; n < kDimTiles; ++n) {
+        o[n][0] *= rescale[0];
+        o[n][1] *= rescale[0];
+        o[n][2] *= rescale[1];
+        o[n][3] *= rescale[1];
+      }
+
+      // (d) O += P·V: P's accumulator layout is the A fragment layout of the
+      // 16 keys of two adjacent n8 tiles.
+#pragma unroll
+      for (int kk = 0; kk < kKeySteps; ++kk) {
+        uint32_t pa[4];
+        pa[0] = PackBf16x2(s[2 * kk][0], s[2 * kk][1]);
+        pa[1] = PackBf16x2(s[2 * kk][2], s[2 * kk][3]);
+        pa[2] = PackBf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pa[3] = PackBf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+        for (int nd = 0; nd < kDimTiles / 2; ++nd) {  // 16 dims at a time
+          uint32_t b[4];
+          const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+          const int chunk = nd * 2 + lane / 16;
+          LoadMatrixX4Trans(
+              b, SharedAddress(v_tile + Swizzled<kHeadDim>(key, chunk)));
+          Mma16816(o[2 * nd], pa, b[0], b[1]);
+          Mma16816(o[2 * nd + 1], pa, b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();  // the next iteration's loads overwrite this stage
+  }
+  WaitCopies<0>();  // nothing may be in flight when the CTA exits
+
+  // Epilogue: the row sums over the quad, O / l, bf16 stores. A row that saw
+  // no key (position < 0) is written as zeros.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_sum[h] += __shfl_xor_sync(cuda::kFullMask, row_sum[h], 1);
+    row_sum[h] += __shfl_xor_sync(cuda::kFullMask, row_sum[h], 2);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = h == 0 ? row0 : row1;
+    if (row >= num_rows) continue;
+    const float inv = row_sum[h] > 0.0f ? 1.0f / row_sum[h] : 0.0f;
+    __nv_bfloat16* out =
+        p.output +
+        (static_cast<int64_t>(a.first_row + row / group) * p.num_heads + head0 +
+         row % group) *
+            kHeadDim;
+#pragma unroll
+    for (int n = 0; n < kDimTiles; ++n) {
+      *reinterpret_cast<uint32_t*>(out + 8 * n + 2 * tq) =
+          PackBf16x2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+    }
+  }
+}
+
+template <int kHeadDim>
+cudaError_t Launch(const PagedAttentionCudaParams& p, cudaStream_t stream) {
+  constexpr int kBytes = TileSizes<kHeadDim>::kSharedBytes;
+  // More than 48 KB of dynamic shared memory must be opted into, once per
+  // kernel (not a stream operation: allowed while a graph is captured).
+  static const cudaError_t attribute =
+      cudaFuncSetAttribute(MmaVarlenAttentionKernel<kHeadDim>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+  if (attribute != cudaSuccess) return attribute;
+  const int tokens_per_tile = kTileRows / (p.num_heads / p.num_kv_heads);
+  const int tiles = (p.num_tokens + tokens_per_tile - 1) / tokens_per_tile +
+                    min(p.max_num_seqs, p.num_tokens);
+  const dim3 grid(p.num_kv_heads, tiles);
+  MmaVarlenAttentionKernel<kHeadDim><<<grid, kThreads, kBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool PagedAttentionMmaSupports(const PagedAttentionCudaParams& p) {
+  const int group = p.num_kv_heads > 0 ? p.num_heads / p.num_kv_heads : 0;
+  if ((p.head_dim != 64 && p.head_dim != 128) || group < 1 ||
+      group > kCudaAttentionMmaMaxGroup || p.num_tokens <= 0 ||
+      p.query_row_stride % kChunk != 0 ||
+      reinterpret_cast<uintptr_t>(p.query) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(p.output) % 16 != 0) {
+    return false;
+  }
+  const int64_t tokens_per_tile = kTileRows / group;
+  const int64_t tiles = (p.num_tokens + tokens_per_tile - 1) / tokens_per_tile +
+                        std::min(p.max_num_seqs, p.num_tokens);
+  return tiles <= kCudaAttentionMmaMaxTiles;
+}
+
+cudaError_t LaunchPagedAttentionVarlenMmaCuda(const PagedAttentionCudaParams& p,
+                                              cudaStream_t stream) {
+  if (!PagedAttentionMmaSupports(p)) return cudaErrorInvalidValue;
+  return p.head_dim == 64 ? Launch<64>(p, stream) : Launch<128>(p, stream);
+}
+
+}  // namespace kernels
+}  // namespace pdworker
