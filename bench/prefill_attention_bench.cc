@@ -62,7 +62,9 @@ double Median(std::vector<double> v) {
 struct Row {
   int head_dim;
   int tokens;
-  double mma_us = 0, cuda_cores_us = 0;  // 0: not run
+  double mma_us = 0;         // tensor cores, 16 query rows per warp
+  double mma32_us = 0;       // tensor cores, 32 rows per warp (head_dim 64)
+  double cuda_cores_us = 0;  // 0: not run
   double flops = 0;
 };
 
@@ -120,8 +122,10 @@ Row Measure(Device& device, Stream& stream, int head_dim, int tokens,
   std::shuffle(host.begin(), host.end(), rng);
   CHECK(stream.CopyToDevice(p.query, host.data(), 2 * q_elems).ok());
 
-  auto time_us = [&](kernels::VarlenAttentionKernel kernel, int launches) {
+  auto time_us = [&](kernels::VarlenAttentionKernel kernel, int launches,
+                     int warp_rows) {
     p.varlen_kernel = kernel;
+    p.mma_warp_rows = warp_rows;
     CHECK(kernels::LaunchPagedAttention(stream, p).ok());  // warm-up
     CHECK(stream.BeginCapture().ok());
     for (int i = 0; i < launches; ++i) {
@@ -149,10 +153,16 @@ Row Measure(Device& device, Stream& stream, int head_dim, int tokens,
   row.tokens = tokens;
   row.flops = 4.0 * kHeads * head_dim *
               (static_cast<double>(tokens) * (tokens + 1) / 2.0);
-  row.mma_us = time_us(kernels::VarlenAttentionKernel::kTensorCores,
-                       tokens >= 8192 ? 5 : 20);
+  const int launches = tokens >= 8192 ? 5 : 20;
+  row.mma_us =
+      time_us(kernels::VarlenAttentionKernel::kTensorCores, launches, 16);
+  if (head_dim == 64) {
+    row.mma32_us =
+        time_us(kernels::VarlenAttentionKernel::kTensorCores, launches, 32);
+  }
   if (with_cuda_cores) {
-    row.cuda_cores_us = time_us(kernels::VarlenAttentionKernel::kCudaCores, 2);
+    row.cuda_cores_us =
+        time_us(kernels::VarlenAttentionKernel::kCudaCores, 2, 0);
   }
   return row;
 }
@@ -192,15 +202,23 @@ int Main(int argc, char** argv) {
       "prompt\n\n",
       gpu.c_str(), kHeads, kKvHeads, kBlockSize);
   std::printf(
-      "| head_dim | tokens | tensor cores µs | TFLOP/s | CUDA cores µs | "
-      "TFLOP/s | speed-up |\n| ---: | ---: | ---: | ---: | ---: | ---: | "
+      "| head_dim | tokens | tensor cores (16 rows/warp) µs | TFLOP/s | "
+      "tensor cores (32 rows/warp) µs | TFLOP/s | CUDA cores µs | TFLOP/s | "
+      "speed-up |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
       "---: |\n");
   for (const Row& r : rows) {
     std::printf("| %d | %d | %.1f | %.1f |", r.head_dim, r.tokens, r.mma_us,
                 r.flops / r.mma_us / 1e6);
+    if (r.mma32_us > 0) {
+      std::printf(" %.1f | %.1f |", r.mma32_us, r.flops / r.mma32_us / 1e6);
+    } else {
+      std::printf(" | |");
+    }
+    const double best =
+        r.mma32_us > 0 ? std::min(r.mma_us, r.mma32_us) : r.mma_us;
     if (r.cuda_cores_us > 0) {
       std::printf(" %.1f | %.1f | %.1fx |\n", r.cuda_cores_us,
-                  r.flops / r.cuda_cores_us / 1e6, r.cuda_cores_us / r.mma_us);
+                  r.flops / r.cuda_cores_us / 1e6, r.cuda_cores_us / best);
     } else {
       std::printf(" | | |\n");
     }
@@ -227,6 +245,7 @@ int Main(int argc, char** argv) {
     };
     for (const Row& r : rows) {
       record(r, "pdworker_mma", r.mma_us);
+      if (r.mma32_us > 0) record(r, "pdworker_mma_w32", r.mma32_us);
       if (r.cuda_cores_us > 0) {
         record(r, "pdworker_cuda_cores", r.cuda_cores_us);
       }

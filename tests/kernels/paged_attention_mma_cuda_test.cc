@@ -208,9 +208,10 @@ class PagedAttentionMmaTest : public CudaKernelTest {
   }
 
   absl::Status RunGpu(Buffers& buffers, VarlenAttentionKernel kernel,
-                      DeviceBuffer output) {
+                      DeviceBuffer output, int warp_rows = 0) {
     PagedAttentionParams p = buffers.params;
     p.varlen_kernel = kernel;
+    p.mma_warp_rows = warp_rows;
     p.output = output;
     return LaunchPagedAttention(*gpu().stream, p);
   }
@@ -219,6 +220,11 @@ class PagedAttentionMmaTest : public CudaKernelTest {
                              int num_tokens) {
     return ReadGpuBf16(output,
                        static_cast<size_t>(num_tokens) * s.heads * s.head_dim);
+  }
+
+  // The tile heights the kernel offers for `s`.
+  static std::vector<int> WarpRows(const Shape& s) {
+    return s.head_dim == 64 ? std::vector<int>{16, 32} : std::vector<int>{16};
   }
 
   static int RealTokens(const HostStep& h) {
@@ -340,19 +346,25 @@ TEST_F(PagedAttentionMmaTest, RandomBatchesMatchTheCpuKernel) {
       Write(cpu(), on_cpu, s, h, num_blocks, stride, /*bf16=*/false);
       Write(gpu(), on_gpu, s, h, num_blocks, stride, /*bf16=*/true);
       ASSERT_TRUE(LaunchPagedAttention(*cpu().stream, on_cpu.params).ok());
-      const absl::Status status = RunGpu(
-          on_gpu, VarlenAttentionKernel::kTensorCores, on_gpu.params.output);
-      ASSERT_TRUE(status.ok()) << status;
       const std::vector<float> want = cpu().Read<float>(
           on_cpu.params.output,
           static_cast<size_t>(num_tokens) * s.heads * s.head_dim);
-      const std::vector<float> got =
-          ReadGpu(on_gpu.params.output, s, num_tokens);
-      const std::string what =
-          absl::StrCat(ShapeName(s), " trial ", trial, " (", n, " requests, ",
-                       num_tokens, " rows)");
-      ExpectClose(got, want, kTol, kTol, what);
-      ExpectPaddingZero(got, s, h, what);
+      // Both tile heights at head_dim 64 (16 and 32 query rows per warp).
+      for (const int warp_rows : WarpRows(s)) {
+        Poison(gpu(), on_gpu.params.output,
+               static_cast<size_t>(num_tokens) * s.heads * s.head_dim);
+        const absl::Status status =
+            RunGpu(on_gpu, VarlenAttentionKernel::kTensorCores,
+                   on_gpu.params.output, warp_rows);
+        ASSERT_TRUE(status.ok()) << status;
+        const std::vector<float> got =
+            ReadGpu(on_gpu.params.output, s, num_tokens);
+        const std::string what =
+            absl::StrCat(ShapeName(s), " warp rows ", warp_rows, " trial ",
+                         trial, " (", n, " requests, ", num_tokens, " rows)");
+        ExpectClose(got, want, kTol, kTol, what);
+        ExpectPaddingZero(got, s, h, what);
+      }
     }
   }
 }
@@ -389,19 +401,26 @@ TEST_F(PagedAttentionMmaTest, LongPromptsMatchCudaCoresAndFloat64) {
     const HostStep h = MakeStep(s, requests, num_tokens, kSeqs, blocks_per_seq,
                                 num_blocks, stride, 77 + s.head_dim + s.heads);
     Write(gpu(), on_gpu, s, h, num_blocks, stride, /*bf16=*/true);
-    absl::Status status = RunGpu(on_gpu, VarlenAttentionKernel::kTensorCores,
-                                 on_gpu.params.output);
+    absl::Status status = RunGpu(on_gpu, VarlenAttentionKernel::kCudaCores,
+                                 on_gpu.reference_output);
     ASSERT_TRUE(status.ok()) << status;
-    status = RunGpu(on_gpu, VarlenAttentionKernel::kCudaCores,
-                    on_gpu.reference_output);
-    ASSERT_TRUE(status.ok()) << status;
-    const std::vector<float> got = ReadGpu(on_gpu.params.output, s, num_tokens);
     const std::vector<float> cuda_cores =
         ReadGpu(on_gpu.reference_output, s, num_tokens);
-    const std::string what = ShapeName(s);
-    ExpectClose(got, cuda_cores, kRelVsCudaCores, kTol,
-                what + " vs the CUDA-core kernel");
-    ExpectPaddingZero(got, s, h, what);
+    std::vector<float> got;
+    for (const int warp_rows : WarpRows(s)) {
+      Poison(gpu(), on_gpu.params.output,
+             static_cast<size_t>(num_tokens) * s.heads * s.head_dim);
+      status = RunGpu(on_gpu, VarlenAttentionKernel::kTensorCores,
+                      on_gpu.params.output, warp_rows);
+      ASSERT_TRUE(status.ok()) << status;
+      got = ReadGpu(on_gpu.params.output, s, num_tokens);
+      const std::string what =
+          absl::StrCat(ShapeName(s), " warp rows ", warp_rows);
+      ExpectClose(got, cuda_cores, kRelVsCudaCores, kTol,
+                  what + " vs the CUDA-core kernel");
+      ExpectPaddingZero(got, s, h, what);
+    }
+    const std::string what = ShapeName(s);  // float64: the last tile height
 
     std::vector<int> rows;
     int begin = 0;

@@ -395,6 +395,7 @@ PagedAttentionCudaParams ToCudaParams(const PagedAttentionParams& p) {
   c.scale = p.scale;
   c.uniform_query_len = p.uniform_query_len;
   c.num_splits = DecodeSplits(p);
+  c.mma_warp_rows = p.mma_warp_rows;
   return c;
 }
 #endif

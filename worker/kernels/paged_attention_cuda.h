@@ -48,6 +48,10 @@ struct PagedAttentionCudaParams {
   int query_row_stride = 0;
   float scale = 0.0f;         // resolved (never 0 here)
   int uniform_query_len = 0;  // decode only
+  // Tensor-core varlen only: query rows per warp, 16 or 32 (32: head_dim 64
+  // only); 0: the default (kCudaAttentionMmaDefaultWarpRows64 at head_dim
+  // 64, 16 at 128).
+  int mma_warp_rows = 0;
   // Decode only: split-K CTAs per (request, kv head [, head chunk]), from
   // the launch shape alone (CudaDecodeNumSplits), so one graph serves every
   // step of its shape.
@@ -85,6 +89,13 @@ cudaError_t LaunchPagedAttentionVarlenCuda(const PagedAttentionCudaParams& p,
 inline constexpr int kCudaAttentionMmaMaxGroup = 8;
 // Most query-tile CTAs per kv head a launch may need (grid.y's limit).
 inline constexpr int kCudaAttentionMmaMaxTiles = 65535;
+
+// Query rows per warp of the tensor-core routine at head_dim 64 unless a
+// launch asks for another (head_dim 128 runs 16): a CTA holds 4 warps' rows,
+// 64 / G or 128 / G query tokens.
+inline constexpr int kCudaAttentionMmaDefaultWarpRows64 = 32;
+// The rows per warp a launch runs with.
+int PagedAttentionMmaWarpRows(const PagedAttentionCudaParams& p);
 
 // True when the tensor-core routine covers this launch: head_dim 64 or 128,
 // num_heads / num_kv_heads in [1, 8], 16-byte aligned query rows and output,

@@ -43,7 +43,7 @@ namespace kernels {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kTileRows = 64;  // query rows per CTA: 16 per warp
+constexpr int kWarps = 4;
 constexpr int kTileKeys = 64;  // key positions per tile
 constexpr int kChunk = 8;      // bf16 per 16-byte chunk
 constexpr float kLog2e = 1.4426950408889634f;
@@ -108,12 +108,19 @@ __device__ __forceinline__ int Swizzled(int row, int chunk) {
   return row * kHeadDim + ((chunk ^ (row & 7)) * kChunk);
 }
 
-template <int kHeadDim>
+// Query rows per warp: 16 (one m16 tile) or 32 (two m16 tiles sharing every
+// K/V fragment: half the shared-memory reads per FLOP, but 255 registers at
+// head_dim 64, so fewer CTAs per SM; head_dim 128 only runs 16).
+template <int kHeadDim, int kWarpRowsArg>
 struct TileSizes {
+  static constexpr int kWarpRows = kWarpRowsArg;
+  static constexpr int kMTiles = kWarpRows / 16;
+  static constexpr int kTileRows = kWarps * kWarpRows;  // query rows per CTA
   static constexpr int kChunksPerRow = kHeadDim / kChunk;
-  static constexpr int kTileElems = kTileRows * kHeadDim;  // Q, K or V tile
+  static constexpr int kQElems = kTileRows * kHeadDim;
+  static constexpr int kKvElems = kTileKeys * kHeadDim;  // one K or V stage
   // Q, then K and V of two stages.
-  static constexpr int kSharedBytes = 5 * kTileElems * 2;
+  static constexpr int kSharedBytes = (kQElems + 4 * kKvElems) * 2;
 };
 
 // --- The kernel
@@ -168,19 +175,22 @@ __device__ TileAssignment FindTile(const PagedAttentionCudaParams& p,
   return a;
 }
 
-template <int kHeadDim>
+template <int kHeadDim, int kWarpRowsArg>
 __global__ void __launch_bounds__(kThreads)
     MmaVarlenAttentionKernel(PagedAttentionCudaParams p) {
-  using Sizes = TileSizes<kHeadDim>;
+  using Sizes = TileSizes<kHeadDim, kWarpRowsArg>;
   constexpr int kChunks = Sizes::kChunksPerRow;
+  constexpr int kTileRows = Sizes::kTileRows;
+  constexpr int kWarpRows = Sizes::kWarpRows;
+  constexpr int kMTiles = Sizes::kMTiles;
   constexpr int kDimTiles = kHeadDim / 8;    // n8 tiles of O
   constexpr int kDimSteps = kHeadDim / 16;   // k16 steps of Q·Kᵀ
   constexpr int kKeyTiles = kTileKeys / 8;   // n8 tiles of S
   constexpr int kKeySteps = kTileKeys / 16;  // k16 steps of P·V
   extern __shared__ __align__(128) __nv_bfloat16 smem[];
   __nv_bfloat16* q_tile = smem;
-  __nv_bfloat16* k_tiles = smem + Sizes::kTileElems;      // 2 stages
-  __nv_bfloat16* v_tiles = smem + 3 * Sizes::kTileElems;  // 2 stages
+  __nv_bfloat16* k_tiles = smem + Sizes::kQElems;          // 2 stages
+  __nv_bfloat16* v_tiles = k_tiles + 2 * Sizes::kKvElems;  // 2 stages
   __shared__ TileAssignment tile_s;
   __shared__ int8_t key_ok[2][kTileKeys];
 
@@ -264,8 +274,8 @@ __global__ void __launch_bounds__(kThreads)
   // K and V rows of key tile `tile` into stage `stage`; key_ok records which
   // keys are real (below kv_len, in a valid block).
   auto load_kv = [&](int tile, int stage) {
-    __nv_bfloat16* k_dst = k_tiles + stage * Sizes::kTileElems;
-    __nv_bfloat16* v_dst = v_tiles + stage * Sizes::kTileElems;
+    __nv_bfloat16* k_dst = k_tiles + stage * Sizes::kKvElems;
+    __nv_bfloat16* v_dst = v_tiles + stage * Sizes::kKvElems;
     for (int i = tid; i < kTileKeys * kChunks; i += kThreads) {
       const int key = i / kChunks;
       const int chunk = i % kChunks;
@@ -297,25 +307,36 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = tid % cuda::kWarpSize;
   const int g = lane / 4;   // fragment row within 8
   const int tq = lane % 4;  // fragment column pair
-  // This thread's two rows (warp rows g and g + 8) and their positions.
-  const int row0 = warp * 16 + g;
-  const int row1 = row0 + 8;
-  const int position0 = a.first_position + row0 / group;
-  const int position1 = a.first_position + row1 / group;
+  // This thread's rows: warp row mt·16 + g + 8h of m16 tile mt (h = 0, 1),
+  // and their positions.
+  int position[kMTiles][2];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      position[mt][h] =
+          a.first_position + (warp * kWarpRows + mt * 16 + g + 8 * h) / group;
+    }
+  }
   const float scale_log2 = p.scale * kLog2e;
   // Warps whose rows are all past the tile skip the math (not the loads or
   // barriers).
-  const bool warp_has_rows = warp * 16 < num_rows;
+  const bool warp_has_rows = warp * kWarpRows < num_rows;
 
-  uint32_t q_frag[kDimSteps][4];
-  float o[kDimTiles][4];
+  uint32_t q_frag[kMTiles][kDimSteps][4];
+  float o[kMTiles][kDimTiles][4];
+  float row_max[kMTiles][2];  // of scaled (log2) scores
+  float row_sum[kMTiles][2];  // this thread's share
 #pragma unroll
-  for (int n = 0; n < kDimTiles; ++n) {
+  for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) o[n][e] = 0.0f;
+    for (int n = 0; n < kDimTiles; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][n][e] = 0.0f;
+    }
+    row_max[mt][0] = row_max[mt][1] = kNegInf;
+    row_sum[mt][0] = row_sum[mt][1] = 0.0f;
   }
-  float row_max[2] = {kNegInf, kNegInf};  // of scaled (log2) scores
-  float row_sum[2] = {0.0f, 0.0f};        // this thread's share
 
   for (int tile = 0; tile < num_key_tiles; ++tile) {
     const int stage = tile & 1;
@@ -327,22 +348,31 @@ __global__ void __launch_bounds__(kThreads)
     if (warp_has_rows) {
       if (tile == 0) {
 #pragma unroll
-        for (int ks = 0; ks < kDimSteps; ++ks) {
-          const int row = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-          const int chunk = ks * 2 + lane / 16;
-          LoadMatrixX4(q_frag[ks],
-                       SharedAddress(q_tile + Swizzled<kHeadDim>(row, chunk)));
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+          for (int ks = 0; ks < kDimSteps; ++ks) {
+            const int row =
+                warp * kWarpRows + mt * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+            const int chunk = ks * 2 + lane / 16;
+            LoadMatrixX4(
+                q_frag[mt][ks],
+                SharedAddress(q_tile + Swizzled<kHeadDim>(row, chunk)));
+          }
         }
       }
-      const __nv_bfloat16* k_tile = k_tiles + stage * Sizes::kTileElems;
-      const __nv_bfloat16* v_tile = v_tiles + stage * Sizes::kTileElems;
+      const __nv_bfloat16* k_tile = k_tiles + stage * Sizes::kKvElems;
+      const __nv_bfloat16* v_tile = v_tiles + stage * Sizes::kKvElems;
 
-      // (b) S = Q·Kᵀ: 16 rows × 64 keys per warp.
-      float s[kKeyTiles][4];
+      // (b) S = Q·Kᵀ: kWarpRows rows × 64 keys per warp; each K fragment
+      // serves every m16 tile.
+      float s[kMTiles][kKeyTiles][4];
 #pragma unroll
-      for (int n = 0; n < kKeyTiles; ++n) {
+      for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+        for (int n = 0; n < kKeyTiles; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.0f;
+        }
       }
 #pragma unroll
       for (int kp = 0; kp < kKeyTiles / 2; ++kp) {  // 16 keys at a time
@@ -353,71 +383,82 @@ __global__ void __launch_bounds__(kThreads)
           const int chunk = ks * 2 + (lane / 8) % 2;
           LoadMatrixX4(b,
                        SharedAddress(k_tile + Swizzled<kHeadDim>(key, chunk)));
-          Mma16816(s[2 * kp], q_frag[ks], b[0], b[1]);
-          Mma16816(s[2 * kp + 1], q_frag[ks], b[2], b[3]);
+#pragma unroll
+          for (int mt = 0; mt < kMTiles; ++mt) {
+            Mma16816(s[mt][2 * kp], q_frag[mt][ks], b[0], b[1]);
+            Mma16816(s[mt][2 * kp + 1], q_frag[mt][ks], b[2], b[3]);
+          }
         }
       }
 
-      // (c) Scale, mask, online softmax. Element e of s[n]: row (e < 2 ?
-      // row0 : row1), key tile·64 + 8n + 2tq + (e & 1).
+      // (c) Scale, mask, online softmax. Element e of s[mt][n]: row mt·16 +
+      // g + 8·(e / 2) of the warp, key tile·64 + 8n + 2tq + (e & 1).
       const int key0 = tile * kTileKeys;
       const bool needs_mask = any_bad_block ||
                               key0 + kTileKeys - 1 > a.first_position ||
                               key0 + kTileKeys > kv_len;
+      float rescale[kMTiles][2];
 #pragma unroll
-      for (int n = 0; n < kKeyTiles; ++n) {
+      for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float v = s[n][e] * scale_log2;
-          if (needs_mask) {
-            const int j = 8 * n + 2 * tq + (e & 1);
-            const int position = e < 2 ? position0 : position1;
-            if (!key_ok[stage][j] || key0 + j > position) v = kNegInf;
+        for (int n = 0; n < kKeyTiles; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float v = s[mt][n][e] * scale_log2;
+            if (needs_mask) {
+              const int j = 8 * n + 2 * tq + (e & 1);
+              if (!key_ok[stage][j] || key0 + j > position[mt][e / 2]) {
+                v = kNegInf;
+              }
+            }
+            s[mt][n][e] = v;
           }
-          s[n][e] = v;
         }
-      }
-      float rescale[2];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float m = row_max[h];
+        for (int h = 0; h < 2; ++h) {
+          float m = row_max[mt][h];
 #pragma unroll
-        for (int n = 0; n < kKeyTiles; ++n) {
-          m = fmaxf(m, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
+          for (int n = 0; n < kKeyTiles; ++n) {
+            m = fmaxf(m, fmaxf(s[mt][n][2 * h], s[mt][n][2 * h + 1]));
+          }
+          m = fmaxf(m, __shfl_xor_sync(cuda::kFullMask, m, 1));
+          m = fmaxf(m, __shfl_xor_sync(cuda::kFullMask, m, 2));
+          // A row that has seen only masked keys keeps max -inf: its
+          // weights are exp2(-inf) = 0 (never exp2(-inf - -inf)).
+          rescale[mt][h] = m == kNegInf ? 1.0f : exp2f(row_max[mt][h] - m);
+          row_max[mt][h] = m;
+          const float base = m == kNegInf ? 0.0f : m;
+          float sum = 0.0f;
+#pragma unroll
+          for (int n = 0; n < kKeyTiles; ++n) {
+            s[mt][n][2 * h] = exp2f(s[mt][n][2 * h] - base);
+            s[mt][n][2 * h + 1] = exp2f(s[mt][n][2 * h + 1] - base);
+            sum += s[mt][n][2 * h] + s[mt][n][2 * h + 1];
+          }
+          row_sum[mt][h] = row_sum[mt][h] * rescale[mt][h] + sum;
         }
-        m = fmaxf(m, __shfl_xor_sync(cuda::kFullMask, m, 1));
-        m = fmaxf(m, __shfl_xor_sync(cuda::kFullMask, m, 2));
-        // A row that has seen only masked keys keeps max -inf: its weights
-        // are exp2(-inf) = 0 (never exp2(-inf - -inf)).
-        rescale[h] = m == kNegInf ? 1.0f : exp2f(row_max[h] - m);
-        row_max[h] = m;
-        const float base = m == kNegInf ? 0.0f : m;
-        float sum = 0.0f;
 #pragma unroll
-        for (int n = 0; n < kKeyTiles; ++n) {
-          s[n][2 * h] = exp2f(s[n][2 * h] - base);
-          s[n][2 * h + 1] = exp2f(s[n][2 * h + 1] - base);
-          sum += s[n][2 * h] + s[n][2 * h + 1];
+        for (int n = 0; n < kDimTiles; ++n) {
+          o[mt][n][0] *= rescale[mt][0];
+          o[mt][n][1] *= rescale[mt][0];
+          o[mt][n][2] *= rescale[mt][1];
+          o[mt][n][3] *= rescale[mt][1];
         }
-        row_sum[h] = row_sum[h] * rescale[h] + sum;
-      }
-#pragma unroll
-      for (int n = 0; n < kDimTiles; ++n) {
-        o[n][0] *= rescale[0];
-        o[n][1] *= rescale[0];
-        o[n][2] *= rescale[1];
-        o[n][3] *= rescale[1];
       }
 
       // (d) O += P·V: P's accumulator layout is the A fragment layout of the
-      // 16 keys of two adjacent n8 tiles.
+      // 16 keys of two adjacent n8 tiles; each V fragment serves every m16
+      // tile.
 #pragma unroll
       for (int kk = 0; kk < kKeySteps; ++kk) {
-        uint32_t pa[4];
-        pa[0] = PackBf16x2(s[2 * kk][0], s[2 * kk][1]);
-        pa[1] = PackBf16x2(s[2 * kk][2], s[2 * kk][3]);
-        pa[2] = PackBf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        pa[3] = PackBf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        uint32_t pa[kMTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          pa[mt][0] = PackBf16x2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+          pa[mt][1] = PackBf16x2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+          pa[mt][2] = PackBf16x2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+          pa[mt][3] = PackBf16x2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        }
 #pragma unroll
         for (int nd = 0; nd < kDimTiles / 2; ++nd) {  // 16 dims at a time
           uint32_t b[4];
@@ -425,8 +466,11 @@ __global__ void __launch_bounds__(kThreads)
           const int chunk = nd * 2 + lane / 16;
           LoadMatrixX4Trans(
               b, SharedAddress(v_tile + Swizzled<kHeadDim>(key, chunk)));
-          Mma16816(o[2 * nd], pa, b[0], b[1]);
-          Mma16816(o[2 * nd + 1], pa, b[2], b[3]);
+#pragma unroll
+          for (int mt = 0; mt < kMTiles; ++mt) {
+            Mma16816(o[mt][2 * nd], pa[mt], b[0], b[1]);
+            Mma16816(o[mt][2 * nd + 1], pa[mt], b[2], b[3]);
+          }
         }
       }
     }
@@ -437,57 +481,68 @@ __global__ void __launch_bounds__(kThreads)
   // Epilogue: the row sums over the quad, O / l, bf16 stores. A row that saw
   // no key (position < 0) is written as zeros.
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    row_sum[h] += __shfl_xor_sync(cuda::kFullMask, row_sum[h], 1);
-    row_sum[h] += __shfl_xor_sync(cuda::kFullMask, row_sum[h], 2);
-  }
+  for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = h == 0 ? row0 : row1;
-    if (row >= num_rows) continue;
-    const float inv = row_sum[h] > 0.0f ? 1.0f / row_sum[h] : 0.0f;
-    __nv_bfloat16* out =
-        p.output +
-        (static_cast<int64_t>(a.first_row + row / group) * p.num_heads + head0 +
-         row % group) *
-            kHeadDim;
+    for (int h = 0; h < 2; ++h) {
+      float sum = row_sum[mt][h];
+      sum += __shfl_xor_sync(cuda::kFullMask, sum, 1);
+      sum += __shfl_xor_sync(cuda::kFullMask, sum, 2);
+      const int row = warp * kWarpRows + mt * 16 + g + 8 * h;
+      if (row >= num_rows) continue;
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      __nv_bfloat16* out =
+          p.output +
+          (static_cast<int64_t>(a.first_row + row / group) * p.num_heads +
+           head0 + row % group) *
+              kHeadDim;
 #pragma unroll
-    for (int n = 0; n < kDimTiles; ++n) {
-      *reinterpret_cast<uint32_t*>(out + 8 * n + 2 * tq) =
-          PackBf16x2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+      for (int n = 0; n < kDimTiles; ++n) {
+        *reinterpret_cast<uint32_t*>(out + 8 * n + 2 * tq) =
+            PackBf16x2(o[mt][n][2 * h] * inv, o[mt][n][2 * h + 1] * inv);
+      }
     }
   }
 }
 
-template <int kHeadDim>
+template <int kHeadDim, int kWarpRows>
 cudaError_t Launch(const PagedAttentionCudaParams& p, cudaStream_t stream) {
-  constexpr int kBytes = TileSizes<kHeadDim>::kSharedBytes;
+  using Sizes = TileSizes<kHeadDim, kWarpRows>;
+  constexpr int kBytes = Sizes::kSharedBytes;
   // More than 48 KB of dynamic shared memory must be opted into, once per
   // kernel (not a stream operation: allowed while a graph is captured).
   static const cudaError_t attribute =
-      cudaFuncSetAttribute(MmaVarlenAttentionKernel<kHeadDim>,
+      cudaFuncSetAttribute(MmaVarlenAttentionKernel<kHeadDim, kWarpRows>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
   if (attribute != cudaSuccess) return attribute;
-  const int tokens_per_tile = kTileRows / (p.num_heads / p.num_kv_heads);
+  const int tokens_per_tile = Sizes::kTileRows / (p.num_heads / p.num_kv_heads);
   const int tiles = (p.num_tokens + tokens_per_tile - 1) / tokens_per_tile +
                     min(p.max_num_seqs, p.num_tokens);
   const dim3 grid(p.num_kv_heads, tiles);
-  MmaVarlenAttentionKernel<kHeadDim><<<grid, kThreads, kBytes, stream>>>(p);
+  MmaVarlenAttentionKernel<kHeadDim, kWarpRows>
+      <<<grid, kThreads, kBytes, stream>>>(p);
   return cudaGetLastError();
 }
 
 }  // namespace
 
+int PagedAttentionMmaWarpRows(const PagedAttentionCudaParams& p) {
+  if (p.mma_warp_rows != 0) return p.mma_warp_rows;
+  return p.head_dim == 64 ? kCudaAttentionMmaDefaultWarpRows64 : 16;
+}
+
 bool PagedAttentionMmaSupports(const PagedAttentionCudaParams& p) {
   const int group = p.num_kv_heads > 0 ? p.num_heads / p.num_kv_heads : 0;
+  const int warp_rows = PagedAttentionMmaWarpRows(p);
   if ((p.head_dim != 64 && p.head_dim != 128) || group < 1 ||
+      (warp_rows != 16 && warp_rows != 32) ||
+      (warp_rows == 32 && p.head_dim != 64) ||
       group > kCudaAttentionMmaMaxGroup || p.num_tokens <= 0 ||
       p.query_row_stride % kChunk != 0 ||
       reinterpret_cast<uintptr_t>(p.query) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(p.output) % 16 != 0) {
     return false;
   }
-  const int64_t tokens_per_tile = kTileRows / group;
+  const int64_t tokens_per_tile = kWarps * PagedAttentionMmaWarpRows(p) / group;
   const int64_t tiles = (p.num_tokens + tokens_per_tile - 1) / tokens_per_tile +
                         std::min(p.max_num_seqs, p.num_tokens);
   return tiles <= kCudaAttentionMmaMaxTiles;
@@ -496,7 +551,9 @@ bool PagedAttentionMmaSupports(const PagedAttentionCudaParams& p) {
 cudaError_t LaunchPagedAttentionVarlenMmaCuda(const PagedAttentionCudaParams& p,
                                               cudaStream_t stream) {
   if (!PagedAttentionMmaSupports(p)) return cudaErrorInvalidValue;
-  return p.head_dim == 64 ? Launch<64>(p, stream) : Launch<128>(p, stream);
+  if (p.head_dim == 128) return Launch<128, 16>(p, stream);
+  return PagedAttentionMmaWarpRows(p) == 32 ? Launch<64, 32>(p, stream)
+                                            : Launch<64, 16>(p, stream);
 }
 
 }  // namespace kernels
