@@ -36,8 +36,10 @@ constexpr AttentionCGSupport kCpuPagedAttentionCGSupport =
 // work return at once (the decode routine's split count comes from the
 // launch shape, and each split takes an even share of its request's
 // context). Its split-K partials live in a workspace allocated at startup
-// for the largest decode batch. Both routines are therefore safe inside FULL
-// graphs for any batch (mixed prefill/decode included).
+// for the largest decode batch. The tensor-core varlen kernel sizes its grid
+// from (num_kv_heads, padded num_tokens, max_num_seqs) and finds each CTA's
+// request and query tile on the device. All routines are therefore safe
+// inside FULL graphs for any batch (mixed prefill/decode included).
 constexpr AttentionCGSupport kCudaPagedAttentionCGSupport =
     AttentionCGSupport::kAlways;
 

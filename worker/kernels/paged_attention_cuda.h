@@ -80,12 +80,12 @@ cudaError_t LaunchPagedAttentionVarlenCuda(const PagedAttentionCudaParams& p,
 
 // Varlen causal attention on tensor cores (paged_attention_mma.cu,
 // FlashAttention-2's algorithm): one CTA per (query tile of one request,
-// kv head), the tile being 64 / G query tokens × the G query heads of the
-// kv head's group; K/V tiles of 64 positions gathered through the block
-// table into shared memory, Q·Kᵀ and P·V with bf16 mma.sync (fp32
-// accumulation). Covers head_dim 64 and 128 and GQA groups of 1–8; writes
-// every output row (zeros for rows no request owns) like the CUDA-core
-// routine. Needs query_start_loc non-decreasing.
+// kv head), the tile being 128 / G (head_dim 64) or 64 / G (128) query
+// tokens × the G query heads of the kv head's group; K/V tiles of 64 positions
+// gathered through the block table into shared memory, Q·Kᵀ and P·V with bf16
+// mma.sync (fp32 accumulation). Covers head_dim 64 and 128 and GQA groups of
+// 1–8; writes every output row (zeros for rows no request owns) like the
+// CUDA-core routine. Needs query_start_loc non-decreasing.
 inline constexpr int kCudaAttentionMmaMaxGroup = 8;
 // Most query-tile CTAs per kv head a launch may need (grid.y's limit).
 inline constexpr int kCudaAttentionMmaMaxTiles = 65535;
