@@ -63,7 +63,7 @@ struct Row {
   int head_dim;
   int tokens;
   double mma_us = 0;         // tensor cores, 16 query rows per warp
-  double mma32_us = 0;       // tensor cores, 32 rows per warp (head_dim 64)
+  double mma32_us = 0;       // tensor cores, 32 rows per warp
   double cuda_cores_us = 0;  // 0: not run
   double flops = 0;
 };
@@ -156,7 +156,7 @@ Row Measure(Device& device, Stream& stream, int head_dim, int tokens,
   const int launches = tokens >= 8192 ? 5 : 20;
   row.mma_us =
       time_us(kernels::VarlenAttentionKernel::kTensorCores, launches, 16);
-  if (head_dim == 64) {
+  {
     row.mma32_us =
         time_us(kernels::VarlenAttentionKernel::kTensorCores, launches, 32);
   }

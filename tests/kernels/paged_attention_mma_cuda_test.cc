@@ -222,10 +222,8 @@ class PagedAttentionMmaTest : public CudaKernelTest {
                        static_cast<size_t>(num_tokens) * s.heads * s.head_dim);
   }
 
-  // The tile heights the kernel offers for `s`.
-  static std::vector<int> WarpRows(const Shape& s) {
-    return s.head_dim == 64 ? std::vector<int>{16, 32} : std::vector<int>{16};
-  }
+  // The tile heights the kernel offers (16 and 32 query rows per warp).
+  static std::vector<int> WarpRows(const Shape&) { return {16, 32}; }
 
   static int RealTokens(const HostStep& h) {
     int tokens = 0;
@@ -349,7 +347,7 @@ TEST_F(PagedAttentionMmaTest, RandomBatchesMatchTheCpuKernel) {
       const std::vector<float> want = cpu().Read<float>(
           on_cpu.params.output,
           static_cast<size_t>(num_tokens) * s.heads * s.head_dim);
-      // Both tile heights at head_dim 64 (16 and 32 query rows per warp).
+      // Both tile heights (16 and 32 query rows per warp).
       for (const int warp_rows : WarpRows(s)) {
         Poison(gpu(), on_gpu.params.output,
                static_cast<size_t>(num_tokens) * s.heads * s.head_dim);

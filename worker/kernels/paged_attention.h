@@ -139,8 +139,8 @@ struct PagedAttentionParams {
   DType dtype = DType::kFloat32;
   // CUDA varlen only: which kernel (uniform decode has one).
   VarlenAttentionKernel varlen_kernel = VarlenAttentionKernel::kAuto;
-  // CUDA tensor-core varlen only: query rows per warp (16, or 32 at
-  // head_dim 64); 0 takes the measured default. Benchmarks and tests set it.
+  // CUDA tensor-core varlen only: query rows per warp (16 or 32); 0 takes
+  // the measured default. Benchmarks and tests set it.
   int mma_warp_rows = 0;
   // CUDA uniform decode only: scratch of at least
   // PagedAttentionWorkspaceBytes(num_tokens, num_heads, head_dim,

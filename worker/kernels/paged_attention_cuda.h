@@ -48,9 +48,8 @@ struct PagedAttentionCudaParams {
   int query_row_stride = 0;
   float scale = 0.0f;         // resolved (never 0 here)
   int uniform_query_len = 0;  // decode only
-  // Tensor-core varlen only: query rows per warp, 16 or 32 (32: head_dim 64
-  // only); 0: the default (kCudaAttentionMmaDefaultWarpRows64 at head_dim
-  // 64, 16 at 128).
+  // Tensor-core varlen only: query rows per warp, 16 or 32; 0: the default
+  // (kCudaAttentionMmaDefaultWarpRows64 / 128).
   int mma_warp_rows = 0;
   // Decode only: split-K CTAs per (request, kv head [, head chunk]), from
   // the launch shape alone (CudaDecodeNumSplits), so one graph serves every
@@ -90,10 +89,11 @@ inline constexpr int kCudaAttentionMmaMaxGroup = 8;
 // Most query-tile CTAs per kv head a launch may need (grid.y's limit).
 inline constexpr int kCudaAttentionMmaMaxTiles = 65535;
 
-// Query rows per warp of the tensor-core routine at head_dim 64 unless a
-// launch asks for another (head_dim 128 runs 16): a CTA holds 4 warps' rows,
-// 64 / G or 128 / G query tokens.
+// Query rows per warp of the tensor-core routine at head_dim 64 and 128
+// unless a launch asks for another (chosen by prefill_attention_bench): a
+// CTA holds 4 warps' rows, 64 / G or 128 / G query tokens.
 inline constexpr int kCudaAttentionMmaDefaultWarpRows64 = 32;
+inline constexpr int kCudaAttentionMmaDefaultWarpRows128 = 16;
 // The rows per warp a launch runs with.
 int PagedAttentionMmaWarpRows(const PagedAttentionCudaParams& p);
 

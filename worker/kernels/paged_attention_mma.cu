@@ -328,7 +328,12 @@ __global__ void __launch_bounds__(kThreads)
   // barriers).
   const bool warp_has_rows = warp * kWarpRows < num_rows;
 
-  uint32_t q_frag[kMTiles][kDimSteps][4];
+  // Q fragments stay in registers for the whole key loop unless they would
+  // not fit (head_dim 128 at 32 rows per warp: O alone takes 128 registers):
+  // then they are re-read from shared memory once per key tile, each
+  // serving the 4 key groups of 16.
+  constexpr bool kQInRegisters = kHeadDim * kWarpRows <= 64 * 32;
+  uint32_t q_frag[kMTiles][kQInRegisters ? kDimSteps : 1][4];
   float o[kMTiles][kDimTiles][4];
   float row_max[kMTiles][2];  // of scaled (log2) scores
   float row_sum[kMTiles][2];  // this thread's share
@@ -351,7 +356,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
 
     if (warp_has_rows) {
-      if (tile == 0) {
+      if (kQInRegisters && tile == 0) {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -360,7 +365,7 @@ __global__ void __launch_bounds__(kThreads)
                 warp * kWarpRows + mt * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
             const int chunk = ks * 2 + lane / 16;
             LoadMatrixX4(
-                q_frag[mt][ks],
+                q_frag[mt][kQInRegisters ? ks : 0],
                 SharedAddress(q_tile + Swizzled<kHeadDim>(row, chunk)));
           }
         }
@@ -380,9 +385,20 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
 #pragma unroll
-      for (int kp = 0; kp < kKeyTiles / 2; ++kp) {  // 16 keys at a time
+      for (int ks = 0; ks < kDimSteps; ++ks) {  // 16 dims at a time
+        if (!kQInRegisters) {
 #pragma unroll
-        for (int ks = 0; ks < kDimSteps; ++ks) {
+          for (int mt = 0; mt < kMTiles; ++mt) {
+            const int row =
+                warp * kWarpRows + mt * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+            const int chunk = ks * 2 + lane / 16;
+            LoadMatrixX4(
+                q_frag[mt][0],
+                SharedAddress(q_tile + Swizzled<kHeadDim>(row, chunk)));
+          }
+        }
+#pragma unroll
+        for (int kp = 0; kp < kKeyTiles / 2; ++kp) {  // 16 keys at a time
           uint32_t b[4];
           const int key = kp * 16 + (lane % 8) + (lane / 16) * 8;
           const int chunk = ks * 2 + (lane / 8) % 2;
@@ -390,8 +406,9 @@ __global__ void __launch_bounds__(kThreads)
                        SharedAddress(k_tile + Swizzled<kHeadDim>(key, chunk)));
 #pragma unroll
           for (int mt = 0; mt < kMTiles; ++mt) {
-            Mma16816(s[mt][2 * kp], q_frag[mt][ks], b[0], b[1]);
-            Mma16816(s[mt][2 * kp + 1], q_frag[mt][ks], b[2], b[3]);
+            const uint32_t(&q)[4] = q_frag[mt][kQInRegisters ? ks : 0];
+            Mma16816(s[mt][2 * kp], q, b[0], b[1]);
+            Mma16816(s[mt][2 * kp + 1], q, b[2], b[3]);
           }
         }
       }
@@ -532,7 +549,8 @@ cudaError_t Launch(const PagedAttentionCudaParams& p, cudaStream_t stream) {
 
 int PagedAttentionMmaWarpRows(const PagedAttentionCudaParams& p) {
   if (p.mma_warp_rows != 0) return p.mma_warp_rows;
-  return p.head_dim == 64 ? kCudaAttentionMmaDefaultWarpRows64 : 16;
+  return p.head_dim == 64 ? kCudaAttentionMmaDefaultWarpRows64
+                          : kCudaAttentionMmaDefaultWarpRows128;
 }
 
 bool PagedAttentionMmaSupports(const PagedAttentionCudaParams& p) {
@@ -540,7 +558,6 @@ bool PagedAttentionMmaSupports(const PagedAttentionCudaParams& p) {
   const int warp_rows = PagedAttentionMmaWarpRows(p);
   if ((p.head_dim != 64 && p.head_dim != 128) || group < 1 ||
       (warp_rows != 16 && warp_rows != 32) ||
-      (warp_rows == 32 && p.head_dim != 64) ||
       group > kCudaAttentionMmaMaxGroup || p.num_tokens <= 0 ||
       p.query_row_stride % kChunk != 0 ||
       reinterpret_cast<uintptr_t>(p.query) % 16 != 0 ||
@@ -556,7 +573,10 @@ bool PagedAttentionMmaSupports(const PagedAttentionCudaParams& p) {
 cudaError_t LaunchPagedAttentionVarlenMmaCuda(const PagedAttentionCudaParams& p,
                                               cudaStream_t stream) {
   if (!PagedAttentionMmaSupports(p)) return cudaErrorInvalidValue;
-  if (p.head_dim == 128) return Launch<128, 16>(p, stream);
+  if (p.head_dim == 128) {
+    return PagedAttentionMmaWarpRows(p) == 32 ? Launch<128, 32>(p, stream)
+                                              : Launch<128, 16>(p, stream);
+  }
   return PagedAttentionMmaWarpRows(p) == 32 ? Launch<64, 32>(p, stream)
                                             : Launch<64, 16>(p, stream);
 }
