@@ -3,7 +3,7 @@
 // cached prefixes and mixed batches.
 //
 // A CTA (4 warps) owns one query tile of one request and one kv head: the
-// tile's 4 · kWarpRows rows (128 at head_dim 64, 64 at 128) are consecutive
+// tile's 4 · kWarpRows rows (kWarpRows 16 or 32) are consecutive
 // query tokens × the G query heads of the kv head's GQA group (row =
 // token_in_tile · G + head_in_group; G <= 8), so every K/V tile it loads
 // serves the whole group. Warp w owns rows [w · kWarpRows, (w + 1) ·
@@ -35,7 +35,7 @@
 // writes it).
 //
 // Measured on an H200 (bench/RESULTS.md, issue 22): 176 TFLOP/s causal at 8k
-// tokens, head_dim 64 (32 rows per warp); 147 at head_dim 128.
+// tokens at head_dim 64, 185 at 128 (32 rows per warp).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -549,8 +549,7 @@ cudaError_t Launch(const PagedAttentionCudaParams& p, cudaStream_t stream) {
 
 int PagedAttentionMmaWarpRows(const PagedAttentionCudaParams& p) {
   if (p.mma_warp_rows != 0) return p.mma_warp_rows;
-  return p.head_dim == 64 ? kCudaAttentionMmaDefaultWarpRows64
-                          : kCudaAttentionMmaDefaultWarpRows128;
+  return p.num_tokens >= kCudaAttentionMmaTallTileMinTokens ? 32 : 16;
 }
 
 bool PagedAttentionMmaSupports(const PagedAttentionCudaParams& p) {
