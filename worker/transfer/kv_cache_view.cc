@@ -1,8 +1,17 @@
 #include "worker/transfer/kv_cache_view.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "pdw_cuda_config.h"  // PDW_HAVE_CUDA
+
+#if PDW_HAVE_CUDA
+#include "worker/kernels/kernel_checks.h"
+#include "worker/runtime/cuda_status.h"
+#include "worker/transfer/kv_block_copy_cuda.h"
+#endif
 
 namespace pdworker {
 namespace {
@@ -49,6 +58,77 @@ absl::Status ForEachBlockPiece(const KvCacheView& view, const SequenceKv& seq,
   return absl::OkStatus();
 }
 
+#if PDW_HAVE_CUDA
+// The batched CUDA copy (kv_block_copy_cuda.h) of tokens [0, num_tokens),
+// in launches of at most kKvBlockCopyMaxBlocks blocks per side. False when
+// the views do not fit it (rows not whole 16-byte units, too many layers).
+bool FitsBatchedCopy(const KvCacheView& src, const KvCacheView& dst) {
+  if (src.token_bytes % 16 != 0 ||
+      2 * src.layout.num_layers > kKvBlockCopyMaxParts) {
+    return false;
+  }
+  for (int layer = 0; layer < src.layout.num_layers; ++layer) {
+    for (const KvCachePart part : {KvCachePart::kKey, KvCachePart::kValue}) {
+      if (reinterpret_cast<uintptr_t>(src.Buffer(layer, part).data()) % 16 !=
+              0 ||
+          reinterpret_cast<uintptr_t>(dst.Buffer(layer, part).data()) % 16 !=
+              0) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+absl::Status BatchedCopyKvTokens(Stream& stream, const KvCacheView& src,
+                                 const SequenceKv& src_seq,
+                                 const KvCacheView& dst,
+                                 const SequenceKv& dst_seq,
+                                 int32_t num_tokens) {
+  // Shared by every launch: the part pointers (~4 KB); the block lists are
+  // refilled per launch.
+  auto p = std::make_unique<KvBlockCopyCudaParams>();
+  p->num_parts = 2 * src.layout.num_layers;
+  for (int layer = 0; layer < src.layout.num_layers; ++layer) {
+    for (const KvCachePart part : {KvCachePart::kKey, KvCachePart::kValue}) {
+      const int i = 2 * layer + (part == KvCachePart::kKey ? 0 : 1);
+      p->src[i] = static_cast<const char*>(src.Buffer(layer, part).data());
+      p->dst[i] = static_cast<char*>(dst.Buffer(layer, part).data());
+    }
+  }
+  p->src_block_size = src.block_size;
+  p->dst_block_size = dst.block_size;
+  p->token_bytes = static_cast<int64_t>(src.token_bytes);
+  // A launch spans at most kKvBlockCopyMaxBlocks blocks on either side
+  // wherever it starts within a block.
+  const int32_t per_launch =
+      (kKvBlockCopyMaxBlocks - 1) * std::min(src.block_size, dst.block_size);
+  for (int32_t first = 0; first < num_tokens; first += per_launch) {
+    const int32_t last = std::min(num_tokens, first + per_launch) - 1;
+    p->first_token = first;
+    p->num_tokens = last - first + 1;
+    p->src_first_block = first / src.block_size;
+    p->dst_first_block = first / dst.block_size;
+    std::copy(src_seq.blocks.begin() + p->src_first_block,
+              src_seq.blocks.begin() + last / src.block_size + 1,
+              p->src_blocks);
+    std::copy(dst_seq.blocks.begin() + p->dst_first_block,
+              dst_seq.blocks.begin() + last / dst.block_size + 1,
+              p->dst_blocks);
+    const KvBlockCopyCudaParams* params = p.get();
+    absl::Status launched = kernels::LaunchCudaOp(
+        stream, "kv_block_copy", [params](const OpContext& ctx) {
+          return CudaStatus(
+              LaunchKvBlockCopyCuda(*params,
+                                    static_cast<cudaStream_t>(ctx.cuda_stream)),
+              "kv_block_copy");
+        });
+    if (!launched.ok()) return launched;
+  }
+  return absl::OkStatus();
+}
+#endif  // PDW_HAVE_CUDA
+
 }  // namespace
 
 std::string KvLayoutInfo::ToString() const {
@@ -82,7 +162,8 @@ absl::Status WriteKvTokens(Stream& stream, const KvCacheView& view,
 
 absl::Status CopyKvTokens(Stream& stream, const KvCacheView& src,
                           const SequenceKv& src_seq, const KvCacheView& dst,
-                          const SequenceKv& dst_seq, int32_t num_tokens) {
+                          const SequenceKv& dst_seq, int32_t num_tokens,
+                          KvCopyMethod method) {
   if (!(src.layout == dst.layout) || src.token_bytes != dst.token_bytes) {
     return absl::FailedPreconditionError(
         absl::StrCat("KV layouts differ: ", src.layout.ToString(), " vs ",
@@ -94,6 +175,20 @@ absl::Status CopyKvTokens(Stream& stream, const KvCacheView& src,
         absl::StrCat("cannot copy ", num_tokens, " tokens from ",
                      src_seq.num_tokens, " into ", dst_seq.num_tokens));
   }
+  const int64_t src_blocks = (num_tokens + src.block_size - 1) / src.block_size;
+  const int64_t dst_blocks = (num_tokens + dst.block_size - 1) / dst.block_size;
+  if (static_cast<int64_t>(src_seq.blocks.size()) < src_blocks ||
+      static_cast<int64_t>(dst_seq.blocks.size()) < dst_blocks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block tables of ", src_seq.blocks.size(), " / ", dst_seq.blocks.size(),
+        " blocks cannot hold ", num_tokens, " tokens"));
+  }
+#if PDW_HAVE_CUDA
+  if (method == KvCopyMethod::kAuto && stream.kind() == DeviceKind::kCuda &&
+      FitsBatchedCopy(src, dst)) {
+    return BatchedCopyKvTokens(stream, src, src_seq, dst, dst_seq, num_tokens);
+  }
+#endif
   for (int layer = 0; layer < src.layout.num_layers; ++layer) {
     for (const KvCachePart part : {KvCachePart::kKey, KvCachePart::kValue}) {
       const DeviceBuffer& from = src.Buffer(layer, part);

@@ -73,12 +73,26 @@ struct KvTokenRun {
 absl::Status ReadKvTokens(Stream& stream, const KvCacheView& view,
                           const SequenceKv& seq, const KvTokenRun& run,
                           void* dst);
+// How CopyKvTokens moves the bytes.
+enum class KvCopyMethod {
+  // CUDA: one kernel launch for every block, layer and part (up to
+  // kKvBlockCopyMaxBlocks blocks per side per launch) where the rows are
+  // whole 16-byte units; elsewhere, and on the CPU backend, kPerBlock.
+  kAuto,
+  // One device-to-device copy per contiguous run (at most a block) per layer
+  // part: the reference, and what benchmarks compare against.
+  kPerBlock,
+};
+
 // Copies the first `num_tokens` tokens of every layer's K and V from one
 // cache to another on `stream` (device to device; the caches may differ in
-// block size). Both views must have the same layout and token_bytes.
+// block size). Both views must have the same layout and token_bytes, and
+// each block table must hold num_tokens tokens (INVALID_ARGUMENT before
+// anything is copied otherwise).
 absl::Status CopyKvTokens(Stream& stream, const KvCacheView& src,
                           const SequenceKv& src_seq, const KvCacheView& dst,
-                          const SequenceKv& dst_seq, int32_t num_tokens);
+                          const SequenceKv& dst_seq, int32_t num_tokens,
+                          KvCopyMethod method = KvCopyMethod::kAuto);
 
 // Copies host bytes `src` into a run of `seq`'s blocks on `stream` (the copy
 // is complete, or at least ordered before later work on `stream`, when this
