@@ -132,6 +132,11 @@ ABSL_FLAG(std::string, kv_pull_timeout, "10s",
           "Decode side: bound on one KV pull; a prefill worker that dies or "
           "hangs mid-pull fails the import with UNAVAILABLE within it.");
 ABSL_FLAG(int, kv_import_threads, 4, "Decode side: concurrent KV pulls.");
+ABSL_FLAG(std::string, kv_lease_renew_margin, "5s",
+          "Decode side: while an import is queued or pulling, renew its "
+          "source lease (RenewKv) when it would expire within this, so a "
+          "slow import keeps its source. Keep it below the prefill workers' "
+          "--kv_lease_ttl. 0 = never renew.");
 ABSL_FLAG(std::string, sequence_idle_timeout, "10m",
           "Release a sequence (and its KV blocks) when no step or Release "
           "has named it for this long: its router crashed or forgot it. "
@@ -351,6 +356,8 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
             &c.server.kv_lease_ttl, ZeroDuration::kRefused},
            {"kv_pull_timeout", absl::GetFlag(FLAGS_kv_pull_timeout),
             &c.server.importer.pull_timeout, ZeroDuration::kRefused},
+           {"kv_lease_renew_margin", absl::GetFlag(FLAGS_kv_lease_renew_margin),
+            &c.server.importer.renew_margin, ZeroDuration::kAllowed},
            {"grpc_keepalive_time", absl::GetFlag(FLAGS_grpc_keepalive_time),
             &c.server.keepalive.time, ZeroDuration::kRefused},
            {"grpc_keepalive_timeout",
@@ -526,7 +533,8 @@ std::vector<FlagGroup> FlagGroups() {
       {"TLS", {"tls_cert", "tls_key", "tls_client_ca"}},
       {"KV handoff (prefill/decode)",
        {"advertise_address", "kv_lease_ttl", "kv_pull_timeout",
-        "kv_import_threads", "kv_peer_ca", "kv_peer_tls_server_name"}},
+        "kv_import_threads", "kv_lease_renew_margin", "kv_peer_ca",
+        "kv_peer_tls_server_name"}},
       {"Metrics and logs", {"metrics_port", "stats_log_interval"}},
   };
 }

@@ -99,6 +99,39 @@ void ExpectNothingHeld(TestWorker& w, const std::string& who) {
       << ": " << w.Status().DebugString();
 }
 
+// A loopback socket that accepts connections (the kernel's backlog) and
+// never answers: a pull from it hangs until the pull timeout.
+class SilentListener {
+ public:
+  SilentListener() {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof(address);
+    if (fd_ < 0 ||
+        bind(fd_, reinterpret_cast<sockaddr*>(&address), sizeof(address)) !=
+            0 ||
+        listen(fd_, 4) != 0 ||
+        getsockname(fd_, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+      return;
+    }
+    address_ = "127.0.0.1:" + std::to_string(ntohs(address.sin_port));
+  }
+  ~SilentListener() {
+    if (fd_ >= 0) close(fd_);
+  }
+  SilentListener(const SilentListener&) = delete;
+  SilentListener& operator=(const SilentListener&) = delete;
+
+  // host:port, empty when the socket could not be set up.
+  const std::string& address() const { return address_; }
+
+ private:
+  int fd_ = -1;
+  std::string address_;
+};
+
 class KvHandoffTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -450,21 +483,12 @@ TEST_F(KvHandoffTest, UnreachableSourceFailsWithUnavailable) {
 // for the import, which ends with UNAVAILABLE at the pull timeout and frees
 // its blocks, instead of cutting the call off.
 TEST_F(KvHandoffTest, DecodeDrainWaitsForImportsInFlight) {
-  const int silent = socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(silent, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(
-      bind(silent, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-  ASSERT_EQ(listen(silent, 4), 0);
-  socklen_t length = sizeof(address);
-  ASSERT_EQ(getsockname(silent, reinterpret_cast<sockaddr*>(&address), &length),
-            0);
+  SilentListener silent;
+  ASSERT_FALSE(silent.address().empty());
   const auto [token, handle] =
       Prefill(*prefill_, "q", Prompt(8, 10), v1::SamplingParams());
   v1::KvHandle h = handle;
-  h.set_source_address("127.0.0.1:" + std::to_string(ntohs(address.sin_port)));
+  h.set_source_address(silent.address());
 
   auto import = std::async(std::launch::async,
                            [&] { return Import(*decode_->stub, "q", h); });
@@ -476,7 +500,6 @@ TEST_F(KvHandoffTest, DecodeDrainWaitsForImportsInFlight) {
   EXPECT_THAT(s.error_message(), HasSubstr("pull timeout"));
   EXPECT_GE(std::chrono::steady_clock::now() - start,
             std::chrono::milliseconds(500));
-  close(silent);
   // Drained (no RPCs any more, engine stopped): the runner itself shows
   // the reserved blocks were given back.
   const KvCacheStats kv = decode_->runner.runner->kv_cache().Stats();
@@ -504,6 +527,57 @@ TEST_F(KvHandoffTest, DrainingPrefillWorkerStillServesPulls) {
   prefill_->server->Drain();
   Decode(*decode_, "r", token, 3, v1::SamplingParams());
   prefill_.reset();
+}
+
+// Lease renewal: an import queued behind a pull that hangs (one importer
+// thread, the first handle pointing at a silent source) waits longer than
+// the source lease's 600 ms TTL. With renewal (RenewKv 300 ms before
+// expiry) its lease survives and the import completes; with renewal off
+// the same wait loses the lease: the import fails naming the expiry, and
+// neither worker keeps anything.
+TEST(KvLeaseRenewalTest, QueuedImportRenewsItsLeasePastTheTtl) {
+  for (const bool renew : {true, false}) {
+    SCOPED_TRACE(renew ? "renewal on" : "renewal off");
+    std::unique_ptr<TestWorker> prefill = StartWorker(
+        Options(Role::kPrefill), ServerOptions(std::chrono::milliseconds(600)));
+    WorkerServerOptions d = ServerOptions();
+    d.importer.num_threads = 1;
+    d.importer.pull_timeout = std::chrono::milliseconds(2000);
+    d.importer.renew_margin = std::chrono::milliseconds(renew ? 300 : 0);
+    std::unique_ptr<TestWorker> decode = StartWorker(Options(Role::kDecode), d);
+    SilentListener silent;
+    ASSERT_FALSE(silent.address().empty());
+
+    v1::KvHandle stuck =
+        Prefill(*prefill, "stuck", Prompt(5, 21), v1::SamplingParams()).second;
+    const auto [token, waiting] =
+        Prefill(*prefill, "waiting", Prompt(9, 22), v1::SamplingParams());
+    stuck.set_source_address(silent.address());
+    auto first = std::async(std::launch::async,
+                            [&] { return Import(*decode->stub, "x", stuck); });
+    ASSERT_TRUE(WaitFor([&] { return decode->Status().kv_imports() == 1; }));
+    const auto queued = std::chrono::steady_clock::now();
+    const grpc::Status second = Import(*decode->stub, "y", waiting);
+    // It waited for the only importer thread: past the lease's TTL.
+    EXPECT_GE(std::chrono::steady_clock::now() - queued,
+              std::chrono::milliseconds(1200));
+    EXPECT_FALSE(first.get().ok());
+    if (renew) {
+      ASSERT_TRUE(second.ok()) << second.error_message();
+      // The imported sequence decodes; its last step releases it.
+      Decode(*decode, "y", token, 2, v1::SamplingParams());
+    } else {
+      EXPECT_EQ(second.error_code(), grpc::StatusCode::NOT_FOUND)
+          << second.error_message();
+      EXPECT_THAT(second.error_message(), HasSubstr("expired"));
+    }
+    // Nothing left: the decode worker's reservations were given back, and
+    // the source's leases were released (renewal on) or expired.
+    EXPECT_TRUE(WaitFor([&] {
+      return handoff_testing::HoldsNothing(decode->Status()) &&
+             handoff_testing::HoldsNothing(prefill->Status());
+    }));
+  }
 }
 
 }  // namespace

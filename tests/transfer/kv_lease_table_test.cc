@@ -133,6 +133,43 @@ TEST(KvLeaseTableTest, ExpiryFreesButNeverUnderAReader) {
   EXPECT_EQ(table.size(), 0);
 }
 
+// Renew pushes a held (or pulling) lease's expiry to now + TTL, so it
+// outlives its first TTL while renewed; a lease left alone expires on time;
+// pulled, released and expired leases cannot be renewed.
+TEST(KvLeaseTableTest, RenewKeepsALeaseAlivePastItsTtl) {
+  Freed freed;
+  constexpr auto kTtl = std::chrono::milliseconds(200);
+  KvLeaseTable table(kTtl, Recorder(freed), nullptr);
+  const KvLeaseInfo renewed = table.Add("renewed", Kv({1}, 3));
+  const KvLeaseInfo alone = table.Add("alone", Kv({2}, 3));
+  const auto start = std::chrono::system_clock::now();
+  // Renew every 50 ms for 3 TTLs.
+  while (std::chrono::system_clock::now() - start < 3 * kTtl) {
+    absl::StatusOr<std::chrono::system_clock::time_point> expiry =
+        table.Renew(renewed.lease_id);
+    ASSERT_TRUE(expiry.ok()) << expiry.status();
+    EXPECT_GT(*expiry, std::chrono::system_clock::now() + kTtl / 2);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    table.ExpireDue();
+  }
+  // The one left alone expired; the renewed one is still pullable.
+  EXPECT_THAT(freed.Take(), ElementsAre(ElementsAre(2)));
+  EXPECT_EQ(table.Renew(alone.lease_id).status().code(),
+            absl::StatusCode::kNotFound);
+  ASSERT_TRUE(table.BeginPull(renewed.lease_id).ok());
+  // Pulling: still renewable (the puller may be slow).
+  EXPECT_TRUE(table.Renew(renewed.lease_id).ok());
+  table.EndPull(renewed.lease_id, /*sent_all=*/true);
+  const absl::Status pulled = table.Renew(renewed.lease_id).status();
+  EXPECT_EQ(pulled.code(), absl::StatusCode::kFailedPrecondition) << pulled;
+  EXPECT_THAT(pulled.message(), HasSubstr("already pulled"));
+  ASSERT_TRUE(table.Release(renewed.lease_id).ok());
+  EXPECT_EQ(table.Renew(renewed.lease_id).status().code(),
+            absl::StatusCode::kFailedPrecondition);  // its tombstone
+  EXPECT_EQ(table.Renew("0123456789abcdef0123456789abcdef").status().code(),
+            absl::StatusCode::kNotFound);
+}
+
 TEST(KvLeaseTableTest, DestructionHandsBackWhatIsHeld) {
   Freed freed;
   {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
@@ -47,6 +48,9 @@ KvImporter::KvImporter(Engine& engine, Device& device, KvCacheView view,
   for (int i = 0; i < options.num_threads; ++i) {
     threads_.emplace_back([this] { Work(); });
   }
+  if (options.renew_margin.count() > 0) {
+    renewer_ = std::thread([this] { RenewLeases(); });
+  }
 }
 
 KvImporter::~KvImporter() {
@@ -57,10 +61,12 @@ KvImporter::~KvImporter() {
     refused.swap(queue_);
   }
   cv_.notify_all();
+  renew_cv_.notify_all();
   for (Job& job : refused) {
     job.done(absl::UnavailableError("the worker is shutting down"));
   }
   for (std::thread& t : threads_) t.join();
+  if (renewer_.joinable()) renewer_.join();
 }
 
 void KvImporter::Import(KvImportRequest request, Done done) {
@@ -78,6 +84,10 @@ void KvImporter::Import(KvImportRequest request, Done done) {
     }
     if (refused.ok()) {
       importing_.insert(request.sequence_id);
+      renewing_[request.sequence_id] = RenewedLease{
+          request.handle.source_address(), request.handle.lease_id(),
+          std::chrono::system_clock::time_point(std::chrono::microseconds(
+              request.handle.lease_expiry_unix_micros()))};
       ++in_flight_;
       queue_.push_back(Job{std::move(request), std::move(done)});
     }
@@ -109,6 +119,7 @@ void KvImporter::Work() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       importing_.erase(job.request.sequence_id);
+      renewing_.erase(job.request.sequence_id);
       --in_flight_;
     }
     job.done(result);
@@ -241,6 +252,61 @@ absl::Status KvImporter::Pull(const KvPullParams& params, KvTransport* used,
   absl::Status status = PullKvOverGrpc(peers_, params, stats);
   record(KvTransport::kGrpc, status);
   return status;
+}
+
+void KvImporter::RenewLeases() {
+  const auto tick = std::min<std::chrono::milliseconds>(
+      options_.renew_margin / 4, std::chrono::seconds(1));
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    renew_cv_.wait_for(lock, tick, [this] { return stopping_; });
+    if (stopping_) return;
+    // Copies: the calls run without the lock.
+    std::vector<std::pair<std::string, RenewedLease>> due;
+    const auto now = std::chrono::system_clock::now();
+    for (const auto& [id, lease] : renewing_) {
+      if (!lease.gone && lease.expiry - now < options_.renew_margin) {
+        due.emplace_back(id, lease);
+      }
+    }
+    if (due.empty()) continue;
+    lock.unlock();
+    std::vector<std::pair<grpc::Status, int64_t>> answers;
+    for (const auto& [id, lease] : due) {
+      v1::KvTransfer::Stub stub(peers_.Get(lease.source_address));
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + tick);
+      v1::RenewKvRequest request;
+      request.set_lease_id(lease.lease_id);
+      v1::RenewKvResponse response;
+      const grpc::Status status = stub.RenewKv(&context, request, &response);
+      answers.emplace_back(status, response.lease_expiry_unix_micros());
+    }
+    lock.lock();
+    for (size_t i = 0; i < due.size(); ++i) {
+      auto it = renewing_.find(due[i].first);
+      // Finished meanwhile, or queued again under the same id for another
+      // lease.
+      if (it == renewing_.end() ||
+          it->second.lease_id != due[i].second.lease_id) {
+        continue;
+      }
+      const grpc::Status& status = answers[i].first;
+      if (status.ok()) {
+        it->second.expiry = std::chrono::system_clock::time_point(
+            std::chrono::microseconds(answers[i].second));
+      } else if (status.error_code() == grpc::StatusCode::NOT_FOUND ||
+                 status.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
+                 status.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+        // Expired, released, already pulled, or a source without RenewKv:
+        // the pull will report what happened.
+        it->second.gone = true;
+        VLOG(1) << "RenewKv of lease " << due[i].second.lease_id << " on "
+                << due[i].second.source_address
+                << " stopped: " << status.error_message();
+      }  // else: transient; the next tick tries again
+    }
+  }
 }
 
 void KvImporter::ReleaseLease(const v1::KvHandle& handle) {

@@ -6,6 +6,10 @@
 //       3. attach them as the sequence    (engine task, between steps)
 //       4. answer, then ReleaseKv on the source (the lease TTL is the
 //          backstop if that call is lost)
+//   From queueing until the import ends, a renewal thread calls RenewKv on
+//   the source whenever the lease would expire within renew_margin, so an
+//   import that waits behind others (or pulls slowly) keeps its source; an
+//   abandoned lease (no importer renewing it) still expires at its TTL.
 //   Any failure after 1 frees the reserved blocks (engine task), so a
 //   failed import leaves nothing allocated.
 //
@@ -26,6 +30,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "metrics/worker_metrics.h"
@@ -43,6 +48,10 @@ struct KvImporterOptions {
   int num_threads = 4;    // concurrent pulls
   int max_pending = 256;  // queued imports; beyond: RESOURCE_EXHAUSTED
   std::chrono::milliseconds pull_timeout{10000};  // bound on one pull
+  // Renew the source's lease when it would expire within this while the
+  // import is queued or running; 0 = never renew. Keep it below the
+  // sources' TTL (30 s by default).
+  std::chrono::milliseconds renew_margin{5000};
 };
 
 struct KvImportResult {
@@ -97,6 +106,17 @@ class KvImporter {
   absl::Status Pull(const KvPullParams& params, KvTransport* used,
                     KvPullStats* stats);
   void ReleaseLease(const v1::KvHandle& handle);
+  // The renewal thread: every renew_margin / 4 (at most 1 s) renews the
+  // leases of queued and running imports that expire within renew_margin.
+  void RenewLeases();
+
+  // A lease an import still needs, and its expiry as last heard.
+  struct RenewedLease {
+    std::string source_address;
+    std::string lease_id;
+    std::chrono::system_clock::time_point expiry;
+    bool gone = false;  // the source said it cannot renew: stop asking
+  };
 
   Engine& engine_;
   Device& device_;
@@ -112,10 +132,14 @@ class KvImporter {
   std::condition_variable cv_;
   std::deque<Job> queue_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> importing_ ABSL_GUARDED_BY(mu_);
+  // By sequence id: the leases of queued and running imports.
+  absl::flat_hash_map<std::string, RenewedLease> renewing_ ABSL_GUARDED_BY(mu_);
+  std::condition_variable renew_cv_;  // wakes the renewal thread to stop
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 
   std::vector<std::thread> threads_;  // last: start after everything above
+  std::thread renewer_;               // not started when renew_margin is 0
 };
 
 // INVALID_ARGUMENT for a handle missing what a pull needs (source address,

@@ -1,5 +1,6 @@
 #include "worker/transfer/kv_lease_table.h"
 
+#include <algorithm>
 #include <random>
 #include <utility>
 #include <vector>
@@ -130,6 +131,25 @@ void KvLeaseTable::EndPull(absl::string_view lease_id, bool sent_all) {
     Publish(static_cast<int64_t>(leases_.size()));
   }
   if (!to_free.blocks.empty()) free_blocks_(std::move(to_free));
+}
+
+absl::StatusOr<std::chrono::system_clock::time_point> KvLeaseTable::Renew(
+    absl::string_view lease_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = leases_.find(lease_id);
+  if (it == leases_.end()) return GoneLocked(lease_id);
+  Lease& lease = it->second;
+  const auto now = std::chrono::system_clock::now();
+  if (lease.expiry <= now) {
+    // Due but not yet swept: as good as expired.
+    return absl::NotFoundError(absl::StrCat("KV lease ", lease_id, " expired"));
+  }
+  if (lease.state == State::kPulled) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "KV lease ", lease_id, " was already pulled: nothing to renew"));
+  }
+  lease.expiry = std::max(lease.expiry, now + ttl_);
+  return lease.expiry;
 }
 
 absl::StatusOr<int32_t> KvLeaseTable::Release(absl::string_view lease_id) {

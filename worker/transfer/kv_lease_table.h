@@ -9,6 +9,7 @@
 //            ▲                    │ EndPull(failed)             │
 //            └────────────────────┘                             │
 //   held/pulled: Release or expiry frees now; pulling: freed at EndPull.
+//   Renew (held or pulling): expiry = now + TTL, for a puller still waiting.
 //
 // A lease being pulled never expires under the reader (its blocks stay put
 // until EndPull). Finished leases leave a tombstone so a late or second
@@ -74,6 +75,12 @@ class KvLeaseTable {
   // and cannot be pulled again); otherwise it is held again (the puller may
   // retry until it expires).
   void EndPull(absl::string_view lease_id, bool sent_all);
+
+  // Pushes a held or pulling lease's expiry to now + TTL (never earlier)
+  // and returns it. NOT_FOUND: unknown, expired or released;
+  // FAILED_PRECONDITION: already pulled.
+  absl::StatusOr<std::chrono::system_clock::time_point> Renew(
+      absl::string_view lease_id);
 
   // Frees a lease: returns the blocks freed now (0 when it is being pulled:
   // freed at EndPull). NOT_FOUND when unknown or already gone.

@@ -404,4 +404,22 @@ grpc::ServerUnaryReactor* KvTransferService::ReleaseKv(
       });
 }
 
+grpc::ServerUnaryReactor* KvTransferService::RenewKv(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
+    grpc::ByteBuffer* raw_response) {
+  return AnswerNow<v1::RenewKvRequest, v1::RenewKvResponse>(
+      context, raw_request, raw_response,
+      [this](const v1::RenewKvRequest& request, v1::RenewKvResponse* response) {
+        absl::StatusOr<std::chrono::system_clock::time_point> expiry =
+            leases_.Renew(request.lease_id());
+        if (expiry.ok()) {
+          response->set_lease_expiry_unix_micros(
+              std::chrono::duration_cast<std::chrono::microseconds>(
+                  expiry->time_since_epoch())
+                  .count());
+        }
+        return ToGrpcStatus(expiry.status());
+      });
+}
+
 }  // namespace pdworker

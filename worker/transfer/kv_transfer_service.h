@@ -35,7 +35,9 @@ class NcclSender;
 // Every method raw: requests are parsed by us (worker/server/parsed_call.h
 // says why).
 using RawKvTransferService = v1::KvTransfer::WithRawCallbackMethod_PullKv<
-    v1::KvTransfer::WithRawCallbackMethod_ReleaseKv<v1::KvTransfer::Service>>;
+    v1::KvTransfer::WithRawCallbackMethod_ReleaseKv<
+        v1::KvTransfer::WithRawCallbackMethod_RenewKv<
+            v1::KvTransfer::Service>>>;
 
 class KvTransferService final : public RawKvTransferService {
  public:
@@ -54,6 +56,10 @@ class KvTransferService final : public RawKvTransferService {
   grpc::ServerUnaryReactor* ReleaseKv(grpc::CallbackServerContext* context,
                                       const grpc::ByteBuffer* request,
                                       grpc::ByteBuffer* response) override;
+  // RenewKvRequest -> RenewKvResponse.
+  grpc::ServerUnaryReactor* RenewKv(grpc::CallbackServerContext* context,
+                                    const grpc::ByteBuffer* request,
+                                    grpc::ByteBuffer* response) override;
 
   // Whether pullers on this host may map our KV (CUDA device and the
   // allocation exported); KvHandle.transports lists "cuda_ipc" then.
