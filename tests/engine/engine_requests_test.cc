@@ -158,13 +158,19 @@ TEST_P(EngineRequestsTest, ArrivalTimesChangeNothing) {
 TEST_P(EngineRequestsTest, StepLevelCallsAndRequestsShareSteps) {
   // A router drives "f" through Forward while the engine decodes its own
   // requests: some steps carry both, and each side gets its own tokens.
+  // The references are computed first: computing them while the requests
+  // run let a loaded machine finish all 40 steps before the first Forward.
+  const std::vector<int32_t> prompt = Prompt(12, 300);
+  const Sampled alone = Alone(prompt, 20);
+  std::vector<Sampled> requests_alone;
+  for (int i = 0; i < 4; ++i) {
+    requests_alone.push_back(Alone(Prompt(10 + i, 200 + i), 40));
+  }
   std::vector<std::unique_ptr<PendingGeneration>> pending;
   for (int i = 0; i < 4; ++i) {
     pending.push_back(std::make_unique<PendingGeneration>(
         engine(), Spec(absl::StrCat("q", i), Prompt(10 + i, 200 + i), 40)));
   }
-  const std::vector<int32_t> prompt = Prompt(12, 300);
-  const Sampled alone = Alone(prompt, 20);
   std::vector<int32_t> tokens;
   bool shared_a_step = false;
   absl::StatusOr<ForwardOutcome> out = engine_testing::Forward(
@@ -185,9 +191,7 @@ TEST_P(EngineRequestsTest, StepLevelCallsAndRequestsShareSteps) {
   for (int i = 0; i < 4; ++i) {
     const Generation g = pending[i]->Wait();
     ASSERT_TRUE(g.status.ok()) << g.status;
-    EXPECT_THAT(g.tokens,
-                ElementsAreArray(Alone(Prompt(10 + i, 200 + i), 40).tokens))
-        << i;
+    EXPECT_THAT(g.tokens, ElementsAreArray(requests_alone[i].tokens)) << i;
   }
   EXPECT_EQ(engine().snapshot().kv.used_blocks, 0);
 }
