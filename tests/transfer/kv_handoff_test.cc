@@ -580,5 +580,44 @@ TEST(KvLeaseRenewalTest, QueuedImportRenewsItsLeasePastTheTtl) {
   }
 }
 
+// A prefill worker that restarts (on the same address) between a handle's
+// issue and its pull: the new process's epoch differs from the handle's,
+// so the pull is refused with FAILED_PRECONDITION saying the source
+// restarted (not a bare "unknown lease"), nothing stays allocated, and the
+// new process's own handles import normally.
+TEST(KvSourceEpochTest, RestartedSourceIsDetectedByEpoch) {
+  std::unique_ptr<TestWorker> prefill =
+      StartWorker(Options(Role::kPrefill), ServerOptions());
+  std::unique_ptr<TestWorker> decode =
+      StartWorker(Options(Role::kDecode), ServerOptions());
+  const v1::KvHandle old_handle =
+      Prefill(*prefill, "a", Prompt(7, 31), v1::SamplingParams()).second;
+  ASSERT_EQ(old_handle.source_epoch().size(), 32u);
+  const int port = prefill->server->port();
+  prefill.reset();  // the restart: its leases die with it
+
+  WorkerServerOptions again = ServerOptions();
+  again.listen_address = "127.0.0.1:" + std::to_string(port);
+  prefill = StartWorker(Options(Role::kPrefill), again);
+  ASSERT_EQ(prefill->server->port(), port);
+  const auto [token, new_handle] =
+      Prefill(*prefill, "b", Prompt(7, 32), v1::SamplingParams());
+  EXPECT_EQ(new_handle.source_address(), old_handle.source_address());
+  EXPECT_NE(new_handle.source_epoch(), old_handle.source_epoch());
+
+  const grpc::Status stale = Import(*decode->stub, "a", old_handle);
+  EXPECT_EQ(stale.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << stale.error_message();
+  EXPECT_THAT(stale.error_message(), HasSubstr("restarted"));
+  EXPECT_TRUE(handoff_testing::HoldsNothing(decode->Status()));
+
+  ASSERT_TRUE(Import(*decode->stub, "b", new_handle).ok());
+  Decode(*decode, "b", token, 2, v1::SamplingParams());
+  EXPECT_TRUE(WaitFor([&] {
+    return handoff_testing::HoldsNothing(decode->Status()) &&
+           handoff_testing::HoldsNothing(prefill->Status());
+  }));
+}
+
 }  // namespace
 }  // namespace pdworker

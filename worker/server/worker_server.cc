@@ -191,7 +191,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
       runner, *s->engine_, metrics, options.device_name,
       HandoffParts{s->leases_.get(), s->importer_.get(), advertise,
                    s->transfer_service_->offers_cuda_ipc(),
-                   s->transfer_service_->offers_nccl()});
+                   s->transfer_service_->offers_nccl(),
+                   s->transfer_service_->epoch()});
   builder.RegisterService(s->service_.get());
   VllmEngineServiceOptions engine_api;
   engine_api.model_dir = options.model_dir;

@@ -163,6 +163,7 @@ v1::KvHandle HandleTemplate(const ModelRunner& runner,
   }
   h.add_transports(std::string{KvTransportName(KvTransport::kGrpc)});
   h.set_source_host_id(HostId());
+  h.set_source_epoch(handoff.source_epoch);
   return h;
 }
 

@@ -47,6 +47,7 @@ struct HandoffParts {
   std::string advertise_address;   // KvHandle.source_address
   bool offers_cuda_ipc = false;    // KvHandle.transports lists cuda_ipc
   bool offers_nccl = false;        // ... and nccl
+  std::string source_epoch;        // KvHandle.source_epoch
 };
 
 // Every method raw: requests are parsed by us (parsed_call.h says why).

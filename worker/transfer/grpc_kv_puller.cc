@@ -73,6 +73,7 @@ v1::PullKvRequest PullRequestFor(const KvPullParams& p,
   *request.mutable_layout() = ToProto(p.view->layout);
   request.set_transport(std::string(transport));
   request.set_num_tokens(p.handle->num_tokens());
+  request.set_source_epoch(p.handle->source_epoch());
   return request;
 }
 

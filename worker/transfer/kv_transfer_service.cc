@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <thread>
 #include <utility>
 
@@ -86,8 +87,9 @@ class PullReactor final : public MessageWriter {
             1, max_chunk_bytes / std::max<size_t>(1, block_bytes)));
   }
 
-  void Refuse(const absl::Status& status) {
-    outcome_ = KvTransferOutcome::kInternal;
+  void Refuse(const absl::Status& status,
+              KvTransferOutcome outcome = KvTransferOutcome::kInternal) {
+    outcome_ = outcome;
     Finish(ToGrpcStatus(status));
   }
 
@@ -331,6 +333,20 @@ absl::Status CheckCompatible(absl::string_view what,
   return absl::OkStatus();
 }
 
+namespace {
+
+// 32 hex digits from the OS's random source.
+std::string RandomEpoch() {
+  std::random_device random;
+  std::string epoch;
+  for (int i = 0; i < 4; ++i) {
+    absl::StrAppend(&epoch, absl::Hex(random(), absl::kZeroPad8));
+  }
+  return epoch;
+}
+
+}  // namespace
+
 KvTransferService::KvTransferService(KvLeaseTable& leases, Device& device,
                                      KvCacheView view,
                                      std::string model_fingerprint,
@@ -341,7 +357,8 @@ KvTransferService::KvTransferService(KvLeaseTable& leases, Device& device,
       view_(std::move(view)),
       fingerprint_(std::move(model_fingerprint)),
       options_(options),
-      metrics_(metrics) {
+      metrics_(metrics),
+      epoch_(RandomEpoch()) {
   if (NcclTransportAvailable(device)) {
     nccl_sender_ = std::make_unique<NcclSender>();
   }
@@ -370,6 +387,19 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvTransferService::PullKv(
   absl::Status allowed =
       CheckCompatible("the pull", request->model_fingerprint(),
                       FromProto(request->layout()), fingerprint_, view_.layout);
+  if (allowed.ok() && !request->source_epoch().empty() &&
+      request->source_epoch() != epoch_) {
+    // The lease id may even exist here by chance; its KV is not the one the
+    // handle was issued for.
+    reactor->Refuse(
+        absl::FailedPreconditionError(absl::StrCat(
+            "this worker restarted since the KV handle was issued (handle "
+            "epoch ",
+            request->source_epoch(), ", now ", epoch_,
+            "): its leases are gone; prefill the prompt again")),
+        KvTransferOutcome::kHandleMismatch);
+    return reactor;
+  }
   const std::string& transport = request->transport();
   if (allowed.ok() && !transport.empty() && transport != "grpc" &&
       !(transport == "cuda_ipc" && offers_cuda_ipc()) &&

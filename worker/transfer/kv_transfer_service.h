@@ -66,6 +66,9 @@ class KvTransferService final : public RawKvTransferService {
   bool offers_cuda_ipc() const { return !ipc_handle_.empty(); }
   // Whether this worker serves pulls over NCCL (CUDA device, NCCL built).
   bool offers_nccl() const { return nccl_sender_ != nullptr; }
+  // This process's KvHandle.source_epoch: 32 random hex digits, new at
+  // every start.
+  const std::string& epoch() const { return epoch_; }
 
  private:
   KvLeaseTable& leases_;
@@ -77,6 +80,7 @@ class KvTransferService final : public RawKvTransferService {
   // The KV allocation's cudaIpcMemHandle_t bytes; empty: no CUDA IPC.
   std::string ipc_handle_;
   std::unique_ptr<NcclSender> nccl_sender_;  // null: no NCCL
+  const std::string epoch_;
 };
 
 // v1::KvLayout <-> KvLayoutInfo.
