@@ -529,21 +529,22 @@ TEST_F(KvHandoffTest, DrainingPrefillWorkerStillServesPulls) {
   prefill_.reset();
 }
 
-// Lease renewal: an import queued behind a pull that hangs (one importer
-// thread, the first handle pointing at a silent source) waits longer than
-// the source lease's 600 ms TTL. With renewal (RenewKv 300 ms before
-// expiry) its lease survives and the import completes; with renewal off
-// the same wait loses the lease: the import fails naming the expiry, and
-// neither worker keeps anything.
+// Lease renewal: an import queued behind a pull that hangs for 4 s (one
+// importer thread, the first handle pointing at a silent source) waits
+// longer than the source lease's 1.5 s TTL. With renewal (RenewKv within
+// 1 s of expiry, every 250 ms) its lease survives and the import
+// completes; with renewal off the same wait loses the lease: the import
+// fails naming the expiry, and neither worker keeps anything.
 TEST(KvLeaseRenewalTest, QueuedImportRenewsItsLeasePastTheTtl) {
   for (const bool renew : {true, false}) {
     SCOPED_TRACE(renew ? "renewal on" : "renewal off");
-    std::unique_ptr<TestWorker> prefill = StartWorker(
-        Options(Role::kPrefill), ServerOptions(std::chrono::milliseconds(600)));
+    std::unique_ptr<TestWorker> prefill =
+        StartWorker(Options(Role::kPrefill),
+                    ServerOptions(std::chrono::milliseconds(1500)));
     WorkerServerOptions d = ServerOptions();
     d.importer.num_threads = 1;
-    d.importer.pull_timeout = std::chrono::milliseconds(2000);
-    d.importer.renew_margin = std::chrono::milliseconds(renew ? 300 : 0);
+    d.importer.pull_timeout = std::chrono::milliseconds(4000);
+    d.importer.renew_margin = std::chrono::milliseconds(renew ? 1000 : 0);
     std::unique_ptr<TestWorker> decode = StartWorker(Options(Role::kDecode), d);
     SilentListener silent;
     ASSERT_FALSE(silent.address().empty());
@@ -560,7 +561,7 @@ TEST(KvLeaseRenewalTest, QueuedImportRenewsItsLeasePastTheTtl) {
     const grpc::Status second = Import(*decode->stub, "y", waiting);
     // It waited for the only importer thread: past the lease's TTL.
     EXPECT_GE(std::chrono::steady_clock::now() - queued,
-              std::chrono::milliseconds(1200));
+              std::chrono::milliseconds(3000));
     EXPECT_FALSE(first.get().ok());
     if (renew) {
       ASSERT_TRUE(second.ok()) << second.error_message();

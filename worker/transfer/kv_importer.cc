@@ -1,6 +1,9 @@
 #include "worker/transfer/kv_importer.h"
 
 #include <algorithm>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -271,16 +274,46 @@ void KvImporter::RenewLeases() {
     }
     if (due.empty()) continue;
     lock.unlock();
-    std::vector<std::pair<grpc::Status, int64_t>> answers;
-    for (const auto& [id, lease] : due) {
-      v1::KvTransfer::Stub stub(peers_.Get(lease.source_address));
+    // All at once (callback API): a source that does not answer must not
+    // hold up the others' renewals. Each call is bounded by half the
+    // margin, so a round ends well before any due lease expires.
+    struct Call {
       grpc::ClientContext context;
-      context.set_deadline(std::chrono::system_clock::now() + tick);
       v1::RenewKvRequest request;
-      request.set_lease_id(lease.lease_id);
       v1::RenewKvResponse response;
-      const grpc::Status status = stub.RenewKv(&context, request, &response);
-      answers.emplace_back(status, response.lease_expiry_unix_micros());
+      grpc::Status status;
+    };
+    std::vector<std::unique_ptr<Call>> calls;
+    std::mutex done_mu;
+    std::condition_variable done_cv;
+    size_t done = 0;
+    for (const auto& [id, lease] : due) {
+      auto call = std::make_unique<Call>();
+      call->context.set_deadline(
+          std::chrono::system_clock::now() +
+          std::min<std::chrono::milliseconds>(options_.renew_margin / 2,
+                                              std::chrono::seconds(2)));
+      call->request.set_lease_id(lease.lease_id);
+      Call* c = call.get();
+      v1::KvTransfer::NewStub(peers_.Get(lease.source_address))
+          ->async()
+          ->RenewKv(&c->context, &c->request, &c->response,
+                    [c, &done_mu, &done_cv, &done](grpc::Status status) {
+                      std::lock_guard<std::mutex> done_lock(done_mu);
+                      c->status = std::move(status);
+                      ++done;
+                      done_cv.notify_one();
+                    });
+      calls.push_back(std::move(call));
+    }
+    {
+      std::unique_lock<std::mutex> done_lock(done_mu);
+      done_cv.wait(done_lock, [&] { return done == calls.size(); });
+    }
+    std::vector<std::pair<grpc::Status, int64_t>> answers;
+    for (const auto& call : calls) {
+      answers.emplace_back(call->status,
+                           call->response.lease_expiry_unix_micros());
     }
     lock.lock();
     for (size_t i = 0; i < due.size(); ++i) {

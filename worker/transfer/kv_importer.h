@@ -107,7 +107,9 @@ class KvImporter {
                     KvPullStats* stats);
   void ReleaseLease(const v1::KvHandle& handle);
   // The renewal thread: every renew_margin / 4 (at most 1 s) renews the
-  // leases of queued and running imports that expire within renew_margin.
+  // leases of queued and running imports that expire within renew_margin,
+  // all calls of a round at once (each bounded by renew_margin / 2, at most
+  // 2 s, so a silent source delays no other lease's renewal).
   void RenewLeases();
 
   // A lease an import still needs, and its expiry as last heard.
