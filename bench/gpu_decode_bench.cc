@@ -45,6 +45,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "bench/gpu_bench_util.h"
 #include "glog/logging.h"
 #include "nlohmann/json.hpp"
 #include "tools/make_tiny_model/tiny_model.h"
@@ -54,7 +55,6 @@
 #include "worker/model/model_config.h"
 #include "worker/runner/model_runner.h"
 #include "worker/runtime/device_factory.h"
-#include "worker/runtime/event.h"
 
 ABSL_FLAG(std::string, model_dir, "/tmp/pdworker_llama_1b",
           "Checkpoint directory; the llama_1b shape is written there (bf16, "
@@ -185,7 +185,8 @@ void MeasurePrefill(ModelRunner& r, int length, int reps, std::mt19937& rng,
     const auto t1 = std::chrono::steady_clock::now();
     CHECK(result.ok()) << result.status();
     CHECK(r.Release("prefill").ok());
-    out.prefill_ran_as[length] = std::string(RuntimeModeName(result->info.mode));
+    out.prefill_ran_as[length] =
+        std::string(RuntimeModeName(result->info.mode));
     if (rep >= 1) {
       times.push_back(
           std::chrono::duration<double, std::milli>(t1 - t0).count());
@@ -336,29 +337,13 @@ AttentionResult MeasureAttention(Device& device, Stream& stream, int batch,
   CHECK(stream.CopyToDevice(p.query, host.data(), q_bytes).ok());
 
   auto time_us = [&](bool decode) {
-    auto launch = [&] {
-      return decode ? kernels::LaunchPagedAttentionUniformDecode(stream, p)
-                    : kernels::LaunchPagedAttention(stream, p);
-    };
-    CHECK(launch().ok());  // warm-up
-    CHECK(stream.BeginCapture().ok());
-    for (int i = 0; i < kLaunches; ++i) CHECK(launch().ok());
-    auto graph = stream.EndCapture();
-    CHECK(graph.ok()) << graph.status();
-    CHECK((*graph)->Replay().ok());  // warm-up
-    auto start = device.CreateEvent();
-    auto stop = device.CreateEvent();
-    CHECK(start.ok() && stop.ok());
-    std::vector<double> runs;
-    for (int rep = 0; rep < 5; ++rep) {
-      CHECK(stream.RecordEvent(**start).ok());
-      CHECK((*graph)->Replay().ok());
-      CHECK(stream.RecordEvent(**stop).ok());
-      auto ms = (*stop)->ElapsedMillisecondsSince(**start);
-      CHECK(ms.ok()) << ms.status();
-      runs.push_back(*ms * 1000.0 / kLaunches);
-    }
-    return Median(runs);
+    return GraphReplayMicros(
+        device, stream,
+        [&] {
+          return decode ? kernels::LaunchPagedAttentionUniformDecode(stream, p)
+                        : kernels::LaunchPagedAttention(stream, p);
+        },
+        kLaunches);
   };
   AttentionResult out;
   out.decode_us = time_us(true);

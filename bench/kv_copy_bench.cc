@@ -14,8 +14,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <ctime>
-#include <fstream>
 #include <numeric>
 #include <random>
 #include <string>
@@ -24,6 +22,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
+#include "bench/gpu_bench_util.h"
 #include "glog/logging.h"
 #include "nlohmann/json.hpp"
 #include "worker/runtime/device_factory.h"
@@ -142,17 +141,8 @@ int Main(int argc, char** argv) {
   }
   const std::string path = absl::GetFlag(FLAGS_jsonl);
   if (!path.empty()) {
-    char date[16];
-    const std::time_t now = std::time(nullptr);
-    std::strftime(date, sizeof(date), "%Y-%m-%d", std::gmtime(&now));
-    std::ofstream out(path, std::ios::app);
-    for (nlohmann::json& r : records) {
-      r["date"] = date;
-      r["gpu"] = gpu;
-      r["commit"] = absl::GetFlag(FLAGS_commit);
-      out << r.dump() << "\n";
-    }
-    CHECK(out.good()) << "cannot write " << path;
+    AppendGpuRecords(path, gpu, absl::GetFlag(FLAGS_commit),
+                     std::move(records));
   }
   return 0;
 }

@@ -18,8 +18,6 @@
 // Without a usable GPU it prints why and exits 0.
 #include <algorithm>
 #include <cstdio>
-#include <ctime>
-#include <fstream>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -30,13 +28,13 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "bench/gpu_bench_util.h"
 #include "glog/logging.h"
 #include "nlohmann/json.hpp"
 #include "worker/kernels/paged_attention.h"
 #include "worker/model/float16.h"
 #include "worker/runtime/arena.h"
 #include "worker/runtime/device_factory.h"
-#include "worker/runtime/event.h"
 
 ABSL_FLAG(std::vector<std::string>, tokens,
           (std::vector<std::string>{"1024", "2048", "4096", "8192", "16384"}),
@@ -53,11 +51,6 @@ namespace pdworker {
 namespace {
 
 constexpr int kHeads = 32, kKvHeads = 8, kBlockSize = 16;
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 struct Row {
   int head_dim;
@@ -126,27 +119,9 @@ Row Measure(Device& device, Stream& stream, int head_dim, int tokens,
                      int warp_rows) {
     p.varlen_kernel = kernel;
     p.mma_warp_rows = warp_rows;
-    CHECK(kernels::LaunchPagedAttention(stream, p).ok());  // warm-up
-    CHECK(stream.BeginCapture().ok());
-    for (int i = 0; i < launches; ++i) {
-      CHECK(kernels::LaunchPagedAttention(stream, p).ok());
-    }
-    auto graph = stream.EndCapture();
-    CHECK(graph.ok()) << graph.status();
-    CHECK((*graph)->Replay().ok());
-    auto start = device.CreateEvent();
-    auto stop = device.CreateEvent();
-    CHECK(start.ok() && stop.ok());
-    std::vector<double> runs;
-    for (int rep = 0; rep < 5; ++rep) {
-      CHECK(stream.RecordEvent(**start).ok());
-      CHECK((*graph)->Replay().ok());
-      CHECK(stream.RecordEvent(**stop).ok());
-      auto ms = (*stop)->ElapsedMillisecondsSince(**start);
-      CHECK(ms.ok()) << ms.status();
-      runs.push_back(*ms * 1000.0 / launches);
-    }
-    return Median(runs);
+    return GraphReplayMicros(
+        device, stream,
+        [&] { return kernels::LaunchPagedAttention(stream, p); }, launches);
   };
   Row row;
   row.head_dim = head_dim;
@@ -225,23 +200,16 @@ int Main(int argc, char** argv) {
   }
   const std::string path = absl::GetFlag(FLAGS_jsonl);
   if (!path.empty()) {
-    char date[16];
-    const std::time_t now = std::time(nullptr);
-    std::strftime(date, sizeof(date), "%Y-%m-%d", std::gmtime(&now));
-    std::ofstream out(path, std::ios::app);
+    std::vector<nlohmann::json> records;
     auto record = [&](const Row& r, const char* system, double us) {
-      nlohmann::json j = {{"date", date},
-                          {"gpu", gpu},
-                          {"commit", absl::GetFlag(FLAGS_commit)},
-                          {"metric", "attention_tflops"},
-                          {"shape", absl::StrFormat("h%d_kv%d_d%d", kHeads,
-                                                    kKvHeads, r.head_dim)},
-                          {"system", system},
-                          {"batch", 1},
-                          {"tokens", r.tokens},
-                          {"context", r.tokens},
-                          {"value", r.flops / us / 1e6}};
-      out << j.dump() << "\n";
+      records.push_back({{"metric", "attention_tflops"},
+                         {"shape", absl::StrFormat("h%d_kv%d_d%d", kHeads,
+                                                   kKvHeads, r.head_dim)},
+                         {"system", system},
+                         {"batch", 1},
+                         {"tokens", r.tokens},
+                         {"context", r.tokens},
+                         {"value", r.flops / us / 1e6}});
     };
     for (const Row& r : rows) {
       record(r, "pdworker_mma", r.mma_us);
@@ -250,7 +218,8 @@ int Main(int argc, char** argv) {
         record(r, "pdworker_cuda_cores", r.cuda_cores_us);
       }
     }
-    CHECK(out.good()) << "cannot write " << path;
+    AppendGpuRecords(path, gpu, absl::GetFlag(FLAGS_commit),
+                     std::move(records));
   }
   return 0;
 }

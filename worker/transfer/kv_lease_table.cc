@@ -10,11 +10,8 @@
 #include "glog/logging.h"
 
 namespace pdworker {
-namespace {
 
-// 128 bits from std::random_device (the kernel's random source on Linux):
-// a lease id is a capability, so it must not be guessable from earlier ids.
-std::string NewLeaseId() {
+std::string RandomHexId() {
   std::random_device random;
   std::string id;
   for (int i = 0; i < 4; ++i) {
@@ -22,8 +19,6 @@ std::string NewLeaseId() {
   }
   return id;
 }
-
-}  // namespace
 
 KvLeaseTable::KvLeaseTable(std::chrono::milliseconds ttl,
                            FreeBlocks free_blocks, WorkerMetrics* metrics)
@@ -51,7 +46,7 @@ KvLeaseTable::~KvLeaseTable() {
 
 KvLeaseInfo KvLeaseTable::Add(absl::string_view sequence_id, SequenceKv kv) {
   KvLeaseInfo info;
-  info.lease_id = NewLeaseId();
+  info.lease_id = RandomHexId();
   info.num_tokens = kv.num_tokens;
   info.expiry = std::chrono::system_clock::now() + ttl_;
   {

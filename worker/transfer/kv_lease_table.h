@@ -37,6 +37,11 @@
 
 namespace pdworker {
 
+// 32 hex digits (128 bits) from std::random_device, the kernel's random
+// source on Linux: lease ids (a capability, so not guessable from earlier
+// ones) and worker epochs (KvHandle.source_epoch).
+std::string RandomHexId();
+
 // What a Forward response tells the router about a new lease.
 struct KvLeaseInfo {
   std::string lease_id;  // 32 hex digits from the OS's random source

@@ -7,7 +7,6 @@
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <random>
 #include <thread>
 #include <utility>
 
@@ -333,20 +332,6 @@ absl::Status CheckCompatible(absl::string_view what,
   return absl::OkStatus();
 }
 
-namespace {
-
-// 32 hex digits from the OS's random source.
-std::string RandomEpoch() {
-  std::random_device random;
-  std::string epoch;
-  for (int i = 0; i < 4; ++i) {
-    absl::StrAppend(&epoch, absl::Hex(random(), absl::kZeroPad8));
-  }
-  return epoch;
-}
-
-}  // namespace
-
 KvTransferService::KvTransferService(KvLeaseTable& leases, Device& device,
                                      KvCacheView view,
                                      std::string model_fingerprint,
@@ -358,7 +343,7 @@ KvTransferService::KvTransferService(KvLeaseTable& leases, Device& device,
       fingerprint_(std::move(model_fingerprint)),
       options_(options),
       metrics_(metrics),
-      epoch_(RandomEpoch()) {
+      epoch_(RandomHexId()) {
   if (NcclTransportAvailable(device)) {
     nccl_sender_ = std::make_unique<NcclSender>();
   }
