@@ -610,7 +610,10 @@ TEST(KvSourceEpochTest, RestartedSourceIsDetectedByEpoch) {
   EXPECT_EQ(stale.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
       << stale.error_message();
   EXPECT_THAT(stale.error_message(), HasSubstr("restarted"));
-  EXPECT_TRUE(handoff_testing::HoldsNothing(decode->Status()));
+  // The status reports the freed reservation once the engine has published
+  // it (as everywhere in these tests, waited for).
+  EXPECT_TRUE(
+      WaitFor([&] { return handoff_testing::HoldsNothing(decode->Status()); }));
 
   ASSERT_TRUE(Import(*decode->stub, "b", new_handle).ok());
   Decode(*decode, "b", token, 2, v1::SamplingParams());
