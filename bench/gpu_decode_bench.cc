@@ -78,6 +78,9 @@ ABSL_FLAG(std::vector<std::string>, prefill_lens, {},
 ABSL_FLAG(std::vector<std::string>, modes,
           std::vector<std::string>({"NONE", "PIECEWISE", "FULL"}),
           "cudagraph_mode values to measure.");
+ABSL_FLAG(std::string, linear_kernel, "auto",
+          "The projections' GEMM: auto, cublas or skinny_gemm "
+          "(kernels::LinearKernel), to compare step times side by side.");
 ABSL_FLAG(std::string, json_out, "",
           "Also write the results as JSON here (bench/torch_compare/report.py "
           "reads it).");
@@ -154,6 +157,13 @@ std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
       CaptureSizesJson(max_batch), "}"));
   CHECK(config.ok()) << config.status();
   o.compilation = *config;
+  const std::string kernel = absl::GetFlag(FLAGS_linear_kernel);
+  CHECK(kernel == "auto" || kernel == "cublas" || kernel == "skinny_gemm")
+      << "--linear_kernel: auto, cublas or skinny_gemm, got " << kernel;
+  o.linear_kernel = kernel == "cublas" ? kernels::LinearKernel::kCublas
+                    : kernel == "skinny_gemm"
+                        ? kernels::LinearKernel::kSkinnyGemm
+                        : kernels::LinearKernel::kAuto;
   auto runner = ModelRunner::Create(device, dir, o);
   CHECK(runner.ok()) << runner.status();
   return std::move(*runner);
@@ -360,8 +370,8 @@ void PrintTables(const std::vector<std::string>& modes,
                  int reps) {
   std::printf(
       "Decode step (ModelRunner::Execute), context %d tokens, median of %d "
-      "steps, ms:\n\n| batch |",
-      context, reps);
+      "steps, linear kernel %s, ms:\n\n| batch |",
+      context, reps, absl::GetFlag(FLAGS_linear_kernel).c_str());
   for (const auto& mode : modes) std::printf(" %s |", mode.c_str());
   const bool ratio = results.count("NONE") && results.count("FULL");
   std::printf("%s ran as |\n| ---: |", ratio ? " FULL vs NONE |" : "");
@@ -413,6 +423,7 @@ void WriteJson(const std::string& path, const std::string& device,
                std::map<std::string, DecodeResult>& results) {
   using Json = nlohmann::json;
   Json root = {{"device", device},
+               {"linear_kernel", absl::GetFlag(FLAGS_linear_kernel)},
                {"model_dir", dir},
                {"context", context},
                {"weight_bytes", weight_bytes},

@@ -1,5 +1,7 @@
-// linear on CUDA (cuBLAS, bf16 operands, fp32 accumulation) vs the CPU
-// kernel (fp32) on the same bf16-representable inputs.
+// linear on CUDA (cuBLAS, and the skinny GEMM for 1..8 tokens; bf16
+// operands, fp32 accumulation) vs the CPU kernel (fp32) on the same
+// bf16-representable inputs. Outputs are poisoned (0xFF: NaN) before each
+// run.
 //
 // Tolerance: both accumulate in fp32, in different orders: the difference
 // is a few ulp of the sum of |x|·|w| (bounded here by 1e-5 · max Σ|x||w|,
@@ -10,7 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_format.h"
 #include "glog/logging.h"
+#include "gmock/gmock.h"
 #include "tests/kernels/cuda_kernel_test_util.h"
 #include "worker/kernels/linear.h"
 
@@ -22,13 +26,27 @@ using testing::CudaKernelTest;
 using testing::ExpectClose;
 using testing::RandomBf16Floats;
 using testing::SameBits;
+using testing::ToBf16Bits;
 
 struct Shape {
   int tokens;
   int in;
   int out;
   bool bias;
+  LinearKernel kernel = LinearKernel::kAuto;
 };
+
+std::string KernelName(LinearKernel kernel) {
+  switch (kernel) {
+    case LinearKernel::kAuto:
+      return "auto";
+    case LinearKernel::kCublas:
+      return "cublas";
+    case LinearKernel::kSkinnyGemm:
+      return "skinny_gemm";
+  }
+  return "?";
+}
 
 // max over outputs of Σ_k |x[t,k]|·|w[o,k]|: the scale of fp32 rounding.
 double MaxAbsProductSum(const std::vector<float>& x,
@@ -75,25 +93,168 @@ TEST_P(LinearCudaTest, MatchesTheCpuKernelInBf16AndFp32Output) {
                      s.in,
                      s.out,
                      DType::kBFloat16,
-                     DType::kBFloat16};
+                     DType::kBFloat16,
+                     s.kernel};
   ASSERT_TRUE(LaunchLinear(*gpu().stream, gpu_p).ok());
   ExpectClose(ReadGpuBf16(gpu_p.output, n_out), want, 1.0 / 256, accumulation,
-              "bf16 output");
+              "bf16 output, " + KernelName(s.kernel));
 
   // fp32 output (the LM head's logits): no output rounding.
   gpu_p.output = gpu().Alloc(4 * n_out);
   gpu_p.output_dtype = DType::kFloat32;
   ASSERT_TRUE(LaunchLinear(*gpu().stream, gpu_p).ok());
   ExpectClose(gpu().Read<float>(gpu_p.output, n_out), want, 1e-6, accumulation,
-              "fp32 output");
+              "fp32 output, " + KernelName(s.kernel));
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, LinearCudaTest,
-                         ::testing::Values(Shape{1, 64, 96, false},
-                                           Shape{7, 256, 2048, true},
-                                           Shape{64, 2048, 512, false},
-                                           Shape{3, 64, 200, true},
-                                           Shape{128, 512, 1024, true}));
+// kAuto runs the skinny GEMM at 1 token (in_features % 8 == 0) and cuBLAS
+// above; the forced rows run the skinny GEMM at 2..8 tokens and cuBLAS at
+// 1. Skinny shapes: the models' projections (0.5B: in 896 = 3.5 chunks of
+// 256, qkv out 1152 with bias; 1B: 2048 -> 3072, 8192 -> 2048), in_features
+// not a multiple of the 256-element chunk, a single output row, and
+// split-K factors 1, 2 and 4.
+constexpr LinearKernel kSkinny = LinearKernel::kSkinnyGemm;
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, LinearCudaTest,
+    ::testing::Values(Shape{1, 64, 96, false}, Shape{7, 256, 2048, true},
+                      Shape{64, 2048, 512, false}, Shape{3, 64, 200, true},
+                      Shape{128, 512, 1024, true}, Shape{1, 896, 1152, true},
+                      Shape{1, 4864, 896, true}, Shape{1, 2048, 3072, false},
+                      Shape{1, 8, 1, true}, Shape{2, 896, 896, false, kSkinny},
+                      Shape{5, 2048, 3072, false, kSkinny},
+                      Shape{8, 8192, 768, false, kSkinny},
+                      Shape{4, 1000, 333, true, kSkinny},
+                      Shape{6, 8, 1, true, kSkinny},
+                      Shape{8, 2048, 5000, false, kSkinny},
+                      Shape{1, 2048, 3072, true, LinearKernel::kCublas},
+                      Shape{8, 896, 1152, true, LinearKernel::kCublas}));
+
+// Every token count 1..8 computes each row with the same operations: row t
+// at T tokens is bit-identical to row t at 8 (a decode batch padded from 5
+// to 8 in its graph and run eagerly at 5 would agree bit for bit). Shapes
+// with split-K factors 1, 2 and 4 (SkinnyGemmKSplit).
+TEST_F(CudaKernelTest, SkinnyGemmRowsAreBatchInvariantFrom1To8Tokens) {
+  for (const Shape& s :
+       {Shape{8, 2048, 3072, true}, Shape{8, 8192, 2048, false},
+        Shape{8, 896, 9728, false}, Shape{8, 2048, 16384, false},
+        Shape{8, 1000, 333, true}, Shape{8, 4864, 896, true}}) {
+    SCOPED_TRACE(absl::StrFormat("in %d out %d", s.in, s.out));
+    const std::vector<float> x = RandomBf16Floats(8 * s.in, 21);
+    LinearParams p{
+        GpuBf16(x),
+        GpuBf16(RandomBf16Floats(s.out * s.in, 22)),
+        s.bias ? GpuBf16(RandomBf16Floats(s.out, 23)) : DeviceBuffer(),
+        gpu().Alloc(2 * 8 * s.out),
+        8,
+        s.in,
+        s.out,
+        DType::kBFloat16,
+        DType::kBFloat16,
+        LinearKernel::kSkinnyGemm};
+    ASSERT_TRUE(LaunchLinear(*gpu().stream, p).ok());
+    const std::vector<float> all = ReadGpuBf16(p.output, 8 * s.out);
+    for (int tokens = 1; tokens < 8; ++tokens) {
+      gpu().Write(p.output, std::vector<uint16_t>(8 * s.out, 0xFFFF));
+      p.num_tokens = tokens;
+      ASSERT_TRUE(LaunchLinear(*gpu().stream, p).ok());
+      const std::vector<float> got = ReadGpuBf16(p.output, tokens * s.out);
+      EXPECT_TRUE(SameBits(
+          got, std::vector<float>(all.begin(), all.begin() + tokens * s.out)))
+          << tokens << " tokens";
+    }
+  }
+}
+
+// Two skinny GEMMs in a row, the second reading the first's output, each
+// launched with programmatic stream serialization (it may start before the
+// previous kernel ends and waits in griddepcontrol.wait before reading its
+// input): captured in a graph, replayed, bit-identical to eager, and to the
+// same chain with the attribute off (cuBLAS in between, too).
+TEST_F(CudaKernelTest, SkinnyGemmChainInAGraphWaitsForItsInput) {
+  const int tokens = 4, hidden = 2048, inter = 4096;
+  const std::vector<float> x = RandomBf16Floats(tokens * hidden, 31);
+  DeviceBuffer input = GpuBf16(x);
+  DeviceBuffer middle = gpu().Alloc(2 * tokens * inter);
+  DeviceBuffer output = gpu().Alloc(2 * tokens * hidden);
+  const LinearParams up{input,
+                        GpuBf16(RandomBf16Floats(inter * hidden, 32)),
+                        DeviceBuffer(),
+                        middle,
+                        tokens,
+                        hidden,
+                        inter,
+                        DType::kBFloat16,
+                        DType::kBFloat16,
+                        LinearKernel::kSkinnyGemm};
+  const LinearParams down{
+      middle,
+      GpuBf16(RandomBf16Floats(hidden * inter, 33, -0.1f, 0.1f)),
+      DeviceBuffer(),
+      output,
+      tokens,
+      inter,
+      hidden,
+      DType::kBFloat16,
+      DType::kBFloat16,
+      LinearKernel::kSkinnyGemm};
+  Stream& stream = *gpu().stream;
+  ASSERT_TRUE(LaunchLinear(stream, up).ok());
+  ASSERT_TRUE(LaunchLinear(stream, down).ok());
+  const std::vector<float> eager = ReadGpuBf16(output, tokens * hidden);
+
+  // A cuBLAS layer that overwrites the input, then the chain: the first
+  // skinny GEMM must read the input only after it.
+  const std::vector<float> x2 = RandomBf16Floats(tokens * hidden, 34);
+  DeviceBuffer x2_buffer = GpuBf16(x2);
+  const LinearParams copy_in{
+      x2_buffer,        GpuBf16(RandomBf16Floats(hidden * hidden, 35)),
+      DeviceBuffer(),   input,
+      tokens,           hidden,
+      hidden,           DType::kBFloat16,
+      DType::kBFloat16, LinearKernel::kCublas};
+  ASSERT_TRUE(LaunchLinear(stream, copy_in).ok());
+  ASSERT_TRUE(LaunchLinear(stream, up).ok());
+  ASSERT_TRUE(LaunchLinear(stream, down).ok());
+  const std::vector<float> eager2 = ReadGpuBf16(output, tokens * hidden);
+  EXPECT_FALSE(SameBits(eager2, eager));
+
+  // Restore the first input, capture the three layers, replay.
+  gpu().Write(input, ToBf16Bits(x));
+  ASSERT_TRUE(stream.BeginCapture().ok());
+  ASSERT_TRUE(LaunchLinear(stream, copy_in).ok());
+  ASSERT_TRUE(LaunchLinear(stream, up).ok());
+  ASSERT_TRUE(LaunchLinear(stream, down).ok());
+  auto graph = stream.EndCapture();
+  ASSERT_TRUE(graph.ok()) << graph.status();
+  gpu().Write(middle, std::vector<uint16_t>(tokens * inter, 0xFFFF));
+  gpu().Write(output, std::vector<uint16_t>(tokens * hidden, 0xFFFF));
+  for (int replay = 0; replay < 3; ++replay) {
+    ASSERT_TRUE((*graph)->Replay().ok());
+    EXPECT_TRUE(SameBits(ReadGpuBf16(output, tokens * hidden), eager2))
+        << "replay " << replay;
+  }
+}
+
+TEST_F(CudaKernelTest, ForcedSkinnyGemmRefusesShapesItCannotRun) {
+  LinearParams p{GpuBf16(RandomBf16Floats(9 * 64, 41)),
+                 GpuBf16(RandomBf16Floats(64 * 64, 42)),
+                 DeviceBuffer(),
+                 gpu().Alloc(2 * 9 * 64),
+                 9,
+                 64,
+                 64,
+                 DType::kBFloat16,
+                 DType::kBFloat16,
+                 LinearKernel::kSkinnyGemm};
+  absl::Status status = LaunchLinear(*gpu().stream, p);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(status.message(), ::testing::HasSubstr("num_tokens=9"));
+  p.num_tokens = 2;
+  p.in_features = 60;  // not a multiple of 8
+  status = LaunchLinear(*gpu().stream, p);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(status.message(), ::testing::HasSubstr("in_features=60"));
+}
 
 TEST_F(CudaKernelTest, LinearGraphReplayIsBitIdenticalToEagerAtTheSameShape) {
   const Shape s{16, 512, 768, true};

@@ -136,6 +136,13 @@ TEST_F(LinearErrorsTest, RejectsBadBuffers) {
   EXPECT_THAT(LaunchLinear(stream(), bad),
               IsInvalidArgumentMentioning("overlap"));
   bad = p;
+  bad.kernel = LinearKernel::kSkinnyGemm;  // the CPU backend has one GEMM
+  EXPECT_THAT(LaunchLinear(stream(), bad),
+              IsInvalidArgumentMentioning("kernel must be auto"));
+  bad.kernel = LinearKernel::kCublas;
+  EXPECT_THAT(LaunchLinear(stream(), bad),
+              IsInvalidArgumentMentioning("kernel must be auto"));
+  bad = p;
   bad.in_features = -1;
   EXPECT_THAT(LaunchLinear(stream(), bad),
               IsInvalidArgumentMentioning("in_features"));

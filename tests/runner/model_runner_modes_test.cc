@@ -8,6 +8,7 @@
 #include <tuple>
 #include <vector>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/runner/model_runner_test_util.h"
 
@@ -227,6 +228,23 @@ TEST_P(ModesTest, StepsBeforeCaptureRunEagerlyWithTheReason) {
               graphs ? FallbackReason::kNone : FallbackReason::kModeNone)
         << mode;
   }
+}
+
+// The CPU backend has one GEMM: forcing a CUDA kernel is refused up front,
+// naming the option, before any memory is allocated.
+TEST(ModelRunnerOptionsTest, ForcedLinearKernelIsRefusedOnTheCpuBackend) {
+  auto dir = TinyModelDir(TinyShape::kGqa);
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  CpuDevice device;
+  ModelRunnerOptions options = SmallOptions(R"({"cudagraph_mode":"NONE"})");
+  options.linear_kernel = kernels::LinearKernel::kCublas;
+  auto runner = ModelRunner::Create(device, *dir, options);
+  ASSERT_FALSE(runner.ok());
+  EXPECT_EQ(runner.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(runner.status().message(),
+              ::testing::HasSubstr("linear_kernel must be auto"));
+  options.linear_kernel = kernels::LinearKernel::kAuto;
+  EXPECT_TRUE(ModelRunner::Create(device, *dir, options).ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ModesTest,

@@ -50,6 +50,19 @@ __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
   return __float2bfloat16(x);  // round to nearest even
 }
 
+// Programmatic dependent launch: lets the next kernel in the stream, if it
+// was launched with programmatic stream serialization (the skinny GEMM of a
+// decode step's linears), be scheduled now, so it can issue its weight
+// loads while this grid runs. It still waits (griddepcontrol.wait) for this
+// whole grid to finish, writes flushed, before reading any of its input. A
+// no-op for dependents launched without the attribute, and below sm_90.
+// Called first thing by the kernels that precede a linear in a decode step.
+__device__ __forceinline__ void AllowDependentLaunch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // True when `p` may be read or written with 16-byte (uint4) accesses.
 inline bool Aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;

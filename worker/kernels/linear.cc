@@ -85,11 +85,22 @@ absl::Status LinearOnCuda(Stream& stream, const LinearParams& p) {
   c.num_tokens = p.num_tokens;
   c.in_features = p.in_features;
   c.out_features = p.out_features;
+  c.kernel = p.kernel == LinearKernel::kCublas ? LinearCudaKernel::kCublas
+             : p.kernel == LinearKernel::kSkinnyGemm
+                 ? LinearCudaKernel::kSkinnyGemm
+                 : LinearCudaKernel::kAuto;
+  if (c.kernel == LinearCudaKernel::kSkinnyGemm && !SkinnyGemmSupports(c)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: kernel skinny_gemm needs 1..%d tokens, in_features a multiple of "
+        "8 and 16-byte aligned input and weight (num_tokens=%d, "
+        "in_features=%d)",
+        kOp, kSkinnyGemmMaxTokens, p.num_tokens, p.in_features));
+  }
   return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
     const LinearCudaResult result =
         LaunchLinearCuda(c, static_cast<cudaStream_t>(ctx.cuda_stream),
                          static_cast<cublasHandle_t>(ctx.cublas_handle));
-    absl::Status status = CudaStatus(result.launch, "linear bias broadcast");
+    absl::Status status = CudaStatus(result.launch, "linear kernel launch");
     if (!status.ok()) return status;
     return CublasStatus(result.cublas, "linear cublasGemmEx");
   });
@@ -156,6 +167,11 @@ absl::Status LaunchLinear(Stream& stream, const LinearParams& p) {
 #if PDW_HAVE_CUDA
   if (stream.kind() == DeviceKind::kCuda) return LinearOnCuda(stream, p);
 #endif
+  if (p.kernel != LinearKernel::kAuto) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: kernel must be auto on the %s backend (it has one GEMM)", kOp,
+        DeviceKindName(stream.kind())));
+  }
   return stream.Launch(kOp, [p](const OpContext&) { LinearCpu(p); });
 }
 

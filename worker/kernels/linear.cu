@@ -1,5 +1,6 @@
 // Dense layer on CUDA: output = input · weightᵀ (+ bias) through cuBLAS,
-// bf16 operands with fp32 accumulation (CUBLAS_COMPUTE_32F).
+// bf16 operands with fp32 accumulation (CUBLAS_COMPUTE_32F), or through the
+// skinny GEMM (skinny_gemm.cu) for a decode batch of one token.
 #include <cublasLt.h>
 
 #include "worker/kernels/cuda_common.cuh"
@@ -81,6 +82,15 @@ cublasStatus_t BiasedBf16Gemm(const LinearCudaParams& p, cudaStream_t stream,
 LinearCudaResult LaunchLinearCuda(const LinearCudaParams& p,
                                   cudaStream_t stream, cublasHandle_t cublas) {
   LinearCudaResult result;
+  const bool skinny =
+      p.kernel == LinearCudaKernel::kSkinnyGemm ||
+      (p.kernel == LinearCudaKernel::kAuto &&
+       p.num_tokens <= kSkinnyGemmAutoMaxTokens && SkinnyGemmSupports(p));
+  if (skinny) {
+    result.launch = LaunchSkinnyGemmCuda(
+        p, SkinnyGemmKSplit(p.in_features, p.out_features), stream);
+    return result;
+  }
   const bool fp32_out = p.output_type == LinearCudaOutput::kFloat32;
   if (p.bias != nullptr && !fp32_out) {
     result.cublas = BiasedBf16Gemm(p, stream, cublas);

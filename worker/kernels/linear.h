@@ -1,5 +1,6 @@
 // Dense layer: output = input · weightᵀ (+ bias). CPU: fp32, a row-invariant
-// GEMM. CUDA: cuBLAS, bf16 operands with fp32 accumulation.
+// GEMM. CUDA: cuBLAS or a skinny GEMM for decode batches, bf16 operands with
+// fp32 accumulation.
 #ifndef PDWORKER_WORKER_KERNELS_LINEAR_H_
 #define PDWORKER_WORKER_KERNELS_LINEAR_H_
 
@@ -10,6 +11,13 @@
 
 namespace pdworker {
 namespace kernels {
+
+// Which GEMM computes the layer on CUDA. kAuto: the skinny GEMM for a
+// one-token decode batch (in_features a multiple of 8, 16-byte aligned input
+// and weight), cuBLAS otherwise; kSkinnyGemm runs 1..8 tokens. The others force
+// one (tests, benchmarks); the CPU backend has one kernel and accepts kAuto
+// only.
+enum class LinearKernel { kAuto, kCublas, kSkinnyGemm };
 
 struct LinearParams {
   DeviceBuffer input;  // [>= num_tokens, in_features] of `dtype`
@@ -28,15 +36,17 @@ struct LinearParams {
   DType dtype = DType::kFloat32;
   // fp32 on the CPU backend; bf16 or fp32 (the LM head's logits) on CUDA.
   DType output_dtype = DType::kFloat32;
+  LinearKernel kernel = LinearKernel::kAuto;
 };
 
 // CPU: a row-invariant GEMM (see linear.cc): row t of the output is
 // bit-identical whatever num_tokens is, so an eager run at the real token
 // count and a graph replayed at the padded count agree bit for bit.
-// CUDA: cublasGemmEx (CUBLAS_COMPUTE_32F) on the stream's handle and fixed
-// workspace. Deterministic for a given shape, but cuBLAS picks its algorithm
-// per shape, so row t may differ in the last bits between token counts
-// (graph at the padded count vs eager at the real one): not row-invariant.
+// CUDA, 1 token: the skinny GEMM (skinny_gemm.cu; row-invariant over 1..8
+// tokens when forced). CUDA, more tokens: cublasGemmEx (CUBLAS_COMPUTE_32F) on
+// the stream's handle and fixed workspace. Deterministic for a given shape, but
+// cuBLAS picks its algorithm per shape, so row t may differ in the last bits
+// between token counts (graph at the padded count vs eager at the real one).
 absl::Status LaunchLinear(Stream& stream, const LinearParams& p);
 
 }  // namespace kernels

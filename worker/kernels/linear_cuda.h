@@ -1,5 +1,6 @@
-// CUDA launcher of the dense layer (worker/kernels/linear.h): cuBLAS GEMM,
-// bf16 inputs, fp32 accumulation, bf16 or fp32 output.
+// CUDA launchers of the dense layer (worker/kernels/linear.h): cuBLAS GEMM,
+// or the skinny GEMM for decode batches; bf16 inputs, fp32 accumulation,
+// bf16 or fp32 output.
 // Plain C++ with CUDA runtime types; included only where PDW_HAVE_CUDA.
 #ifndef PDWORKER_WORKER_KERNELS_LINEAR_CUDA_H_
 #define PDWORKER_WORKER_KERNELS_LINEAR_CUDA_H_
@@ -13,6 +14,20 @@ namespace kernels {
 
 enum class LinearCudaOutput { kBFloat16, kFloat32 };
 
+// Which GEMM computes the layer. kAuto: the skinny GEMM (skinny_gemm.cu)
+// for kSkinnyGemmAutoMaxTokens tokens when the shape allows it
+// (SkinnyGemmSupports), cuBLAS otherwise.
+enum class LinearCudaKernel { kAuto, kCublas, kSkinnyGemm };
+
+// The skinny GEMM runs 1..8 tokens; kAuto picks it at 1 token only. Measured
+// on an H200 (bench/RESULTS.md, linear_bench): at 1 token it is 1.05-2.2x
+// cuBLAS on every 0.5B / 1B projection (a tie on gate_up), from 2 tokens on
+// its CUDA-core dot products fall behind cuBLAS's tensor cores on the wide
+// matrices. A decode batch of 1 is never padded (1 is a capture size), so
+// the choice does not change a row's bits between a graph and eager.
+constexpr int kSkinnyGemmMaxTokens = 8;
+constexpr int kSkinnyGemmAutoMaxTokens = 1;
+
 struct LinearCudaParams {
   const __nv_bfloat16* input = nullptr;   // [num_tokens, in_features]
   const __nv_bfloat16* weight = nullptr;  // [out_features, in_features]
@@ -22,6 +37,11 @@ struct LinearCudaParams {
   int num_tokens = 0;
   int in_features = 0;
   int out_features = 0;
+  LinearCudaKernel kernel = LinearCudaKernel::kAuto;
+  // Skinny GEMM only: launch with programmatic stream serialization, so it
+  // may start (and issue its weight loads) before the previous kernel ends;
+  // it reads the input only after griddepcontrol.wait.
+  bool programmatic_launch = true;
 };
 
 // What went wrong, if anything: the bias broadcast kernel's launch error and
@@ -30,6 +50,20 @@ struct LinearCudaResult {
   cudaError_t launch = cudaSuccess;
   cublasStatus_t cublas = CUBLAS_STATUS_SUCCESS;
 };
+
+// The skinny GEMM's split-K factor (1, 2, 4 or 8) for a weight shape: a
+// function of the shape alone, so a row's reduction order is too.
+int SkinnyGemmKSplit(int in_features, int out_features);
+
+// True when the skinny GEMM can run `p`: 1..8 tokens, in_features a multiple
+// of 8, input and weight 16-byte aligned (bias and output need no alignment).
+bool SkinnyGemmSupports(const LinearCudaParams& p);
+
+// The skinny GEMM with an explicit split-K factor (benchmarks sweep it;
+// LaunchLinearCuda uses SkinnyGemmKSplit). cudaErrorInvalidValue when
+// SkinnyGemmSupports(p) is false or k_split is not 1, 2, 4 or 8.
+cudaError_t LaunchSkinnyGemmCuda(const LinearCudaParams& p, int k_split,
+                                 cudaStream_t stream);
 
 // `cublas` must be bound to `stream` with a fixed workspace (CudaStream does
 // both), so the call is capturable and never allocates.

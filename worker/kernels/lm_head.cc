@@ -148,6 +148,7 @@ absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p) {
   linear.out_features = p.vocab_size;
   linear.dtype = p.dtype;
   linear.output_dtype = DType::kFloat32;
+  linear.kernel = p.linear_kernel;
   return LaunchLinear(stream, linear);
 }
 

@@ -14,6 +14,7 @@ __global__ void GatherRowsKernel(const __nv_bfloat16* __restrict__ input,
                                  const int32_t* __restrict__ indices,
                                  __nv_bfloat16* __restrict__ output,
                                  int num_input_rows, int row_size) {
+  cuda::AllowDependentLaunch();
   const int64_t i = blockIdx.x;
   const int32_t index = indices[i];
   __nv_bfloat16* dst = output + i * row_size;

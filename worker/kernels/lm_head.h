@@ -5,6 +5,7 @@
 #define PDWORKER_WORKER_KERNELS_LM_HEAD_H_
 
 #include "absl/status/status.h"
+#include "worker/kernels/linear.h"
 #include "worker/model/dtype.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
@@ -51,6 +52,7 @@ struct LmHeadParams {
   // Element type of hidden, gathered and weight: fp32 on the CPU backend,
   // bf16 on CUDA.
   DType dtype = DType::kFloat32;
+  LinearKernel linear_kernel = LinearKernel::kAuto;  // the projection's GEMM
 };
 
 absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p);

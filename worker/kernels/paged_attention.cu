@@ -312,6 +312,7 @@ __device__ __forceinline__ HeadChunk ChunkOf(const PagedAttentionCudaParams& p,
 template <int kRows>
 __global__ void __launch_bounds__(kThreads)
     VarlenAttentionKernel(PagedAttentionCudaParams p, int heads_per_cta) {
+  cuda::AllowDependentLaunch();
   __shared__ SharedState s;
   __shared__ int request_s;
   const int t = blockIdx.x;
@@ -461,6 +462,7 @@ __global__ void __launch_bounds__(kThreads)
 
 __global__ void __launch_bounds__(kReduceThreads)
     DecodeReduceKernel(PagedAttentionCudaParams p) {
+  cuda::AllowDependentLaunch();
   const int token = blockIdx.x;
   const int head = blockIdx.y;
   const int k = p.uniform_query_len;

@@ -183,6 +183,7 @@ __device__ TileAssignment FindTile(const PagedAttentionCudaParams& p,
 template <int kHeadDim, int kWarpRowsArg>
 __global__ void __launch_bounds__(kThreads)
     MmaVarlenAttentionKernel(PagedAttentionCudaParams p) {
+  cuda::AllowDependentLaunch();
   using Sizes = TileSizes<kHeadDim, kWarpRowsArg>;
   constexpr int kChunks = Sizes::kChunksPerRow;
   constexpr int kTileRows = Sizes::kTileRows;

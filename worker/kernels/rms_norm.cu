@@ -25,6 +25,7 @@ __global__ void RmsNormKernel(const __nv_bfloat16* input,
                               const __nv_bfloat16* __restrict__ weight,
                               __nv_bfloat16* output, int hidden_size,
                               float epsilon) {
+  cuda::AllowDependentLaunch();
   __shared__ float scratch[32];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * hidden_size;
   const __nv_bfloat16* x = input + row;
@@ -84,6 +85,7 @@ __global__ void __launch_bounds__(kThreads)
     RmsNormVecKernel(const __nv_bfloat16* input, __nv_bfloat16* residual,
                      const __nv_bfloat16* __restrict__ weight,
                      __nv_bfloat16* output, int hidden_size, float epsilon) {
+  cuda::AllowDependentLaunch();
   __shared__ float scratch[32];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * hidden_size;
   const int vectors = hidden_size / 8;

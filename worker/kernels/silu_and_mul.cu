@@ -21,6 +21,7 @@ constexpr int kThreads = 256;
 __global__ void SiluAndMulKernel(const __nv_bfloat16* __restrict__ input,
                                  __nv_bfloat16* __restrict__ output,
                                  int intermediate) {
+  cuda::AllowDependentLaunch();
   const int i = blockIdx.y * blockDim.x + threadIdx.x;
   if (i >= intermediate) return;
   const int64_t t = blockIdx.x;
@@ -37,6 +38,7 @@ __global__ void SiluAndMulKernel(const __nv_bfloat16* __restrict__ input,
 __global__ void SiluAndMulVecKernel(const __nv_bfloat16* __restrict__ input,
                                     __nv_bfloat16* __restrict__ output,
                                     int intermediate) {
+  cuda::AllowDependentLaunch();
   const int i = blockIdx.y * blockDim.x + threadIdx.x;  // vector index
   if (i >= intermediate / 8) return;
   const int64_t t = blockIdx.x;

@@ -249,7 +249,8 @@ absl::Status LlamaForward::RunQkv(int layer, int num_tokens) {
       static_cast<int>(config_.hidden_size),
       static_cast<int>(config_.q_size() + 2 * config_.kv_size()),
       dtype,
-      dtype};
+      dtype,
+      options_.linear_kernel};
   return kernels::LaunchLinear(stream_, qkv);
 }
 
@@ -263,9 +264,9 @@ absl::Status LlamaForward::RunOutputAndMlp(int layer, int num_tokens) {
 
   // Linear params: {input, weight, bias, output, num_tokens, in, out,
   // dtype, output_dtype}.
-  const kernels::LinearParams o{act_.attn_out, w.o_proj,   w.o_bias,
-                                act_.hidden,   num_tokens, q_size,
-                                hidden,        dtype,      dtype};
+  const kernels::LinearParams o{
+      act_.attn_out, w.o_proj, w.o_bias, act_.hidden, num_tokens,
+      q_size,        hidden,   dtype,    dtype,       options_.linear_kernel};
   PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, o));
 
   // residual += attention output; hidden = post_norm(residual).
@@ -274,18 +275,18 @@ absl::Status LlamaForward::RunOutputAndMlp(int layer, int num_tokens) {
                                       eps,         dtype};
   PDW_RETURN_IF_ERROR(kernels::LaunchFusedAddRmsNorm(stream_, post));
 
-  const kernels::LinearParams gate_up{act_.hidden,  w.gate_up,  {},
-                                      act_.gate_up, num_tokens, hidden,
-                                      2 * inter,    dtype,      dtype};
+  const kernels::LinearParams gate_up{
+      act_.hidden, w.gate_up, {},    act_.gate_up, num_tokens,
+      hidden,      2 * inter, dtype, dtype,        options_.linear_kernel};
   PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, gate_up));
 
   kernels::SiluAndMulParams silu{act_.gate_up, act_.mlp_act, num_tokens, inter,
                                  dtype};
   PDW_RETURN_IF_ERROR(kernels::LaunchSiluAndMul(stream_, silu));
 
-  const kernels::LinearParams down{act_.mlp_act, w.down,     {},
-                                   act_.hidden,  num_tokens, inter,
-                                   hidden,       dtype,      dtype};
+  const kernels::LinearParams down{
+      act_.mlp_act, w.down, {},    act_.hidden, num_tokens,
+      inter,        hidden, dtype, dtype,       options_.linear_kernel};
   return kernels::LaunchLinear(stream_, down);
 }
 
@@ -341,6 +342,7 @@ absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
   head.hidden_size = hidden;
   head.vocab_size = static_cast<int>(config_.vocab_size);
   head.dtype = dtype;
+  head.linear_kernel = options_.linear_kernel;
   return kernels::LaunchLmHead(stream_, head);
 }
 

@@ -23,6 +23,7 @@
 #include "dispatcher/capture_lifecycle.h"
 #include "dispatcher/forward_context.h"
 #include "dispatcher/graph_wrapper.h"
+#include "worker/kernels/linear.h"
 #include "worker/model/llama_weights.h"
 #include "worker/model/model_config.h"
 #include "worker/model/step_buffers.h"
@@ -39,6 +40,9 @@ struct LlamaForwardOptions {
   int max_blocks_per_seq = 0;
   int uniform_decode_query_len = 1;
   InputAddressCheck input_address_check = InputAddressCheck::kOff;
+  // The GEMM of every projection and the LM head (kernels::LinearKernel;
+  // kAuto on the CPU backend).
+  kernels::LinearKernel linear_kernel = kernels::LinearKernel::kAuto;
 };
 
 // Static activations, reused by every step and every graph. Element type:

@@ -56,6 +56,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
         "max_num_seqs, max_num_batched_tokens, block_size and "
         "uniform_decode_query_len must be positive");
   }
+  if (device.kind() != DeviceKind::kCuda &&
+      options.linear_kernel != kernels::LinearKernel::kAuto) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "linear_kernel must be auto on the ", DeviceKindName(device.kind()),
+        " backend (it has one GEMM)"));
+  }
   std::unique_ptr<ModelRunner> r(new ModelRunner(device, options));
   PDW_ASSIGN_OR_RETURN(r->config_, LoadModelConfig(model_dir));
   const ModelConfig& c = r->config_;
@@ -190,6 +196,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   fo.max_blocks_per_seq = max_blocks;
   fo.uniform_decode_query_len = options.uniform_decode_query_len;
   fo.input_address_check = options.input_address_check;
+  fo.linear_kernel = options.linear_kernel;
   PDW_ASSIGN_OR_RETURN(
       r->forward_,
       LlamaForward::Create(c, r->weights_, r->inputs_->buffers(), fo, device,

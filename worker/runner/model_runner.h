@@ -60,6 +60,10 @@ struct ModelRunnerOptions {
   int uniform_decode_query_len = 1;  // 1 + speculative tokens
   int num_warmups = 1;               // eager runs before each capture
   InputAddressCheck input_address_check = InputAddressCheck::kOff;
+  // The projections' GEMM (kernels::LinearKernel): kAuto picks per step
+  // shape; kCublas / kSkinnyGemm force one on CUDA (benchmarks). The CPU
+  // backend accepts kAuto only.
+  kernels::LinearKernel linear_kernel = kernels::LinearKernel::kAuto;
 };
 
 // A token the host does not know yet: the sample of row `row` of the step

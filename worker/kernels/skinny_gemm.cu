@@ -1,0 +1,239 @@
+// Skinny GEMM for decode batches: Y[T, O] = X[T, I] · W[O, I]ᵀ (+ b) with
+// T <= kSkinnyGemmMaxTokens, bf16 operands, fp32 accumulation, bf16 or fp32
+// output. At T = 1..8 a decode step is a weight stream: cuBLAS reaches ~62%
+// of HBM on the small projections (bench/RESULTS.md), this kernel reads each
+// weight row once with 16-byte loads and keeps enough of them in flight.
+//
+// Work split (CTA = 8 warps):
+//  - the k axis is cut into chunks of 256 elements (32 lanes × 8 bf16, one
+//    16-byte load per lane);
+//  - a warp owns `rows_per_warp` (R) output rows and one of `k_split` (S)
+//    slices of the chunks (chunk c belongs to slice c % S), so narrow
+//    matrices still give the GPU O·S warps of work (split-K);
+//  - the S slices of a row sit in one CTA and are summed through shared
+//    memory in slice order: no atomics, no second launch.
+//
+// Batch invariance: every output element is the same sequence of fp32
+// operations whatever T and R are: lane l accumulates, with fmaf, its 8
+// elements of each of its slice's chunks in increasing k; the warp sums its
+// lanes with a fixed shuffle-down tree; the slices are added in order 0..S-1;
+// the bias is added last, then one rounding. S depends on (O, I) alone
+// (SkinnyGemmKSplit), so row t of a padded graph replay and of an eager run
+// at the real token count carry the same bits.
+//
+// Programmatic dependent launch: the kernel issues its first weight loads
+// (weights never change during a step) before griddepcontrol.wait, which
+// returns once the previous kernel in the stream has finished and its writes
+// are visible; X is read and Y written only after it. Launched without the
+// attribute, the wait returns at once.
+#include <algorithm>
+
+#include "worker/kernels/cuda_common.cuh"
+#include "worker/kernels/linear_cuda.h"
+
+namespace pdworker {
+namespace kernels {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * cuda::kWarpSize;
+constexpr int kChunk = cuda::kWarpSize * 8;  // k elements per warp-wide load
+
+// Weights are streamed once per step: keep them out of L1 (X, read by every
+// warp of the CTA, stays there).
+__device__ __forceinline__ uint4 LoadStreaming(const __nv_bfloat16* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void WaitForPreviousKernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// NT tokens, R rows per warp, U chunks per batch of loads in flight.
+// grid: [ceil(O / (R · kWarps / S))]; block: kThreads.
+template <int NT, int R, int U, typename OutT>
+__global__ void __launch_bounds__(kThreads)
+    SkinnyGemmKernel(const __nv_bfloat16* __restrict__ x,
+                     const __nv_bfloat16* __restrict__ w,
+                     const __nv_bfloat16* __restrict__ bias,
+                     OutT* __restrict__ y, int in_features, int out_features,
+                     int k_split) {
+  __shared__ float partial[kWarps][R * NT];
+  const int warp = threadIdx.x / cuda::kWarpSize;
+  const int lane = threadIdx.x % cuda::kWarpSize;
+  const int groups = kWarps / k_split;  // row groups per CTA
+  const int group = warp / k_split, slice = warp % k_split;
+  const int row0 = (blockIdx.x * groups + group) * R;
+  const int num_chunks = (in_features + kChunk - 1) / kChunk;
+
+  const __nv_bfloat16* w_row[R];
+  bool row_ok[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    row_ok[r] = row0 + r < out_features;
+    w_row[r] = w + static_cast<int64_t>(row_ok[r] ? row0 + r : 0) * in_features;
+  }
+
+  float acc[R][NT];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[r][t] = 0.0f;
+  }
+
+  // Loads of one batch of U chunks: c = slice + (first + u) · S.
+  uint4 wv[U][R];
+  auto load_weights = [&](int first) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = (slice + (first + u) * k_split) * kChunk + lane * 8;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        wv[u][r] = (k < in_features && row_ok[r]) ? LoadStreaming(w_row[r] + k)
+                                                  : make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+
+  const int my_chunks = (num_chunks - slice + k_split - 1) / k_split;
+  load_weights(0);
+  WaitForPreviousKernel();
+  for (int first = 0; first < my_chunks; first += U) {
+    if (first > 0) load_weights(first);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = (slice + (first + u) * k_split) * kChunk + lane * 8;
+      if (first + u >= my_chunks || k >= in_features) continue;
+      float wf[R][8];
+#pragma unroll
+      for (int r = 0; r < R; ++r) cuda::Bf16x8ToFloat(wv[u][r], wf[r]);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        float xf[8];
+        cuda::Bf16x8ToFloat(__ldg(reinterpret_cast<const uint4*>(
+                                x + static_cast<int64_t>(t) * in_features + k)),
+                            xf);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            acc[r][t] = __fmaf_rn(wf[r][e], xf[e], acc[r][t]);
+          }
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const float sum = cuda::WarpSumToLane0(acc[r][t]);
+      if (lane == 0) partial[warp][r * NT + t] = sum;
+    }
+  }
+  __syncthreads();
+  // One thread per (group, row, token) adds the slices in order.
+  const int per_group = R * NT;
+  if (threadIdx.x >= groups * per_group) return;
+  const int g = threadIdx.x / per_group, j = threadIdx.x % per_group;
+  const int row = (blockIdx.x * groups + g) * R + j / NT;
+  const int t = j % NT;
+  if (row >= out_features) return;
+  float sum = partial[g * k_split][j];
+  for (int s = 1; s < k_split; ++s) sum += partial[g * k_split + s][j];
+  if (bias != nullptr) sum += cuda::ToFloat(bias[row]);
+  y[static_cast<int64_t>(t) * out_features + row] = cuda::FromFloat<OutT>(sum);
+}
+
+template <int NT, typename OutT>
+cudaError_t LaunchForTokens(const LinearCudaParams& p, int k_split,
+                            bool programmatic, cudaStream_t stream) {
+  // Two rows per warp from 3 tokens up halves the L1 reads of X per weight
+  // byte; fewer chunks in flight keep the registers of 8 tokens in budget.
+  constexpr int R = NT >= 3 ? 2 : 1;
+  constexpr int U = NT >= 5 ? 2 : 4;
+  const int rows_per_cta = R * (kWarps / k_split);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(cuda::NumBlocks(p.out_features, rows_per_cta));
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = programmatic ? 1 : 0;
+  return cudaLaunchKernelEx(&config, SkinnyGemmKernel<NT, R, U, OutT>, p.input,
+                            p.weight, p.bias, static_cast<OutT*>(p.output),
+                            p.in_features, p.out_features, k_split);
+}
+
+template <typename OutT>
+cudaError_t LaunchForOutput(const LinearCudaParams& p, int k_split,
+                            bool programmatic, cudaStream_t stream) {
+  switch (p.num_tokens) {
+    case 1:
+      return LaunchForTokens<1, OutT>(p, k_split, programmatic, stream);
+    case 2:
+      return LaunchForTokens<2, OutT>(p, k_split, programmatic, stream);
+    case 3:
+      return LaunchForTokens<3, OutT>(p, k_split, programmatic, stream);
+    case 4:
+      return LaunchForTokens<4, OutT>(p, k_split, programmatic, stream);
+    case 5:
+      return LaunchForTokens<5, OutT>(p, k_split, programmatic, stream);
+    case 6:
+      return LaunchForTokens<6, OutT>(p, k_split, programmatic, stream);
+    case 7:
+      return LaunchForTokens<7, OutT>(p, k_split, programmatic, stream);
+    case 8:
+      return LaunchForTokens<8, OutT>(p, k_split, programmatic, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+int SkinnyGemmKSplit(int in_features, int out_features) {
+  // About 4,096 warp-slices of work, no more (measured on an H200 at one
+  // token, bench/RESULTS.md: the best factor of every 0.5B / 1B projection
+  // within 0.8 µs), and >= 2 chunks per slice so a warp still has loads to
+  // overlap.
+  const int num_chunks = (in_features + kChunk - 1) / kChunk;
+  int k_split = 1;
+  while (k_split < kWarps &&
+         static_cast<int64_t>(out_features) * k_split * 2 < 8192 &&
+         num_chunks >= 4 * k_split) {
+    k_split *= 2;
+  }
+  return k_split;
+}
+
+bool SkinnyGemmSupports(const LinearCudaParams& p) {
+  return p.num_tokens >= 1 && p.num_tokens <= kSkinnyGemmMaxTokens &&
+         p.in_features % 8 == 0 && cuda::Aligned16(p.input) &&
+         cuda::Aligned16(p.weight);
+}
+
+cudaError_t LaunchSkinnyGemmCuda(const LinearCudaParams& p, int k_split,
+                                 cudaStream_t stream) {
+  if (!SkinnyGemmSupports(p) || k_split < 1 || k_split > kWarps ||
+      (k_split & (k_split - 1)) != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const bool programmatic = p.programmatic_launch;
+  if (p.output_type == LinearCudaOutput::kFloat32) {
+    return LaunchForOutput<float>(p, k_split, programmatic, stream);
+  }
+  return LaunchForOutput<__nv_bfloat16>(p, k_split, programmatic, stream);
+}
+
+}  // namespace kernels
+}  // namespace pdworker
