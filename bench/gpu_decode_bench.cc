@@ -172,7 +172,11 @@ std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
 struct DecodeResult {
   std::map<int, double> step_ms;      // batch -> median Execute ms
   std::map<int, std::string> ran_as;  // batch -> runtime mode that ran
-  std::map<int, double> prefill_ms;   // prompt tokens -> median Execute ms
+  // FULL steps only: the forward alone (median replay of the step's graph,
+  // event-timed, nothing uploaded or sampled) and the graph's nodes.
+  std::map<int, double> forward_ms;
+  std::map<int, size_t> graph_nodes;
+  std::map<int, double> prefill_ms;  // prompt tokens -> median Execute ms
   std::map<int, std::string> prefill_ran_as;
   double capture_seconds = 0;
   int64_t capture_bytes = 0;  // device memory the captured graphs took
@@ -242,6 +246,8 @@ DecodeResult MeasureDecode(Device& device, const std::string& dir,
       CHECK(r->Execute(prefill).ok());
     }
     std::vector<double> times;
+    BatchDescriptor key;
+    bool full = false;
     for (int rep = 0; rep < reps + 2; ++rep) {  // 2 warm-up steps
       std::vector<SequenceStep> step;
       for (const auto& id : ids) {
@@ -254,12 +260,35 @@ DecodeResult MeasureDecode(Device& device, const std::string& dir,
       const auto t1 = std::chrono::steady_clock::now();
       CHECK(result.ok()) << result.status();
       out.ran_as[batch] = std::string(RuntimeModeName(result->info.mode));
+      key = result->info.descriptor;
+      full = result->info.mode == RuntimeMode::kFull;
       if (rep >= 2) {
         times.push_back(
             std::chrono::duration<double, std::milli>(t1 - t0).count());
       }
     }
     out.step_ms[batch] = Median(times);
+    if (full) {
+      // The last step's graph again, on the inputs it left: what a
+      // megakernel's per-token figure measures (it rewrites the same KV
+      // slots, so the sequences are unchanged).
+      const GraphWrapper& graphs = r->forward().full_wrapper();
+      out.graph_nodes[batch] = graphs.NumNodes(key);
+      auto start = device.CreateEvent();
+      auto stop = device.CreateEvent();
+      CHECK(start.ok() && stop.ok());
+      CHECK(graphs.Replay(key).ok());  // warm-up
+      std::vector<double> forward;
+      for (int rep = 0; rep < reps; ++rep) {
+        CHECK(r->stream().RecordEvent(**start).ok());
+        CHECK(graphs.Replay(key).ok());
+        CHECK(r->stream().RecordEvent(**stop).ok());
+        auto ms = (*stop)->ElapsedMillisecondsSince(**start);
+        CHECK(ms.ok()) << ms.status();
+        forward.push_back(*ms);
+      }
+      out.forward_ms[batch] = Median(forward);
+    }
     for (const auto& id : ids) CHECK(r->Release(id).ok());
   }
   return out;
@@ -390,6 +419,17 @@ void PrintTables(const std::vector<std::string>& modes,
     }
     std::printf(" %s |\n", absl::StrJoin(ran, "/").c_str());
   }
+  if (results.count("FULL") && !results["FULL"].forward_ms.empty()) {
+    std::printf(
+        "\nFULL: the forward alone (graph replay, event-timed, median) vs "
+        "the whole step, and the graph's nodes (kernels per step):\n\n"
+        "| batch | forward ms | step ms | graph nodes |\n| ---: | ---: | ---: "
+        "| ---: |\n");
+    for (const auto& [b, ms] : results["FULL"].forward_ms) {
+      std::printf("| %d | %.3f | %.3f | %zu |\n", b, ms,
+                  results["FULL"].step_ms[b], results["FULL"].graph_nodes[b]);
+    }
+  }
   if (!prefill_lens.empty()) {
     std::printf("\nBatch-1 prefill, ms:\n\n| tokens |");
     for (const auto& mode : modes) std::printf(" %s |", mode.c_str());
@@ -434,10 +474,15 @@ void WriteJson(const std::string& path, const std::string& device,
                {"capture", Json::array()}};
   for (auto& [mode, r] : results) {
     for (const auto& [batch, ms] : r.step_ms) {
-      root["decode"].push_back({{"mode", mode},
-                                {"batch", batch},
-                                {"step_ms", ms},
-                                {"ran_as", r.ran_as[batch]}});
+      nlohmann::json row = {{"mode", mode},
+                            {"batch", batch},
+                            {"step_ms", ms},
+                            {"ran_as", r.ran_as[batch]}};
+      if (r.forward_ms.count(batch)) {
+        row["forward_ms"] = r.forward_ms[batch];
+        row["graph_nodes"] = r.graph_nodes[batch];
+      }
+      root["decode"].push_back(row);
     }
     for (const auto& [tokens, ms] : r.prefill_ms) {
       root["prefill"].push_back({{"mode", mode},

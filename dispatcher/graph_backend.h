@@ -6,6 +6,7 @@
 #ifndef PDWORKER_DISPATCHER_GRAPH_BACKEND_H_
 #define PDWORKER_DISPATCHER_GRAPH_BACKEND_H_
 
+#include <cstddef>
 #include <memory>
 
 #include "absl/status/status.h"
@@ -24,6 +25,11 @@ class CapturedGraph {
   // Launches the recorded work on the stream it was captured on. Asynchronous
   // on a GPU; on the CPU backend the work is done when this returns.
   virtual absl::Status Replay() = 0;
+
+  // The recorded work items: CUDA graph nodes (kernels, copies, memsets),
+  // or the CPU backend's recorded ops. A FULL decode graph's count is the
+  // step's kernels-per-step figure (issue 23).
+  virtual size_t num_nodes() const = 0;
 };
 
 // Something that can record the work issued between BeginCapture and

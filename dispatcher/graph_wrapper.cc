@@ -25,6 +25,21 @@ GraphWrapper::GraphWrapper(Params params)
       << "GraphWrapper '" << options_.name << "' needs a capture lifecycle";
 }
 
+size_t GraphWrapper::NumNodes(const BatchDescriptor& key) const {
+  auto it = entries_.find(key);
+  return it == entries_.end() ? 0 : it->second.graph->num_nodes();
+}
+
+absl::Status GraphWrapper::Replay(const BatchDescriptor& key) const {
+  auto it = entries_.find(key);
+  if (it == entries_.end()) {
+    return absl::NotFoundError(absl::StrCat(options_.name, ": no ",
+                                            RuntimeModeName(mode_),
+                                            " graph for ", key.ToString()));
+  }
+  return it->second.graph->Replay();
+}
+
 absl::Status GraphWrapper::Run(const ForwardContext& context,
                                absl::Span<const void* const> input_addresses) {
   if (context.runtime_mode == RuntimeMode::kNone ||

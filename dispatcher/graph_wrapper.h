@@ -100,6 +100,13 @@ class GraphWrapper {
   bool HasGraph(const BatchDescriptor& key) const {
     return entries_.contains(key);
   }
+  // The captured graph's node count for `key` (CapturedGraph::num_nodes);
+  // 0 when none is cached.
+  size_t NumNodes(const BatchDescriptor& key) const;
+  // Replays the cached graph of `key` as it is, on whatever the static input
+  // buffers hold (benchmarks: the forward alone, with the inputs the last
+  // step left). No counters move. NOT_FOUND when none is cached.
+  absl::Status Replay(const BatchDescriptor& key) const;
 
  private:
   struct Entry {

@@ -325,6 +325,7 @@ class FakeGraph : public CapturedGraph {
     ++*replays_;
     return replay_status;
   }
+  size_t num_nodes() const override { return 1; }
   absl::Status replay_status;
 
  private:
@@ -383,6 +384,22 @@ TEST_F(GraphWrapperLogicTest, CaptureRecordsOnceThenLaunchesTheNewGraph) {
   EXPECT_EQ(body_runs_, 1);
   EXPECT_EQ(backend_.graph_replays, 2);
   EXPECT_EQ(wrapper->counters().replays, 1);
+}
+
+// Replay(key) launches the cached graph as it is (benchmarks time the
+// forward alone with it): no body run, no counter moved; NOT_FOUND before
+// the key is captured. NumNodes reports the graph's node count.
+TEST_F(GraphWrapperLogicTest, ReplayOfAKeyLaunchesItsGraphAndNothingElse) {
+  auto wrapper = Make(RuntimeMode::kFull);
+  EXPECT_EQ(wrapper->Replay(kKey8).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(wrapper->NumNodes(kKey8), 0u);
+  ASSERT_TRUE(wrapper->Run(Full(kKey8)).ok());
+  const int replays_before = backend_.graph_replays;
+  ASSERT_TRUE(wrapper->Replay(kKey8).ok());
+  EXPECT_EQ(backend_.graph_replays, replays_before + 1);
+  EXPECT_EQ(body_runs_, 1);
+  EXPECT_EQ(wrapper->counters().replays, 0);
+  EXPECT_EQ(wrapper->NumNodes(kKey8), 1u);
 }
 
 TEST_F(GraphWrapperLogicTest, OtherModesPassThrough) {

@@ -17,6 +17,7 @@
 #include "gmock/gmock.h"
 #include "tests/kernels/cuda_kernel_test_util.h"
 #include "worker/kernels/linear.h"
+#include "worker/kernels/silu_and_mul.h"
 
 namespace pdworker {
 namespace kernels {
@@ -233,6 +234,93 @@ TEST_F(CudaKernelTest, SkinnyGemmChainInAGraphWaitsForItsInput) {
     EXPECT_TRUE(SameBits(ReadGpuBf16(output, tokens * hidden), eager2))
         << "replay " << replay;
   }
+}
+
+// gate_up with the SiLU-and-mul epilogue is bit-identical to the same GEMM
+// followed by the SiLU-and-mul kernel, at every token count the skinny GEMM
+// runs, with and without a bias, across split-K factors (1, 2, 4). The
+// outputs are poisoned before each run.
+TEST_F(CudaKernelTest, SkinnyGemmSiluAndMulEpilogueMatchesTheTwoKernels) {
+  struct Case {
+    int in, inter;
+    bool bias;
+  };
+  for (const Case& c : {Case{896, 4864, false}, Case{2048, 1000, true},
+                        Case{64, 3, true}, Case{8192, 700, false}}) {
+    const int out = 2 * c.inter;
+    // Inputs of a wide range so that silu sees large negative gates too.
+    const std::vector<float> x = RandomBf16Floats(8 * c.in, 51, -4.0f, 4.0f);
+    LinearParams p{GpuBf16(x),
+                   GpuBf16(RandomBf16Floats(out * c.in, 52)),
+                   c.bias ? GpuBf16(RandomBf16Floats(out, 53)) : DeviceBuffer(),
+                   gpu().Alloc(2 * 8 * out),
+                   8,
+                   c.in,
+                   out,
+                   DType::kBFloat16,
+                   DType::kBFloat16,
+                   LinearKernel::kSkinnyGemm};
+    for (int tokens = 1; tokens <= 8; ++tokens) {
+      SCOPED_TRACE(
+          absl::StrFormat("in %d inter %d tokens %d", c.in, c.inter, tokens));
+      p.num_tokens = tokens;
+      p.output = gpu().Alloc(2 * 8 * out);
+      p.epilogue = LinearEpilogue::kNone;
+      ASSERT_TRUE(LaunchLinear(*gpu().stream, p).ok());
+      SiluAndMulParams silu{p.output, gpu().Alloc(2 * 8 * c.inter), tokens,
+                            c.inter, DType::kBFloat16};
+      ASSERT_TRUE(LaunchSiluAndMul(*gpu().stream, silu).ok());
+      const std::vector<float> want =
+          ReadGpuBf16(silu.output, tokens * c.inter);
+
+      LinearParams fused = p;
+      fused.output = gpu().Alloc(2 * 8 * c.inter);
+      fused.epilogue = LinearEpilogue::kSiluAndMul;
+      ASSERT_TRUE(LinearFusesSiluAndMul(*gpu().stream, fused));
+      ASSERT_TRUE(LaunchLinear(*gpu().stream, fused).ok());
+      EXPECT_TRUE(SameBits(ReadGpuBf16(fused.output, tokens * c.inter), want));
+    }
+  }
+}
+
+// Where the epilogue cannot run, it is refused (never silently dropped):
+// cuBLAS (forced, or kAuto above one token), an odd out_features, fp32
+// output. LinearFusesSiluAndMul says so beforehand.
+TEST_F(CudaKernelTest,
+       SiluAndMulEpilogueIsRefusedWhereTheSkinnyGemmDoesNotRun) {
+  LinearParams p{GpuBf16(RandomBf16Floats(2 * 64, 61)),
+                 GpuBf16(RandomBf16Floats(128 * 64, 62)),
+                 DeviceBuffer(),
+                 gpu().Alloc(2 * 2 * 64),
+                 1,
+                 64,
+                 128,
+                 DType::kBFloat16,
+                 DType::kBFloat16,
+                 LinearKernel::kAuto,
+                 LinearEpilogue::kSiluAndMul};
+  EXPECT_TRUE(LinearFusesSiluAndMul(*gpu().stream, p));
+  EXPECT_TRUE(LaunchLinear(*gpu().stream, p).ok());
+  auto refused = [&](LinearParams bad, const char* why) {
+    SCOPED_TRACE(why);
+    EXPECT_FALSE(LinearFusesSiluAndMul(*gpu().stream, bad));
+    const absl::Status status = LaunchLinear(*gpu().stream, bad);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_THAT(status.message(), ::testing::HasSubstr("silu_and_mul"));
+  };
+  LinearParams bad = p;
+  bad.num_tokens = 2;  // kAuto: cuBLAS above one token
+  refused(bad, "two tokens, auto");
+  bad = p;
+  bad.kernel = LinearKernel::kCublas;
+  refused(bad, "cublas");
+  bad = p;
+  bad.out_features = 127;
+  bad.weight = GpuBf16(RandomBf16Floats(127 * 64, 63));
+  refused(bad, "odd out_features");
+  bad = p;
+  bad.output_dtype = DType::kFloat32;
+  refused(bad, "fp32 output");
 }
 
 TEST_F(CudaKernelTest, ForcedSkinnyGemmRefusesShapesItCannotRun) {

@@ -143,6 +143,12 @@ TEST_F(LinearErrorsTest, RejectsBadBuffers) {
   EXPECT_THAT(LaunchLinear(stream(), bad),
               IsInvalidArgumentMentioning("kernel must be auto"));
   bad = p;
+  bad.epilogue = LinearEpilogue::kSiluAndMul;  // fused only on CUDA
+  EXPECT_FALSE(LinearFusesSiluAndMul(stream(), bad));
+  bad.output = AllocElements<float>(4 * 3);
+  EXPECT_THAT(LaunchLinear(stream(), bad),
+              IsInvalidArgumentMentioning("epilogue must be none"));
+  bad = p;
   bad.in_features = -1;
   EXPECT_THAT(LaunchLinear(stream(), bad),
               IsInvalidArgumentMentioning("in_features"));

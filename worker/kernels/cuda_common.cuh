@@ -63,6 +63,15 @@ __device__ __forceinline__ void AllowDependentLaunch() {
 #endif
 }
 
+// silu(gate) · up, the expression of the CPU kernel (worker/kernels/
+// silu_and_mul.cc): gate / (1 + exp(-gate)) · up with the accurate expf (for
+// gate -> -inf, exp overflows to inf and the quotient is -0, no NaN). One
+// definition for the SiLU-and-mul kernel and the skinny GEMM's fused
+// epilogue, so the two give the same bits.
+__device__ __forceinline__ float SiluMul(float gate, float up) {
+  return gate / (1.0f + expf(-gate)) * up;
+}
+
 // True when `p` may be read or written with 16-byte (uint4) accesses.
 inline bool Aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;

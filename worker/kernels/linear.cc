@@ -73,7 +73,7 @@ void LinearCpu(const LinearParams& p) {
 }
 
 #if PDW_HAVE_CUDA
-absl::Status LinearOnCuda(Stream& stream, const LinearParams& p) {
+LinearCudaParams ToCudaParams(const LinearParams& p) {
   LinearCudaParams c;
   c.input = p.input.as<const __nv_bfloat16>();
   c.weight = p.weight.as<const __nv_bfloat16>();
@@ -89,6 +89,22 @@ absl::Status LinearOnCuda(Stream& stream, const LinearParams& p) {
              : p.kernel == LinearKernel::kSkinnyGemm
                  ? LinearCudaKernel::kSkinnyGemm
                  : LinearCudaKernel::kAuto;
+  c.epilogue = p.epilogue == LinearEpilogue::kSiluAndMul
+                   ? LinearCudaEpilogue::kSiluAndMul
+                   : LinearCudaEpilogue::kNone;
+  return c;
+}
+
+absl::Status LinearOnCuda(Stream& stream, const LinearParams& p) {
+  const LinearCudaParams c = ToCudaParams(p);
+  if (p.epilogue == LinearEpilogue::kSiluAndMul &&
+      !LinearFusesSiluAndMul(stream, p)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: epilogue silu_and_mul needs the skinny GEMM (num_tokens=%d; "
+        "in_features a multiple of 8, aligned input and weight), an even "
+        "out_features (got %d) and bf16 output",
+        kOp, p.num_tokens, p.out_features));
+  }
   if (c.kernel == LinearCudaKernel::kSkinnyGemm && !SkinnyGemmSupports(c)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s: kernel skinny_gemm needs 1..%d tokens, in_features a multiple of "
@@ -122,6 +138,21 @@ absl::Status CheckLinearDTypes(const Stream& stream, const LinearParams& p) {
 
 }  // namespace
 
+bool LinearFusesSiluAndMul(const Stream& stream, const LinearParams& p) {
+#if PDW_HAVE_CUDA
+  if (stream.kind() != DeviceKind::kCuda || p.dtype != DType::kBFloat16 ||
+      p.output_dtype != DType::kBFloat16 || p.out_features % 2 != 0) {
+    return false;
+  }
+  const LinearCudaParams c = ToCudaParams(p);
+  return LinearCudaUsesSkinnyGemm(c) && SkinnyGemmSupports(c);
+#else
+  (void)stream;
+  (void)p;
+  return false;
+#endif
+}
+
 absl::Status LaunchLinear(Stream& stream, const LinearParams& p) {
   absl::Status status =
       FirstError({CheckPositive(kOp, "num_tokens", p.num_tokens),
@@ -132,8 +163,11 @@ absl::Status LaunchLinear(Stream& stream, const LinearParams& p) {
       static_cast<int64_t>(p.num_tokens) * p.in_features;
   const int64_t weight_elements =
       static_cast<int64_t>(p.out_features) * p.in_features;
-  const int64_t out_elements =
-      static_cast<int64_t>(p.num_tokens) * p.out_features;
+  // kSiluAndMul writes [num_tokens, out_features / 2].
+  const int out_columns = p.epilogue == LinearEpilogue::kSiluAndMul
+                              ? p.out_features / 2
+                              : p.out_features;
+  const int64_t out_elements = static_cast<int64_t>(p.num_tokens) * out_columns;
   status = CheckLinearDTypes(stream, p);
   if (!status.ok()) return status;
   const size_t element = DTypeSize(p.dtype);
@@ -154,8 +188,11 @@ absl::Status LaunchLinear(Stream& stream, const LinearParams& p) {
                  absl::StrFormat("[out_features=%d] %s", p.out_features, type)),
        CheckBuffer(
            kOp, "output", p.output, out_elements, out_element,
-           absl::StrFormat("[num_tokens=%d, out_features=%d] %s", p.num_tokens,
-                           p.out_features, ShortDTypeName(p.output_dtype))),
+           absl::StrFormat("[num_tokens=%d, %s=%d] %s", p.num_tokens,
+                           p.epilogue == LinearEpilogue::kSiluAndMul
+                               ? "out_features / 2"
+                               : "out_features",
+                           out_columns, ShortDTypeName(p.output_dtype))),
        CheckDisjoint(kOp, "output", p.output, out_bytes, "input", p.input,
                      element * in_elements),
        CheckDisjoint(kOp, "output", p.output, out_bytes, "weight", p.weight,
@@ -171,6 +208,12 @@ absl::Status LaunchLinear(Stream& stream, const LinearParams& p) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s: kernel must be auto on the %s backend (it has one GEMM)", kOp,
         DeviceKindName(stream.kind())));
+  }
+  if (p.epilogue != LinearEpilogue::kNone) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: epilogue must be none on the %s backend (LinearFusesSiluAndMul "
+        "is false there)",
+        kOp, DeviceKindName(stream.kind())));
   }
   return stream.Launch(kOp, [p](const OpContext&) { LinearCpu(p); });
 }

@@ -79,16 +79,22 @@ cublasStatus_t BiasedBf16Gemm(const LinearCudaParams& p, cudaStream_t stream,
 
 }  // namespace
 
+bool LinearCudaUsesSkinnyGemm(const LinearCudaParams& p) {
+  return p.kernel == LinearCudaKernel::kSkinnyGemm ||
+         (p.kernel == LinearCudaKernel::kAuto &&
+          p.num_tokens <= kSkinnyGemmAutoMaxTokens && SkinnyGemmSupports(p));
+}
+
 LinearCudaResult LaunchLinearCuda(const LinearCudaParams& p,
                                   cudaStream_t stream, cublasHandle_t cublas) {
   LinearCudaResult result;
-  const bool skinny =
-      p.kernel == LinearCudaKernel::kSkinnyGemm ||
-      (p.kernel == LinearCudaKernel::kAuto &&
-       p.num_tokens <= kSkinnyGemmAutoMaxTokens && SkinnyGemmSupports(p));
-  if (skinny) {
+  if (LinearCudaUsesSkinnyGemm(p)) {
     result.launch = LaunchSkinnyGemmCuda(
         p, SkinnyGemmKSplit(p.in_features, p.out_features), stream);
+    return result;
+  }
+  if (p.epilogue != LinearCudaEpilogue::kNone) {
+    result.launch = cudaErrorInvalidValue;  // cuBLAS has no such epilogue
     return result;
   }
   const bool fp32_out = p.output_type == LinearCudaOutput::kFloat32;

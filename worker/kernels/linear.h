@@ -19,6 +19,13 @@ namespace kernels {
 // only.
 enum class LinearKernel { kAuto, kCublas, kSkinnyGemm };
 
+// What the layer does with the product. kSiluAndMul (CUDA, where the skinny
+// GEMM runs: see LinearFusesSiluAndMul): `weight` is gate_up's [gate; up]
+// (out_features = 2 · intermediate rows) and `output` is
+// [num_tokens, intermediate] = silu(gate) · up, bit-identical to the layer
+// followed by LaunchSiluAndMul; one kernel instead of two.
+enum class LinearEpilogue { kNone, kSiluAndMul };
+
 struct LinearParams {
   DeviceBuffer input;  // [>= num_tokens, in_features] of `dtype`
   // [out_features, in_features] of `dtype`: the Hugging Face nn.Linear
@@ -37,7 +44,14 @@ struct LinearParams {
   // fp32 on the CPU backend; bf16 or fp32 (the LM head's logits) on CUDA.
   DType output_dtype = DType::kFloat32;
   LinearKernel kernel = LinearKernel::kAuto;
+  LinearEpilogue epilogue = LinearEpilogue::kNone;
 };
+
+// True when `p` with epilogue kSiluAndMul can run on `stream`: CUDA, the
+// skinny GEMM chosen for it (kAuto at one token, or forced), in_features a
+// multiple of 8, 16-byte aligned input and weight, out_features even, bf16
+// output. The caller runs the layer and LaunchSiluAndMul otherwise.
+bool LinearFusesSiluAndMul(const Stream& stream, const LinearParams& p);
 
 // CPU: a row-invariant GEMM (see linear.cc): row t of the output is
 // bit-identical whatever num_tokens is, so an eager run at the real token

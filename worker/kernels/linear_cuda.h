@@ -19,6 +19,12 @@ enum class LinearCudaOutput { kBFloat16, kFloat32 };
 // (SkinnyGemmSupports), cuBLAS otherwise.
 enum class LinearCudaKernel { kAuto, kCublas, kSkinnyGemm };
 
+// What the skinny GEMM does with its result. kSiluAndMul: the weight is
+// [gate; up] (out_features = 2 · intermediate rows) and the bf16 output is
+// [num_tokens, intermediate] = silu(gate) · up, bit-identical to the GEMM
+// followed by the SiLU-and-mul kernel. cuBLAS runs kNone only.
+enum class LinearCudaEpilogue { kNone, kSiluAndMul };
+
 // The skinny GEMM runs 1..8 tokens; kAuto picks it at 1 token only. Measured
 // on an H200 (bench/RESULTS.md, linear_bench): at 1 token it is 1.05-2.2x
 // cuBLAS on every 0.5B / 1B projection (a tie on gate_up), from 2 tokens on
@@ -38,6 +44,7 @@ struct LinearCudaParams {
   int in_features = 0;
   int out_features = 0;
   LinearCudaKernel kernel = LinearCudaKernel::kAuto;
+  LinearCudaEpilogue epilogue = LinearCudaEpilogue::kNone;
   // Skinny GEMM only: launch with programmatic stream serialization, so it
   // may start (and issue its weight loads) before the previous kernel ends;
   // it reads the input only after griddepcontrol.wait.
@@ -50,6 +57,9 @@ struct LinearCudaResult {
   cudaError_t launch = cudaSuccess;
   cublasStatus_t cublas = CUBLAS_STATUS_SUCCESS;
 };
+
+// True when LaunchLinearCuda runs `p` on the skinny GEMM.
+bool LinearCudaUsesSkinnyGemm(const LinearCudaParams& p);
 
 // The skinny GEMM's split-K factor (1, 2, 4 or 8) for a weight shape: a
 // function of the shape alone, so a row's reduction order is too.

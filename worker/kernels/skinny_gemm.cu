@@ -55,29 +55,37 @@ __device__ __forceinline__ void WaitForPreviousKernel() {
 #endif
 }
 
-// NT tokens, R rows per warp, U chunks per batch of loads in flight.
-// grid: [ceil(O / (R · kWarps / S))]; block: kThreads.
-template <int NT, int R, int U, typename OutT>
+// Up to NT tokens (num_tokens of them), R rows per warp, U chunks per batch
+// of loads in flight.
+// kSiluAndMul: W is [gate; up] (2 · half rows), a warp owns gate row o and
+// up row o + half (R = 2), and Y[T, half] = silu(gate) · up, each of gate
+// and up rounded to bf16 first, as the unfused GEMM writes them.
+// grid: [ceil(O / (R · kWarps / S))] (kSiluAndMul: [ceil(half / (kWarps /
+// S))]); block: kThreads.
+template <int NT, int R, int U, typename OutT, bool kSiluAndMul>
 __global__ void __launch_bounds__(kThreads)
     SkinnyGemmKernel(const __nv_bfloat16* __restrict__ x,
                      const __nv_bfloat16* __restrict__ w,
                      const __nv_bfloat16* __restrict__ bias,
-                     OutT* __restrict__ y, int in_features, int out_features,
-                     int k_split) {
+                     OutT* __restrict__ y, int num_tokens, int in_features,
+                     int out_features, int k_split) {
+  static_assert(!kSiluAndMul || R == 2, "silu-and-mul pairs gate and up");
   __shared__ float partial[kWarps][R * NT];
   const int warp = threadIdx.x / cuda::kWarpSize;
   const int lane = threadIdx.x % cuda::kWarpSize;
   const int groups = kWarps / k_split;  // row groups per CTA
   const int group = warp / k_split, slice = warp % k_split;
-  const int row0 = (blockIdx.x * groups + group) * R;
+  const int unit = blockIdx.x * groups + group;
+  const int half = out_features / 2;
   const int num_chunks = (in_features + kChunk - 1) / kChunk;
 
   const __nv_bfloat16* w_row[R];
   bool row_ok[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    row_ok[r] = row0 + r < out_features;
-    w_row[r] = w + static_cast<int64_t>(row_ok[r] ? row0 + r : 0) * in_features;
+    const int row = kSiluAndMul ? unit + r * half : unit * R + r;
+    row_ok[r] = kSiluAndMul ? unit < half : row < out_features;
+    w_row[r] = w + static_cast<int64_t>(row_ok[r] ? row : 0) * in_features;
   }
 
   float acc[R][NT];
@@ -115,10 +123,14 @@ __global__ void __launch_bounds__(kThreads)
       for (int r = 0; r < R; ++r) cuda::Bf16x8ToFloat(wv[u][r], wf[r]);
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
+        // NT rounds num_tokens up to 1, 2, 4 or 8: the rows past it re-read
+        // the last token (no branch, so the loads stay unconditional and
+        // in flight together) and their sums are never written.
+        const int64_t row = t < num_tokens ? t : num_tokens - 1;
         float xf[8];
-        cuda::Bf16x8ToFloat(__ldg(reinterpret_cast<const uint4*>(
-                                x + static_cast<int64_t>(t) * in_features + k)),
-                            xf);
+        cuda::Bf16x8ToFloat(
+            __ldg(reinterpret_cast<const uint4*>(x + row * in_features + k)),
+            xf);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
 #pragma unroll
@@ -139,29 +151,51 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
+  if constexpr (kSiluAndMul) {
+    // One thread per (group, token): gate and up, each summed over the
+    // slices in order, + bias, rounded to bf16; then silu(gate) · up.
+    if (threadIdx.x >= groups * NT) return;
+    const int g = threadIdx.x / NT, t = threadIdx.x % NT;
+    const int o = blockIdx.x * groups + g;
+    if (o >= half || t >= num_tokens) return;
+    float sums[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float sum = partial[g * k_split][r * NT + t];
+      for (int s = 1; s < k_split; ++s) {
+        sum += partial[g * k_split + s][r * NT + t];
+      }
+      if (bias != nullptr) sum += cuda::ToFloat(bias[o + r * half]);
+      sums[r] = cuda::ToFloat(cuda::FromFloat<__nv_bfloat16>(sum));
+    }
+    y[static_cast<int64_t>(t) * half + o] =
+        cuda::FromFloat<OutT>(cuda::SiluMul(sums[0], sums[1]));
+    return;
+  }
   // One thread per (group, row, token) adds the slices in order.
   const int per_group = R * NT;
   if (threadIdx.x >= groups * per_group) return;
   const int g = threadIdx.x / per_group, j = threadIdx.x % per_group;
   const int row = (blockIdx.x * groups + g) * R + j / NT;
   const int t = j % NT;
-  if (row >= out_features) return;
+  if (row >= out_features || t >= num_tokens) return;
   float sum = partial[g * k_split][j];
   for (int s = 1; s < k_split; ++s) sum += partial[g * k_split + s][j];
   if (bias != nullptr) sum += cuda::ToFloat(bias[row]);
   y[static_cast<int64_t>(t) * out_features + row] = cuda::FromFloat<OutT>(sum);
 }
 
-template <int NT, typename OutT>
+template <int NT, typename OutT, bool kSiluAndMul>
 cudaError_t LaunchForTokens(const LinearCudaParams& p, int k_split,
                             bool programmatic, cudaStream_t stream) {
   // Two rows per warp from 3 tokens up halves the L1 reads of X per weight
   // byte; fewer chunks in flight keep the registers of 8 tokens in budget.
-  constexpr int R = NT >= 3 ? 2 : 1;
+  constexpr int R = NT >= 3 || kSiluAndMul ? 2 : 1;
   constexpr int U = NT >= 5 ? 2 : 4;
-  const int rows_per_cta = R * (kWarps / k_split);
+  const int units = kSiluAndMul ? p.out_features / 2 : p.out_features;
+  const int units_per_cta = (kSiluAndMul ? 1 : R) * (kWarps / k_split);
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(cuda::NumBlocks(p.out_features, rows_per_cta));
+  config.gridDim = dim3(cuda::NumBlocks(units, units_per_cta));
   config.blockDim = dim3(kThreads);
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
@@ -169,34 +203,32 @@ cudaError_t LaunchForTokens(const LinearCudaParams& p, int k_split,
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = programmatic ? 1 : 0;
-  return cudaLaunchKernelEx(&config, SkinnyGemmKernel<NT, R, U, OutT>, p.input,
-                            p.weight, p.bias, static_cast<OutT*>(p.output),
-                            p.in_features, p.out_features, k_split);
+  return cudaLaunchKernelEx(
+      &config, SkinnyGemmKernel<NT, R, U, OutT, kSiluAndMul>, p.input, p.weight,
+      p.bias, static_cast<OutT*>(p.output), p.num_tokens, p.in_features,
+      p.out_features, k_split);
 }
 
-template <typename OutT>
+template <typename OutT, bool kSiluAndMul>
 cudaError_t LaunchForOutput(const LinearCudaParams& p, int k_split,
                             bool programmatic, cudaStream_t stream) {
-  switch (p.num_tokens) {
-    case 1:
-      return LaunchForTokens<1, OutT>(p, k_split, programmatic, stream);
-    case 2:
-      return LaunchForTokens<2, OutT>(p, k_split, programmatic, stream);
-    case 3:
-      return LaunchForTokens<3, OutT>(p, k_split, programmatic, stream);
-    case 4:
-      return LaunchForTokens<4, OutT>(p, k_split, programmatic, stream);
-    case 5:
-      return LaunchForTokens<5, OutT>(p, k_split, programmatic, stream);
-    case 6:
-      return LaunchForTokens<6, OutT>(p, k_split, programmatic, stream);
-    case 7:
-      return LaunchForTokens<7, OutT>(p, k_split, programmatic, stream);
-    case 8:
-      return LaunchForTokens<8, OutT>(p, k_split, programmatic, stream);
-    default:
-      return cudaErrorInvalidValue;
+  // Kernels for 1, 2, 4 and 8 tokens; 3, 5, 6 and 7 run the next one up
+  // with its extra token rows skipped (the same operations per element:
+  // rows stay bit-identical), which halves the instantiations nvcc builds.
+  if (p.num_tokens == 1) {
+    return LaunchForTokens<1, OutT, kSiluAndMul>(p, k_split, programmatic,
+                                                 stream);
   }
+  if (p.num_tokens == 2) {
+    return LaunchForTokens<2, OutT, kSiluAndMul>(p, k_split, programmatic,
+                                                 stream);
+  }
+  if (p.num_tokens <= 4) {
+    return LaunchForTokens<4, OutT, kSiluAndMul>(p, k_split, programmatic,
+                                                 stream);
+  }
+  return LaunchForTokens<8, OutT, kSiluAndMul>(p, k_split, programmatic,
+                                               stream);
 }
 
 }  // namespace
@@ -229,10 +261,19 @@ cudaError_t LaunchSkinnyGemmCuda(const LinearCudaParams& p, int k_split,
     return cudaErrorInvalidValue;
   }
   const bool programmatic = p.programmatic_launch;
-  if (p.output_type == LinearCudaOutput::kFloat32) {
-    return LaunchForOutput<float>(p, k_split, programmatic, stream);
+  if (p.epilogue == LinearCudaEpilogue::kSiluAndMul) {
+    if (p.output_type != LinearCudaOutput::kBFloat16 ||
+        p.out_features % 2 != 0) {
+      return cudaErrorInvalidValue;
+    }
+    return LaunchForOutput<__nv_bfloat16, true>(p, k_split, programmatic,
+                                                stream);
   }
-  return LaunchForOutput<__nv_bfloat16>(p, k_split, programmatic, stream);
+  if (p.output_type == LinearCudaOutput::kFloat32) {
+    return LaunchForOutput<float, false>(p, k_split, programmatic, stream);
+  }
+  return LaunchForOutput<__nv_bfloat16, false>(p, k_split, programmatic,
+                                               stream);
 }
 
 }  // namespace kernels

@@ -278,11 +278,18 @@ absl::Status LlamaForward::RunOutputAndMlp(int layer, int num_tokens) {
   const kernels::LinearParams gate_up{
       act_.hidden, w.gate_up, {},    act_.gate_up, num_tokens,
       hidden,      2 * inter, dtype, dtype,        options_.linear_kernel};
-  PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, gate_up));
-
-  kernels::SiluAndMulParams silu{act_.gate_up, act_.mlp_act, num_tokens, inter,
-                                 dtype};
-  PDW_RETURN_IF_ERROR(kernels::LaunchSiluAndMul(stream_, silu));
+  if (kernels::LinearFusesSiluAndMul(stream_, gate_up)) {
+    // One kernel: the skinny GEMM's epilogue writes silu(gate) · up.
+    kernels::LinearParams fused = gate_up;
+    fused.output = act_.mlp_act;
+    fused.epilogue = kernels::LinearEpilogue::kSiluAndMul;
+    PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, fused));
+  } else {
+    PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, gate_up));
+    kernels::SiluAndMulParams silu{act_.gate_up, act_.mlp_act, num_tokens,
+                                   inter, dtype};
+    PDW_RETURN_IF_ERROR(kernels::LaunchSiluAndMul(stream_, silu));
+  }
 
   const kernels::LinearParams down{
       act_.mlp_act, w.down, {},    act_.hidden, num_tokens,

@@ -37,6 +37,7 @@ class CpuGraph final : public CapturedGraph {
   absl::Status Replay() override;
 
   size_t num_ops() const { return ops_->size(); }
+  size_t num_nodes() const override { return ops_->size(); }
   const std::vector<RecordedOp>& ops() const { return *ops_; }
 
  private:

@@ -23,7 +23,7 @@ class CudaGraph final : public CapturedGraph {
   absl::Status Replay() override;
 
   // Nodes (kernels, memcpys, ...) the capture recorded.
-  size_t num_nodes() const { return num_nodes_; }
+  size_t num_nodes() const override { return num_nodes_; }
 
  private:
   CudaStream& stream_;
