@@ -1,14 +1,28 @@
 #include "bench/gpu_bench_util.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <ctime>
 #include <fstream>
 #include <utility>
 
 #include "glog/logging.h"
+#include "worker/runtime/device_factory.h"
 #include "worker/runtime/event.h"
 
 namespace pdworker {
+
+std::optional<BenchGpu> OpenBenchGpu(const std::string& bench) {
+  auto device = CreateDevice(DeviceKind::kCuda);
+  if (!device.ok()) {
+    std::printf("%s: skipped (%s)\n", bench.c_str(),
+                std::string(device.status().message()).c_str());
+    return std::nullopt;
+  }
+  auto stream = (*device)->CreateStream();
+  CHECK(stream.ok()) << stream.status();
+  return BenchGpu{*std::move(device), *std::move(stream)};
+}
 
 double GraphReplayMicros(Device& device, Stream& stream,
                          const std::function<absl::Status()>& launch,

@@ -5,6 +5,8 @@
 #define PDWORKER_BENCH_GPU_BENCH_UTIL_H_
 
 #include <functional>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -14,6 +16,17 @@
 #include "worker/runtime/stream.h"
 
 namespace pdworker {
+
+// A benchmark's GPU and its stream (the stream is destroyed first).
+struct BenchGpu {
+  std::unique_ptr<Device> device;
+  std::unique_ptr<Stream> stream;
+};
+
+// The CUDA device and a stream on it, or nullopt after printing
+// "<bench>: skipped (why the CUDA device is unusable)": the GPU benchmarks exit
+// 0 without a GPU, so CI can build and run them anywhere.
+std::optional<BenchGpu> OpenBenchGpu(const std::string& bench);
 
 // Microseconds per launch of `launch` (which enqueues one op on `stream`):
 // one warm-up launch, a graph of `launches` launches captured and replayed

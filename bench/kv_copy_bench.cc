@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdio>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -73,22 +74,18 @@ double Median(std::vector<double> v) {
 int Main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   google::InitGoogleLogging(argv[0]);
-  auto device = CreateDevice(DeviceKind::kCuda);
-  if (!device.ok()) {
-    std::printf("kv_copy_bench: skipped, no usable CUDA device (%s)\n",
-                std::string(device.status().message()).c_str());
-    return 0;
-  }
-  auto stream = (*device)->CreateStream();
-  CHECK(stream.ok()) << stream.status();
+  std::optional<BenchGpu> bench_gpu = OpenBenchGpu("kv_copy_bench");
+  if (!bench_gpu) return 0;
+  Device& device = *bench_gpu->device;
+  Stream& stream = *bench_gpu->stream;
   const int blocks = 2 * kMaxTokens / kBlockSize;
-  Cache src = MakeCache(**device, blocks);
-  Cache dst = MakeCache(**device, blocks);
+  Cache src = MakeCache(device, blocks);
+  Cache dst = MakeCache(device, blocks);
   std::mt19937 rng(5);
   std::vector<int32_t> ids(blocks);
   std::iota(ids.begin(), ids.end(), 0);
   const int reps = absl::GetFlag(FLAGS_reps);
-  const std::string gpu = (*device)->name();
+  const std::string gpu = device.name();
   std::printf(
       "device: %s; 16 layers x 1 KiB per token and part, blocks of 16 in "
       "random order, median of %d\n\n| tokens | MiB | per-block copies ms | "
@@ -110,9 +107,9 @@ int Main(int argc, char** argv) {
       std::vector<double> times;
       for (int rep = 0; rep < reps + 2; ++rep) {
         const auto t0 = std::chrono::steady_clock::now();
-        CHECK(CopyKvTokens(**stream, src.view, from, dst.view, to, n, method)
-                  .ok());
-        CHECK((*stream)->Synchronize().ok());
+        CHECK(
+            CopyKvTokens(stream, src.view, from, dst.view, to, n, method).ok());
+        CHECK(stream.Synchronize().ok());
         const auto t1 = std::chrono::steady_clock::now();
         if (rep >= 2) {
           times.push_back(

@@ -16,6 +16,7 @@
 // Without a usable GPU it prints why and exits 0.
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -173,15 +174,11 @@ Row Measure(Device& device, Stream& stream, const LayerShape& s, int tokens) {
 int Main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   google::InitGoogleLogging(argv[0]);
-  auto device = CreateDevice(DeviceKind::kCuda);
-  if (!device.ok()) {
-    std::printf("linear_bench: skipped, no usable CUDA device (%s)\n",
-                std::string(device.status().message()).c_str());
-    return 0;
-  }
-  auto stream = (*device)->CreateStream();
-  CHECK(stream.ok()) << stream.status();
-  const std::string gpu = (*device)->name();
+  std::optional<BenchGpu> bench_gpu = OpenBenchGpu("linear_bench");
+  if (!bench_gpu) return 0;
+  Device& device = *bench_gpu->device;
+  Stream& stream = *bench_gpu->stream;
+  const std::string gpu = device.name();
   std::vector<int> token_counts;
   for (const std::string& t : absl::GetFlag(FLAGS_tokens)) {
     int v = 0;
@@ -193,7 +190,7 @@ int Main(int argc, char** argv) {
   std::vector<Row> rows;
   for (const LayerShape& s : kShapes) {
     for (const int t : token_counts) {
-      rows.push_back(Measure(**device, **stream, s, t));
+      rows.push_back(Measure(device, stream, s, t));
     }
   }
   std::printf(

@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -155,21 +156,16 @@ std::vector<int> ParseInts(const std::vector<std::string>& items) {
 int Main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   google::InitGoogleLogging(argv[0]);
-  auto device = CreateDevice(DeviceKind::kCuda);
-  if (!device.ok()) {
-    std::printf(
-        "prefill_attention_bench: skipped, no usable CUDA device (%s)\n",
-        std::string(device.status().message()).c_str());
-    return 0;
-  }
-  auto stream = (*device)->CreateStream();
-  CHECK(stream.ok()) << stream.status();
-  const std::string gpu = (*device)->name();
+  std::optional<BenchGpu> bench_gpu = OpenBenchGpu("prefill_attention_bench");
+  if (!bench_gpu) return 0;
+  Device& device = *bench_gpu->device;
+  Stream& stream = *bench_gpu->stream;
+  const std::string gpu = device.name();
   const int cuda_cores_max = absl::GetFlag(FLAGS_cuda_cores_max_tokens);
   std::vector<Row> rows;
   for (const int d : ParseInts(absl::GetFlag(FLAGS_head_dims))) {
     for (const int n : ParseInts(absl::GetFlag(FLAGS_tokens))) {
-      rows.push_back(Measure(**device, **stream, d, n, n <= cuda_cores_max));
+      rows.push_back(Measure(device, stream, d, n, n <= cuda_cores_max));
     }
   }
   std::printf(
