@@ -444,7 +444,7 @@ absl::Status RunWorker(const WorkerConfig& c, const sigset_t& stop_signals) {
   info.configured_mode = r.graph_plan().mode.ToString();
   info.resolved_mode = r.resolved_mode().ToString();
   info.model = c.model_dir;
-  info.model_fingerprint = r.model_config().Fingerprint();
+  info.model_fingerprint = r.model_fingerprint();
   info.device = (*device)->name();
   WorkerMetrics metrics(info, &r.graph_stats(), header);
   std::unique_ptr<MetricsServer> metrics_server;

@@ -136,7 +136,7 @@ TEST(WorkerServerTest, SameTokensAsInProcessRunner) {
   EXPECT_EQ(status.kv_block_size(), 4);
   EXPECT_THAT(status.capture_sizes(), ::testing::ElementsAre(1, 2, 4, 8, 16));
   EXPECT_EQ(status.graphs_captured(), ref.NumCapturedGraphs());
-  EXPECT_EQ(status.model_fingerprint(), ref.model_config().Fingerprint());
+  EXPECT_EQ(status.model_fingerprint(), ref.model_fingerprint());
   EXPECT_EQ(status.device(), "cpu");
 
   // The table the worker exports is the reference's, row for row.

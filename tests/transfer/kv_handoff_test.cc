@@ -366,6 +366,59 @@ TEST_F(KvHandoffTest, WrongModelOrLayoutIsRefusedWithNothingAllocated) {
   Decode(*decode_, "m", token, 1, v1::SamplingParams());
 }
 
+// A base checkpoint and its fine-tune: config.json byte for byte the same
+// (so the same KV layout), other weights. Their K/V differ, so the handoff
+// is refused on the fingerprint, on both sides of the transfer.
+TEST_F(KvHandoffTest, SameConfigOtherWeightsIsRefused) {
+  const auto [token, handle] =
+      Prefill(*prefill_, "w", Prompt(8, 8), v1::SamplingParams());
+  const std::string tuned_dir =
+      std::string(std::getenv("TEST_TMPDIR")) + "/same_config_other_weights";
+  TinyModelOptions tuned;  // the fixture's model but for the seed
+  tuned.shape = TinyShape::kGqa;
+  tuned.seed = 8;
+  ASSERT_TRUE(WriteTinyModel(tuned, tuned_dir).ok());
+  std::unique_ptr<TestWorker> tuned_decode =
+      StartWorker(Options(Role::kDecode), ServerOptions(), true, tuned_dir);
+  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_EQ(tuned_decode->runner.runner->model_config().CanonicalString(),
+            prefill_->runner.runner->model_config().CanonicalString());
+  ASSERT_EQ(tuned_decode->Status().model_fingerprint().size(), 64u);
+  ASSERT_NE(tuned_decode->Status().model_fingerprint(),
+            handle.model_fingerprint());
+
+  // The decode side refuses the handle before pulling.
+  const grpc::Status s = Import(*tuned_decode->stub, "w", handle);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("model fingerprint"));
+  EXPECT_THAT(s.error_message(), HasSubstr(handle.model_fingerprint()));
+  ExpectNothingHeld(*tuned_decode, "decode worker with other weights");
+
+  // The source refuses a pull carrying the other weights' fingerprint (a
+  // puller that skipped the handle check).
+  {
+    v1::KvTransfer::Stub transfer(prefill_->channel);
+    v1::PullKvRequest pull;
+    pull.set_lease_id(handle.lease_id());
+    pull.set_model_fingerprint(tuned_decode->Status().model_fingerprint());
+    *pull.mutable_layout() = handle.layout();
+    grpc::ClientContext context;
+    auto reader = transfer.PullKv(&context, pull);
+    v1::KvChunk chunk;
+    EXPECT_FALSE(reader->Read(&chunk));
+    const grpc::Status refused = reader->Finish();
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+        << refused.error_message();
+    EXPECT_THAT(refused.error_message(), HasSubstr("model fingerprint"));
+  }
+
+  // The lease survived both refusals: the worker with the same weights
+  // imports it and continues the sequence.
+  ASSERT_TRUE(Import(*decode_->stub, "w", handle).ok());
+  Decode(*decode_, "w", token, 1, v1::SamplingParams());
+}
+
 TEST_F(KvHandoffTest, BadImportsAreRefusedWithNothingAllocated) {
   const auto [token, handle] =
       Prefill(*prefill_, "b", Prompt(8, 7), v1::SamplingParams());

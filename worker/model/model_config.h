@@ -89,7 +89,9 @@ struct ModelConfig {
   // biases. Two workers with equal fingerprints compute the same KV layout
   // and the same positions' K/V, so a KV handoff between them is meaningful.
   // torch_dtype, token ids and max_position_embeddings are excluded: they do
-  // not change what a KV block holds. Weights are not covered either.
+  // not change what a KV block holds. Weights are not covered: the worker
+  // publishes and checks ModelFingerprint() (model_fingerprint.h), which
+  // combines this shape with a digest of the weights.
   std::string Fingerprint() const;
   // The canonical string Fingerprint() hashes (for logs and debugging).
   std::string CanonicalString() const;

@@ -15,6 +15,7 @@
 #include "worker/kernels/paged_attention.h"
 #include "worker/kernels/sampling.h"
 #include "worker/kv_cache/kv_cache_spec.h"
+#include "worker/model/model_fingerprint.h"
 
 namespace pdworker {
 namespace {
@@ -126,6 +127,18 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
                        Checkpoint::Open(model_dir));
   PDW_ASSIGN_OR_RETURN(r->weights_,
                        LoadLlamaWeights(c, *checkpoint, device, *r->stream_));
+  // Hashed while the mapping is still open and its pages warm from the load.
+  const auto digest_start = std::chrono::steady_clock::now();
+  PDW_ASSIGN_OR_RETURN(const std::string weights_digest,
+                       WeightsDigest(*checkpoint));
+  PDW_ASSIGN_OR_RETURN(r->model_fingerprint_,
+                       ModelFingerprint(c, weights_digest));
+  LOG(INFO) << "model fingerprint " << r->model_fingerprint_ << " (weights "
+            << weights_digest << ", hashed in "
+            << std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                             digest_start)
+                   .count()
+            << " s)";
 
   PDW_ASSIGN_OR_RETURN(
       const size_t sampling_workspace_bytes,

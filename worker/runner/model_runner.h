@@ -191,6 +191,9 @@ class ModelRunner {
   absl::Status ReadKvCache(int layer, KvPart part, std::vector<uint8_t>* out);
 
   const ModelConfig& model_config() const { return config_; }
+  // Shape and weights (model_fingerprint.h): what the worker publishes and
+  // what KV handoffs must agree on. 64 lowercase hex digits.
+  const std::string& model_fingerprint() const { return model_fingerprint_; }
   const ModelRunnerOptions& options() const { return options_; }
   const GraphPlan& graph_plan() const { return plan_; }
   CudaGraphMode resolved_mode() const { return dispatcher_.mode(); }
@@ -243,6 +246,7 @@ class ModelRunner {
   Device& device_;
   ModelRunnerOptions options_;
   ModelConfig config_;
+  std::string model_fingerprint_;
   GraphPlan plan_;
   std::string downgrade_reason_;
   int max_model_len_ = 0;

@@ -168,7 +168,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   s->peers_ = std::make_unique<PeerChannels>(peer_tls,
                                              options.max_receive_message_bytes);
   const KvCacheView view = runner.kv_cache_view();
-  const std::string fingerprint = runner.model_config().Fingerprint();
+  const std::string fingerprint = runner.model_fingerprint();
   s->importer_ = std::make_unique<KvImporter>(*s->engine_, runner.device(),
                                               view, fingerprint, *s->peers_,
                                               options.importer, metrics);

@@ -152,7 +152,7 @@ v1::KvHandle HandleTemplate(const ModelRunner& runner,
                             const HandoffParts& handoff) {
   v1::KvHandle h;
   h.set_source_address(handoff.advertise_address);
-  h.set_model_fingerprint(runner.model_config().Fingerprint());
+  h.set_model_fingerprint(runner.model_fingerprint());
   *h.mutable_layout() = ToProto(runner.kv_cache_view().layout);
   // Best first: pullers take the first one they can use.
   if (handoff.offers_cuda_ipc) {
@@ -183,7 +183,7 @@ WorkerService::WorkerService(const ModelRunner& runner, Engine& engine,
               runner.max_model_len()},
       handoff_(handoff),
       handle_template_(HandleTemplate(runner, handoff)),
-      fingerprint_(runner.model_config().Fingerprint()),
+      fingerprint_(runner.model_fingerprint()),
       kv_layout_(runner.kv_cache_view().layout),
       role_(runner.options().role) {
   const ModelRunnerOptions& o = runner.options();
@@ -201,7 +201,7 @@ WorkerService::WorkerService(const ModelRunner& runner, Engine& engine,
   s.set_max_num_batched_tokens(o.max_num_batched_tokens);
   s.set_max_model_len(runner.max_model_len());
   s.set_vocab_size(static_cast<int32_t>(runner.model_config().vocab_size));
-  s.set_model_fingerprint(runner.model_config().Fingerprint());
+  s.set_model_fingerprint(runner.model_fingerprint());
   s.set_device(device_name);
   s.set_advertise_address(handoff.advertise_address);
 }
