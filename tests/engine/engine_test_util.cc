@@ -98,6 +98,7 @@ PendingGeneration::PendingGeneration(Engine& engine, RequestSpec spec,
   request->on_update = [this](const RequestUpdate& u) {
     std::lock_guard<std::mutex> lock(mu_);
     ++result_.updates;
+    result_.cached_tokens = u.num_cached_tokens;
     for (size_t i = 0; i < u.new_token_ids.size(); ++i) {
       result_.tokens.push_back(u.new_token_ids[i]);
       result_.logprobs.push_back(u.new_logprobs[i]);

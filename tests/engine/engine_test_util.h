@@ -61,6 +61,7 @@ struct Generation {
   std::optional<int32_t> matched_token_id;
   absl::Status status;
   int updates = 0;
+  int32_t cached_tokens = 0;  // RequestUpdate::num_cached_tokens (last)
 };
 
 // A submitted request; Wait() blocks until its last update.

@@ -32,6 +32,8 @@ struct Engine::Entry {
   // Forward progress: each sequence's length before the call's first piece
   // of it ran (-1: not run yet), for rollback.
   std::vector<int32_t> length_before;
+  // Each sequence's tokens found in the prefix cache (its first piece's).
+  std::vector<int32_t> cached_tokens;
   // Steps with a piece of this call that are still on the device: the call
   // is running and finishes with them, whatever happens meanwhile.
   int steps_in_flight = 0;
@@ -82,6 +84,10 @@ struct Engine::Request {
   std::vector<int32_t> tokens;
   // Tokens whose KV is computed or being computed by a step in flight.
   int32_t num_computed = 0;
+  // Prefix caching: the hashes of `tokens`' full blocks (extended as
+  // outputs arrive), and the prompt tokens its first start found cached.
+  std::vector<BlockHash> block_hashes;
+  int32_t num_cached_tokens = 0;
   // Outputs sampled by steps in flight, not in `tokens` yet (at most one
   // when a step is planned), and where the latest of them is sampled.
   int32_t num_pending = 0;
@@ -523,9 +529,23 @@ void Engine::PlanStep() {
   }
   waiting_views_.resize(waiting_.size());
   waiting_ptrs_.resize(waiting_.size());
+  const KvCacheManager& kv = runner_.kv_cache();
   for (size_t i = 0; i < waiting_.size(); ++i) {
-    const Request& r = *waiting_[i];
+    Request& r = *waiting_[i];
     waiting_views_[i] = {WantedTokens(r), 0, 0, r.num_pending == 0};
+    // Its cached prefix: computed tokens it will start with, and the held
+    // blocks among them (hits on free cached blocks take free blocks, as
+    // new ones would). Only the queue's head can be admitted this step.
+    if (kv.prefix_caching() == PrefixCaching::kOn &&
+        i < static_cast<size_t>(runner_.options().max_num_seqs) &&
+        waiting_views_[i].wanted_tokens > 0 && r.num_pending == 0) {
+      kv.hasher().HashFullBlocks(r.tokens, &r.block_hashes);
+      const PrefixHit hit = kv.Lookup(r.block_hashes, r.total());
+      const int32_t cached = hit.num_blocks * kv.block_size();
+      waiting_views_[i].wanted_tokens -= cached;
+      waiting_views_[i].num_computed = cached;
+      waiting_views_[i].num_blocks = hit.num_held_blocks;
+    }
     waiting_ptrs_[i] = &waiting_views_[i];
   }
   PlanInput input;
@@ -660,6 +680,7 @@ bool Engine::LaunchStep() {
 bool Engine::LaunchPieces(absl::Span<const Piece> pieces, absl::Status* error) {
   // The batch: each piece's slice of its sequence's tokens.
   batch_.resize(pieces.size());
+  num_tokens_.resize(pieces.size());
   for (size_t k = 0; k < pieces.size(); ++k) {
     const Piece& p = pieces[k];
     SequenceStep& dst = batch_[k];
@@ -669,6 +690,7 @@ bool Engine::LaunchPieces(absl::Span<const Piece> pieces, absl::Status* error) {
       // A sequence's first piece creates it as the request asked; later
       // chunks continue it.
       const Entry& e = *p.call;
+      num_tokens_[k] = p.num_tokens;
       const SequenceStep& src = e.forward->spec.sequences[p.sequence];
       const size_t offset = src.token_ids.size() - e.remaining[p.sequence];
       dst.sequence_id = src.sequence_id;
@@ -681,12 +703,24 @@ bool Engine::LaunchPieces(absl::Span<const Piece> pieces, absl::Status* error) {
       dst.num_top_logprobs = -1;
       continue;
     }
-    const Request& r = *p.request;
+    Request& r = *p.request;
+    if (runner_.kv_cache().Find(r.kv_id) == nullptr) {
+      // Its first piece: the sequence starts holding the request's cached
+      // prefix (none without prefix caching), and the piece computes from
+      // there. Checked at Submit: cannot fail.
+      CHECK_EQ(r.num_computed, 0) << r.call->spec.request_id;
+      absl::StatusOr<int32_t> cached = runner_.StartSequence(r.kv_id, r.tokens);
+      CHECK(cached.ok()) << cached.status();
+      r.num_computed = *cached;
+      if (r.num_outputs() == 0) r.num_cached_tokens = *cached;
+    }
+    // The plan counted on the prefix the cache held then; the piece never
+    // runs past the request's tokens.
+    num_tokens_[k] = std::min(p.num_tokens, r.total() - r.num_computed);
     dst.sequence_id = r.kv_id;
     dst.sampling = r.call->spec.sampling;
-    dst.creation = r.num_computed == 0 ? SequenceCreation::kMustBeNew
-                                       : SequenceCreation::kMustExist;
-    const int32_t end = r.num_computed + p.num_tokens;
+    dst.creation = SequenceCreation::kMustExist;
+    const int32_t end = r.num_computed + num_tokens_[k];
     const int32_t known = std::min<int32_t>(end, r.tokens.size());
     dst.token_ids.assign(r.tokens.begin() + r.num_computed,
                          r.tokens.begin() + known);
@@ -714,6 +748,9 @@ bool Engine::LaunchPieces(absl::Span<const Piece> pieces, absl::Status* error) {
   auto step = std::make_unique<InFlightStep>();
   step->slot = *slot;
   step->pieces.assign(pieces.begin(), pieces.end());
+  for (size_t k = 0; k < step->pieces.size(); ++k) {
+    step->pieces[k].num_tokens = num_tokens_[k];
+  }
   for (size_t k = 0; k < step->pieces.size(); ++k) {
     Piece& p = step->pieces[k];
     if (p.call != nullptr) {
@@ -784,7 +821,12 @@ void Engine::ApplyStep(InFlightStep& step, const StepResult& result) {
     const SequenceResult& out = result.sequences[k];
     if (p.call != nullptr) {
       Entry& e = *p.call;
-      if (p.samples) e.outcome.sequences[p.sequence] = out;
+      e.cached_tokens[p.sequence] += out.cached_tokens;
+      if (p.samples) {
+        e.outcome.sequences[p.sequence] = out;
+        e.outcome.sequences[p.sequence].cached_tokens =
+            e.cached_tokens[p.sequence];
+      }
       const bool last_piece_of_call =
           k + 1 == step.pieces.size() || step.pieces[k + 1].call != p.call;
       if (!last_piece_of_call) continue;
@@ -902,6 +944,7 @@ void Engine::FinishRequest(Request& r, std::optional<FinishReason> reason,
   update.new_token_logprobs = r.new_token_logprobs;
   update.num_prompt_tokens = r.stop.num_prompt_tokens;
   update.num_output_tokens = r.num_outputs();
+  update.num_cached_tokens = r.num_cached_tokens;
   update.step = steps_;
   update.finish_reason = reason;
   update.matched_token_id = matched_token_id;
@@ -929,6 +972,7 @@ void Engine::SendUpdate(Request& r) {
   update.new_token_logprobs = r.new_token_logprobs;
   update.num_prompt_tokens = r.stop.num_prompt_tokens;
   update.num_output_tokens = r.num_outputs();
+  update.num_cached_tokens = r.num_cached_tokens;
   update.step = steps_;
   r.call->on_update(update);
   r.new_tokens.clear();
@@ -1140,6 +1184,7 @@ void Engine::Submit(std::unique_ptr<ForwardCall> call) {
   }
   e->kv.assign(n, SequenceKvState{});
   e->length_before.assign(n, -1);
+  e->cached_tokens.assign(n, 0);
   e->outcome.sequences.resize(n);
   e->view.kind = PendingKind::kForward;
   e->view.chunking =

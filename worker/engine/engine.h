@@ -279,6 +279,7 @@ class Engine {
   std::vector<PendingRequest> running_views_, waiting_views_;
   std::vector<const PendingRequest*> running_ptrs_, waiting_ptrs_;
   std::vector<SequenceStep> batch_;
+  std::vector<int32_t> num_tokens_;  // LaunchPieces: each piece's tokens
   std::vector<StepPiece> group_pieces_;
   std::vector<Request*> updated_;  // requests with tokens to stream
   int64_t steps_ = 0;

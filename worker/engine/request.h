@@ -76,6 +76,9 @@ struct RequestUpdate {
   absl::Span<const TokenLogprobs> new_token_logprobs;
   int32_t num_prompt_tokens = 0;
   int32_t num_output_tokens = 0;  // so far, new_token_ids included
+  // Prompt tokens the prefix cache held when the request started (its
+  // first start: a preempted request's recompute does not count).
+  int32_t num_cached_tokens = 0;
   // The engine's step count when these tokens were read (steps run since
   // it started): consecutive tokens of a decoding request come from
   // consecutive steps unless it had to wait.

@@ -57,6 +57,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
         "max_num_seqs, max_num_batched_tokens, block_size and "
         "uniform_decode_query_len must be positive");
   }
+  if (options.prefix_caching == PrefixCaching::kOn &&
+      options.block_size > kMaxHashedBlockSize) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefix caching needs block_size <= ", kMaxHashedBlockSize,
+                     ", got ", options.block_size));
+  }
   if (device.kind() != DeviceKind::kCuda &&
       options.linear_kernel != kernels::LinearKernel::kAuto) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -215,7 +221,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
       LlamaForward::Create(c, r->weights_, r->inputs_->buffers(), fo, device,
                            *r->stream_, r->capture_lifecycle_));
   r->kv_ = std::make_unique<KvCacheManager>(
-      static_cast<int32_t>(num_blocks), options.block_size, r->max_model_len_);
+      static_cast<int32_t>(num_blocks), options.block_size, r->max_model_len_,
+      PrefixCacheConfig{options.prefix_caching, r->model_fingerprint_});
   PDW_RETURN_IF_ERROR(r->stream_->Synchronize());
 
   r->appends_.reserve(options.max_num_seqs);
@@ -339,15 +346,37 @@ absl::StatusOr<int> ModelRunner::Launch(absl::Span<const SequenceStep> batch) {
   PDW_RETURN_IF_ERROR(Validate(batch));
 
   // 1. KV cache: all-or-nothing (also rejects duplicates and length limits).
+  // A placeholder's id is unknown to the cache until its step retires.
   appends_.clear();
-  int num_tokens = 0, max_query_len = 0;
+  append_token_ids_.clear();
+  size_t placeholder_tokens = 0;
   for (const SequenceStep& s : batch) {
-    const int q = static_cast<int>(s.token_ids.size());
-    appends_.push_back({s.sequence_id, q, s.creation});
+    if (s.last_token_from.has_value()) placeholder_tokens += s.token_ids.size();
+  }
+  append_token_ids_.reserve(placeholder_tokens);  // spans below stay valid
+  for (const SequenceStep& s : batch) {
+    absl::Span<const int32_t> ids = s.token_ids;
+    if (s.last_token_from.has_value()) {
+      const size_t at = append_token_ids_.size();
+      append_token_ids_.insert(append_token_ids_.end(), s.token_ids.begin(),
+                               s.token_ids.end());
+      append_token_ids_.back() = kUnknownTokenId;
+      ids = absl::MakeConstSpan(append_token_ids_).subspan(at);
+    }
+    appends_.push_back(
+        {s.sequence_id, static_cast<int32_t>(ids.size()), s.creation, ids});
+  }
+  PDW_ASSIGN_OR_RETURN(StepReservation reservation, kv_->Append(appends_));
+  // The step computes what the prefix cache did not hold.
+  cached_tokens_.clear();
+  int num_tokens = 0, max_query_len = 0;
+  for (size_t r = 0; r < batch.size(); ++r) {
+    const int cached = reservation.entries[r].cached_tokens;
+    const int q = static_cast<int>(batch[r].token_ids.size()) - cached;
+    cached_tokens_.push_back(cached);
     num_tokens += q;
     max_query_len = std::max(max_query_len, q);
   }
-  PDW_ASSIGN_OR_RETURN(StepReservation reservation, kv_->Append(appends_));
 
   // 2. Dispatch.
   const int num_reqs = static_cast<int>(batch.size());
@@ -369,6 +398,15 @@ absl::StatusOr<int> ModelRunner::Launch(absl::Span<const SequenceStep> batch) {
 
   StepSlot& s = slots_[slot];
   s.reservation = std::move(reservation);
+  s.cached_tokens = cached_tokens_;
+  s.token_fills.clear();
+  for (const SequenceStep& seq : batch) {
+    if (!seq.last_token_from.has_value()) continue;
+    const SampleRef& from = *seq.last_token_from;
+    slots_[from.slot].token_fills.push_back(
+        {seq.sequence_id, kv_->Find(seq.sequence_id)->num_tokens - 1,
+         from.row});
+  }
   s.info = StepInfo{};
   s.info.mode = d.mode;
   s.info.fallback_reason = d.reason;
@@ -397,8 +435,10 @@ absl::Status ModelRunner::Enqueue(absl::Span<const SequenceStep> batch,
              options_.uniform_decode_query_len};
   }
   step_seqs_.clear();
-  for (const SequenceStep& s : batch) {
-    step_seqs_.push_back({kv_->Find(s.sequence_id), s.token_ids});
+  for (int r = 0; r < num_reqs; ++r) {
+    step_seqs_.push_back(
+        {kv_->Find(batch[r].sequence_id),
+         absl::MakeConstSpan(batch[r].token_ids).subspan(cached_tokens_[r])});
   }
   PDW_RETURN_IF_ERROR(inputs_->Build(step_seqs_, shape));
   PDW_RETURN_IF_ERROR(inputs_->Upload(*stream_));
@@ -548,7 +588,13 @@ absl::StatusOr<StepResult> ModelRunner::Retire(int slot) {
     out.token_id = ids[r];
     out.logprob = logprobs[r];
     out.num_tokens = s.num_tokens[r];
+    out.cached_tokens = s.cached_tokens[r];
   }
+  // The ids this step sampled complete later steps' blocks in the cache.
+  for (const StepSlot::TokenFill& fill : s.token_fills) {
+    kv_->SetTokenId(fill.sequence_id, fill.position, ids[fill.row]);
+  }
+  s.token_fills.clear();
   // Raw logprobs of the rows that asked: entry i of the step's list.
   const size_t seqs = static_cast<size_t>(options_.max_num_seqs);
   const char* extra = static_cast<const char*>(s.host.data()) +
@@ -595,7 +641,29 @@ absl::Status ModelRunner::Release(absl::string_view sequence_id) {
 
 absl::Status ModelRunner::Truncate(absl::string_view sequence_id,
                                    int32_t num_tokens) {
-  return kv_->Truncate(sequence_id, num_tokens);
+  std::optional<BlockCopy> copy;
+  PDW_RETURN_IF_ERROR(kv_->Truncate(sequence_id, num_tokens, &copy));
+  if (!copy.has_value()) return absl::OkStatus();
+  // Layer caches are [num_blocks, block_size, kv_heads, head_dim]: a
+  // block's first tokens are one contiguous run per layer, K and V.
+  const size_t token_bytes =
+      static_cast<size_t>(config_.kv_size()) * DTypeSize(forward_->dtype());
+  const size_t block_bytes = token_bytes * options_.block_size;
+  const size_t bytes = token_bytes * copy->num_tokens;
+  for (const auto* caches :
+       {&forward_->key_caches(), &forward_->value_caches()}) {
+    for (const DeviceBuffer& layer : *caches) {
+      PDW_RETURN_IF_ERROR(stream_->CopyOnDevice(
+          layer.Slice(copy->dst_block * block_bytes, bytes),
+          layer.Slice(copy->src_block * block_bytes, bytes), bytes));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int32_t> ModelRunner::StartSequence(
+    absl::string_view sequence_id, absl::Span<const int32_t> token_ids) {
+  return kv_->StartSequence(sequence_id, token_ids);
 }
 
 absl::StatusOr<SequenceKv> ModelRunner::Detach(absl::string_view sequence_id) {
@@ -606,9 +674,9 @@ absl::StatusOr<SequenceKv> ModelRunner::AllocateDetached(int32_t num_tokens) {
   return kv_->AllocateDetached(num_tokens);
 }
 
-absl::Status ModelRunner::Attach(absl::string_view sequence_id,
-                                 SequenceKv& kv) {
-  return kv_->Attach(sequence_id, kv);
+absl::Status ModelRunner::Attach(absl::string_view sequence_id, SequenceKv& kv,
+                                 absl::Span<const int32_t> token_ids) {
+  return kv_->Attach(sequence_id, kv, token_ids);
 }
 
 void ModelRunner::FreeDetached(SequenceKv& kv) { kv_->FreeDetached(kv); }

@@ -64,6 +64,12 @@ struct ModelRunnerOptions {
   // shape; kCublas / kSkinnyGemm force one on CUDA (benchmarks). The CPU
   // backend accepts kAuto only.
   kernels::LinearKernel linear_kernel = kernels::LinearKernel::kAuto;
+  // Automatic prefix caching (KvCacheManager): a sequence a step creates
+  // starts with its longest cached prefix, and the step computes only the
+  // rest. Hashes are salted with model_fingerprint(). Needs block_size <=
+  // kMaxHashedBlockSize. Off here (tests count exact step shapes); the
+  // worker's --enable_prefix_caching turns it on by default.
+  PrefixCaching prefix_caching = PrefixCaching::kOff;
 };
 
 // A token the host does not know yet: the sample of row `row` of the step
@@ -113,6 +119,9 @@ struct SequenceResult {
   // temperature and truncation; see kernels::LogprobMode::kProcessed).
   float logprob = 0.0f;
   int32_t num_tokens = 0;  // sequence length after the step (KV cached)
+  // Of the step's tokens of a sequence it created, those found in the
+  // prefix cache (not computed).
+  int32_t cached_tokens = 0;
   // When the step asked (SequenceStep::num_top_logprobs >= 0): the raw
   // logprob of `token_id` and the top alternatives, most likely first.
   float raw_logprob = 0.0f;
@@ -171,14 +180,25 @@ class ModelRunner {
 
   // Rolls a sequence back to its first `num_tokens` tokens (see
   // KvCacheManager::Truncate): the undo for steps that already succeeded.
+  // A shared cached block the cut falls inside is copied on the stream.
   absl::Status Truncate(absl::string_view sequence_id, int32_t num_tokens);
+
+  // Prefix caching (see KvCacheManager): creates `sequence_id` holding the
+  // longest cached prefix of `token_ids` and returns its length (0 when
+  // off); its first step then continues it.
+  absl::StatusOr<int32_t> StartSequence(absl::string_view sequence_id,
+                                        absl::Span<const int32_t> token_ids);
+  void ClearPrefixCache() { kv_->ClearPrefixCache(); }
+  // The KV cache events recorded since the last call (appended to `out`).
+  void TakeKvEvents(std::vector<KvCacheEvent>* out) { kv_->TakeEvents(out); }
 
   // KV handoff (see KvCacheManager's detached blocks): a prefill lease
   // detaches a finished sequence; an import allocates detached blocks,
   // fills them off the step thread, then attaches them under an id.
   absl::StatusOr<SequenceKv> Detach(absl::string_view sequence_id);
   absl::StatusOr<SequenceKv> AllocateDetached(int32_t num_tokens);
-  absl::Status Attach(absl::string_view sequence_id, SequenceKv& kv);
+  absl::Status Attach(absl::string_view sequence_id, SequenceKv& kv,
+                      absl::Span<const int32_t> token_ids = {});
   void FreeDetached(SequenceKv& kv);
   // The KV cache memory, for transfers. The buffers never move.
   KvCacheView kv_cache_view() const;
@@ -234,7 +254,16 @@ class ModelRunner {
     std::unique_ptr<Event> start, end;
     StepReservation reservation;
     StepInfo info;
-    std::vector<int32_t> num_tokens;  // each row's length after the step
+    std::vector<int32_t> num_tokens;     // each row's length after the step
+    std::vector<int32_t> cached_tokens;  // each row's prefix cache hit
+    // Tokens of later steps that this step samples (their last_token_from
+    // placeholders): the KV cache learns their ids at Retire.
+    struct TokenFill {
+      std::string sequence_id;
+      int32_t position = 0;
+      int row = 0;
+    };
+    std::vector<TokenFill> token_fills;
     // Rows that asked for raw logprobs, and how many alternatives each; the
     // step computed max(num_top) alternatives for all of them.
     std::vector<int32_t> logprob_rows;
@@ -277,6 +306,8 @@ class ModelRunner {
       top_logprobs_;
   // Step-path scratch, sized at startup.
   std::vector<SequenceAppend> appends_;
+  std::vector<int32_t> append_token_ids_;  // rows with a placeholder last
+  std::vector<int32_t> cached_tokens_;     // per row, from the reservation
   std::vector<StepSequence> step_seqs_;
   std::vector<SamplingOptions> sampling_;
   std::vector<int32_t> sample_positions_;
