@@ -5,7 +5,6 @@
 
 #include <chrono>
 #include <iterator>
-#include <limits>
 #include <utility>
 #include <vector>
 #include <zmq.hpp>
@@ -52,6 +51,19 @@ std::string BigEndian8(uint64_t v) {
   std::string out(8, '\0');
   for (int i = 7; i >= 0; --i, v >>= 8) out[i] = static_cast<char>(v & 0xff);
   return out;
+}
+
+// A message over `payload` without copying it: ZMQ's I/O thread drops the
+// reference when the message is sent.
+zmq::message_t SharedMessage(
+    const std::shared_ptr<const std::string>& payload) {
+  auto* ref = new std::shared_ptr<const std::string>(payload);
+  return zmq::message_t(
+      const_cast<char*>((*ref)->data()), (*ref)->size(),
+      [](void* /*data*/, void* hint) {
+        delete static_cast<std::shared_ptr<const std::string>*>(hint);
+      },
+      ref);
 }
 
 constexpr auto kMore = zmq::send_flags::sndmore | zmq::send_flags::dontwait;
@@ -123,13 +135,12 @@ absl::Status KvEventPublisher::Open() {
     try {
       replay_ =
           std::make_unique<zmq::socket_t>(*context_, zmq::socket_type::router);
-      // A reply sends every buffered batch and the end marker at once; a
-      // peer that has not read them by the next request is cut off
-      // (ROUTER_MANDATORY makes that an error instead of a silent drop).
-      replay_->set(zmq::sockopt::sndhwm,
-                   options_.buffer_steps <= std::numeric_limits<int>::max() - 2
-                       ? options_.buffer_steps + 2
-                       : 0);
+      // A reply queues every buffered batch it asks for and the end marker
+      // at once, whole: no high-water mark (ZMQ's is approximate, and vLLM's
+      // default 1000 silently cuts long replies). The queued batches share
+      // the buffer's payloads and go with the peer if it disconnects.
+      // ROUTER_MANDATORY makes a reply to a peer that is gone an error.
+      replay_->set(zmq::sockopt::sndhwm, 0);
       replay_->set(zmq::sockopt::router_mandatory, 1);
       replay_->set(zmq::sockopt::linger, 0);
       replay_->bind(options_.replay_endpoint);
@@ -241,7 +252,7 @@ void KvEventPublisher::SendLive(const Batch& batch) {
       return;
     }
     pub_->send(zmq::buffer(seq), kMore);
-    pub_->send(zmq::buffer(*batch.payload), kLast);
+    pub_->send(SharedMessage(batch.payload), kLast);
     sent_.fetch_add(1, std::memory_order_relaxed);
   } catch (const zmq::error_t& e) {
     dropped_hwm_.fetch_add(1, std::memory_order_relaxed);
@@ -282,7 +293,7 @@ void KvEventPublisher::ServeReplays() {
     }
     const zmq::message_t& identity = frames[0];
     auto send_reply = [&](absl::string_view topic, absl::string_view seq,
-                          absl::string_view payload) {
+                          zmq::message_t payload) {
       try {
         if (!replay_->send(zmq::buffer(identity.data(), identity.size()),
                            kMore)) {
@@ -291,7 +302,7 @@ void KvEventPublisher::ServeReplays() {
         replay_->send(zmq::const_buffer(nullptr, 0), kMore);
         replay_->send(zmq::buffer(topic.data(), topic.size()), kMore);
         replay_->send(zmq::buffer(seq.data(), seq.size()), kMore);
-        replay_->send(zmq::buffer(payload.data(), payload.size()), kLast);
+        replay_->send(std::move(payload), kLast);
         return true;
       } catch (const zmq::error_t&) {
         return false;  // EHOSTUNREACH: the requester is gone
@@ -299,13 +310,15 @@ void KvEventPublisher::ServeReplays() {
     };
     bool whole = true;
     for (const Batch& batch : replies) {
-      if (!send_reply(options_.topic, BigEndian8(batch.seq), *batch.payload)) {
+      if (!send_reply(options_.topic, BigEndian8(batch.seq),
+                      SharedMessage(batch.payload))) {
         whole = false;
         break;
       }
       replayed_batches_.fetch_add(1, std::memory_order_relaxed);
     }
-    if (!whole || !send_reply("", absl::string_view(kEndSeq, 8), "")) {
+    if (!whole ||
+        !send_reply("", absl::string_view(kEndSeq, 8), zmq::message_t())) {
       replays_cut_.fetch_add(1, std::memory_order_relaxed);
     }
   }

@@ -80,8 +80,10 @@ bool KvEventsEndpointBinds(absl::string_view endpoint);
 class KvEventPublisher {
  public:
   struct Stats {
-    int64_t published = 0;      // batches Publish numbered
-    int64_t sent = 0;           // batches the PUB socket took
+    int64_t published = 0;  // batches Publish numbered
+    // Batches the PUB socket took: queued for every subscriber whose
+    // subscription matches the topic (none when nobody subscribed yet).
+    int64_t sent = 0;
     int64_t dropped_hwm = 0;    // not sent: a subscriber at its HWM
     int64_t dropped_queue = 0;  // not sent: the hand-off queue was full
     int64_t replay_requests = 0;

@@ -1,5 +1,6 @@
 #include "worker/kv_events/vllm_event_batch.h"
 
+#include <cstring>
 #include <msgpack.hpp>
 #include <type_traits>
 #include <variant>
@@ -21,6 +22,18 @@ using Packer = msgpack::packer<StringSink>;
 void PackString(Packer& pk, absl::string_view s) {
   pk.pack_str(static_cast<uint32_t>(s.size()));
   pk.pack_str_body(s.data(), static_cast<uint32_t>(s.size()));
+}
+
+// msgpack-cxx packs a double whose value is integral as an integer; vLLM's
+// ts is always a float64 (0xcb and the IEEE-754 bits, big-endian), as
+// msgspec writes every Python float, so it is written out here.
+void PackFloat64(std::string* out, double d) {
+  uint64_t bits;
+  std::memcpy(&bits, &d, sizeof bits);
+  out->push_back(static_cast<char>(0xcb));
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    out->push_back(static_cast<char>(bits >> shift));
+  }
 }
 
 void PackHashes(Packer& pk, const std::vector<ExternalBlockHash>& hashes) {
@@ -126,7 +139,7 @@ std::string EncodeVllmEventBatch(absl::Span<const KvCacheEvent> events,
   StringSink sink{&bytes};
   Packer pk(sink);
   pk.pack_array(3);
-  pk.pack_double(timestamp);
+  PackFloat64(&bytes, timestamp);  // the packer writes through at once
   pk.pack_array(static_cast<uint32_t>(events.size()));
   for (const KvCacheEvent& event : events) {
     std::visit(
