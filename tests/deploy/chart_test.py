@@ -1,14 +1,19 @@
 """Renders deploy/helm/pdworker with helm's template engine (tools/chart_render:
 Go text/template + sprig, missingkey=error) and checks the manifests a
-cluster would receive.
+cluster would receive: every combination of the optional objects
+(InferencePool, HPA/KEDA autoscaling, PodMonitor/ServiceMonitor, preStop,
+llm-d labels, the SMG router), each object of those kinds validated against
+its published API schema (testdata/schemas, see SOURCES.md there).
 
-  chart_test.py --renderer=R --chart=DIR --pdworker=BIN --alerts=alerts.yaml
+  chart_test.py --renderer=R --chart=DIR --pdworker=BIN --alerts=alerts.yaml \
+      --example=values-production.yaml --schemas=DIR --metrics_readme=README.md
 
 Run by bazel (tests/deploy:chart_test) with /usr/bin/python3 and Debian's
 python3-yaml and python3-jsonschema.
 """
 import argparse
 import copy
+import itertools
 import json
 import os
 import re
@@ -26,7 +31,9 @@ from junit_xml import run_tests
 ARGS = None  # parsed command line, set in main()
 
 # The role defaults of DESIGN.md ("Roles and configuration").
-EXPECTED_MODE = {"prefill": "PIECEWISE", "decode": "FULL_DECODE_ONLY"}
+EXPECTED_MODE = {"prefill": "PIECEWISE", "decode": "FULL_DECODE_ONLY",
+                 "both": "FULL_AND_PIECEWISE"}
+PD_ROLES = ("prefill", "decode")
 GPU = "nvidia.com/gpu"
 STANDARD_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance",
                    "app.kubernetes.io/version", "app.kubernetes.io/managed-by",
@@ -123,6 +130,127 @@ def selects(selector, labels):
     return all(labels.get(k) == v for k, v in selector.items())
 
 
+def selects_label_selector(selector, labels):
+    """A metav1.LabelSelector (matchLabels + matchExpressions) on labels."""
+    if not selects(selector.get("matchLabels", {}), labels):
+        return False
+    for e in selector.get("matchExpressions", []):
+        op, value = e["operator"], labels.get(e["key"])
+        if op == "In" and value not in e["values"]:
+            return False
+        if op == "NotIn" and value in e["values"]:
+            return False
+        if op == "Exists" and e["key"] not in labels:
+            return False
+        if op == "DoesNotExist" and e["key"] in labels:
+            return False
+    return True
+
+
+def is_router(doc):
+    return doc["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "router"
+
+
+def worker_docs(docs, kind):
+    """Objects of one kind that belong to the worker pools (not the router)."""
+    return [d for d in by_kind(docs, kind) if not is_router(d)]
+
+
+def pod_labels(deployment):
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def check_drain_budget(test, deployment, values):
+    """terminationGracePeriodSeconds covers the preStop delay, the drain and
+    a pull accepted just before it (+5 s: --drain_linger 3 s and gRPC's 1 s
+    shutdown grace): SIGKILL must not come first."""
+    flags = flag_values(container(deployment)["args"])
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    delay = values["preStop"]["delaySeconds"] if values["preStop"]["enabled"] else 0
+    needed = delay + seconds(flags["drain_timeout"]) + seconds(flags["kv_pull_timeout"]) + 5
+    test.assertLessEqual(needed, grace,
+                         f"{role_of(deployment)}: preStop delay {delay}s + drain "
+                         f"{flags['drain_timeout']} + pull {flags['kv_pull_timeout']} + 5s "
+                         f"> grace {grace}s")
+
+
+# ------------------------------------------------------------ API schemas
+
+# (apiVersion, kind) -> schema file in --schemas (see SOURCES.md there).
+SCHEMA_FILES = {
+    ("inference.networking.k8s.io/v1", "InferencePool"):
+        "inference.networking.k8s.io_v1_inferencepool.yaml",
+    ("keda.sh/v1alpha1", "ScaledObject"): "keda.sh_v1alpha1_scaledobject.yaml",
+    ("monitoring.coreos.com/v1", "PodMonitor"): "monitoring.coreos.com_v1_podmonitor.yaml",
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): "autoscaling_v2_horizontalpodautoscaler.json",
+    ("rbac.authorization.k8s.io/v1", "Role"): "rbac.authorization.k8s.io_v1_role.json",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rbac.authorization.k8s.io_v1_rolebinding.json",
+}
+_VALIDATORS = {}
+
+
+def strict(schema):
+    """Rejects unknown fields like `kubectl apply --validate=strict`: an
+    object schema that lists properties and says nothing of others gets
+    additionalProperties: false (shared YAML-anchor nodes are visited more
+    than once; the change is idempotent)."""
+    if isinstance(schema, dict):
+        if ("properties" in schema and "additionalProperties" not in schema
+                and not schema.get("x-kubernetes-preserve-unknown-fields")):
+            schema["additionalProperties"] = False
+        for v in schema.values():
+            strict(v)
+    elif isinstance(schema, list):
+        for v in schema:
+            strict(v)
+    return schema
+
+
+def validator_for(doc):
+    key = (doc["apiVersion"], doc["kind"])
+    if key not in _VALIDATORS:
+        path = os.path.join(ARGS.schemas, SCHEMA_FILES[key])
+        with open(path) as f:
+            schema = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
+        strict(schema)
+        jsonschema.Draft7Validator.check_schema(schema)
+        _VALIDATORS[key] = jsonschema.Draft7Validator(schema)
+    return _VALIDATORS[key]
+
+
+def cel_errors(doc):
+    """The CEL rules (x-kubernetes-validations) of the schemas above, in
+    Python: only InferencePool has any."""
+    errors = []
+    if doc["kind"] == "InferencePool":
+        numbers = [p["number"] for p in doc["spec"]["targetPorts"]]
+        if len(numbers) != len(set(numbers)):
+            errors.append("port number must be unique")
+        ref = doc["spec"]["endpointPickerRef"]
+        if ref.get("kind", "Service") == "Service" and "port" not in ref:
+            errors.append("port is required when kind is 'Service'")
+    return errors
+
+
+def schema_errors(doc):
+    """Every violation of doc's published API schema, or [] for kinds the
+    chart always rendered (Deployment, Service, ...), which are not here."""
+    if (doc["apiVersion"], doc["kind"]) not in SCHEMA_FILES:
+        return []
+    errors = [f"{list(e.path)}: {e.message}" for e in validator_for(doc).iter_errors(doc)]
+    return errors + cel_errors(doc)
+
+
+def documented_metrics():
+    """Metric names documented in metrics/README.md (what the worker exports)."""
+    with open(ARGS.metrics_readme) as f:
+        return set(re.findall(r"`(pdworker_\w+)`", f.read()))
+
+
+def example(name):
+    return os.path.join(ARGS.chart, "examples", name)
+
+
 class ManifestChecks:
     """Checks every rendered values case; subclasses set VALUES_FILES etc."""
 
@@ -130,12 +258,13 @@ class ManifestChecks:
     RELEASE = "pdworker"
     NAMESPACE = "default"
     TLS = False
+    ROLES = PD_ROLES
 
     @classmethod
     def setUpClass(cls):
         cls.docs, cls.notes, cls.values = render(
             [f() for f in cls.VALUES_FILES], cls.RELEASE, cls.NAMESPACE)
-        cls.deployments = {role_of(d): d for d in by_kind(cls.docs, "Deployment")}
+        cls.deployments = {role_of(d): d for d in worker_docs(cls.docs, "Deployment")}
 
     def test_schema_accepts_the_values(self):
         with open(os.path.join(ARGS.chart, "values.schema.json")) as f:
@@ -146,10 +275,10 @@ class ManifestChecks:
         self.assertEqual([], [f"{list(e.path)}: {e.message}" for e in errors])
 
     def test_both_roles_deployed(self):
-        self.assertEqual(set(EXPECTED_MODE), set(self.deployments))
+        self.assertEqual(set(self.ROLES), set(self.deployments))
         for kind in ("Service", "PodDisruptionBudget"):
-            names = sorted(d["metadata"]["name"] for d in by_kind(self.docs, kind))
-            self.assertEqual(len(names), 2, f"{kind}s: {names}")
+            names = sorted(d["metadata"]["name"] for d in worker_docs(self.docs, kind))
+            self.assertEqual(len(names), len(self.ROLES), f"{kind}s: {names}")
 
     def test_each_role_gets_its_role_flag_and_graph_mode(self):
         configmap = named(self.docs, "ConfigMap", self.fullname() + "-compilation-config")
@@ -214,13 +343,11 @@ class ManifestChecks:
             self.assertEqual(flags["drain_timeout"], self.values["worker"]["drainTimeout"], role)
             self.assertEqual(dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"],
                              grace, role)
-            # Live sequences drain for --drain_timeout, then an import
-            # accepted just before may pull for --kv_pull_timeout; SIGKILL
-            # must not come first.
-            needed = seconds(flags["drain_timeout"]) + seconds(flags["kv_pull_timeout"]) + 5
-            self.assertLessEqual(needed, grace,
-                                 f"{role}: drain {flags['drain_timeout']} + pull "
-                                 f"{flags['kv_pull_timeout']} + 5s > grace {grace}s")
+            check_drain_budget(self, dep, self.values)
+
+    def test_prestop_starts_the_drain(self):
+        for dep in self.deployments.values():
+            check_prestop(self, dep, self.values)
 
     def test_numbers_are_plain_integers(self):
         # Helm decodes values as float64; a template that forgets `int64`
@@ -308,7 +435,7 @@ class ManifestChecks:
             self.assertEqual(others, [], f"{role}: Deployment selector overlaps {others}")
         for kind, path in (("Service", ("spec", "selector")),
                            ("PodDisruptionBudget", ("spec", "selector", "matchLabels"))):
-            for doc in by_kind(self.docs, kind):
+            for doc in worker_docs(self.docs, kind):
                 sel = doc
                 for p in path:
                     sel = sel[p]
@@ -426,7 +553,7 @@ class ProductionValuesTest(ManifestChecks, unittest.TestCase):
         flags = flag_values(container(self.deployments["decode"])["args"])
         self.assertEqual(flags["max_num_seqs"], "256")
         self.assertEqual(flags["kv_cache_bytes"], "53687091200")
-        for role in EXPECTED_MODE:
+        for role in PD_ROLES:
             flags = flag_values(container(self.deployments[role])["args"])
             self.assertEqual(flags["kv_lease_ttl"], "1m", role)
             self.assertEqual(flags["kv_pull_timeout"], "20s", role)
@@ -437,6 +564,470 @@ class ProductionValuesTest(ManifestChecks, unittest.TestCase):
 
     def test_tls_notes_explain_the_probe_fallback(self):
         self.assertIn("TCP", self.notes)
+
+
+class SmgExampleTest(ManifestChecks, unittest.TestCase):
+    """examples/values-smg.yaml: P/D workers behind an SMG router."""
+
+    VALUES_FILES = (lambda: example("values-smg.yaml"),)
+    RELEASE = "llm"
+    NAMESPACE = "llm"
+
+    def fullname(self):
+        return "llm-pdworker"
+
+    def test_every_object_matches_its_api_schema(self):
+        for doc in self.docs:
+            self.assertEqual([], schema_errors(doc), f"{doc['kind']} {doc['metadata']['name']}")
+
+    def test_router_runs_pd_over_the_workers(self):
+        check_router(self, self.docs, self.values)
+        args = container(named(self.docs, "Deployment", "llm-pdworker-router"))["args"]
+        self.assertIn("--pd-disaggregation", args)
+        self.assertEqual(option(args, "--service-discovery-protocol"), "grpc")
+        self.assertEqual(option(args, "--policy"), "cache_aware")
+        self.assertIn("--decode-policy=power_of_two", args)
+
+    def test_decode_scales_on_kv_usage(self):
+        (so,) = by_kind(self.docs, "ScaledObject")
+        self.assertEqual(so["spec"]["scaleTargetRef"]["name"], "llm-pdworker-decode")
+        (trigger,) = so["spec"]["triggers"]
+        self.assertIn("pdworker_kv_cache_usage_ratio", trigger["metadata"]["query"])
+        self.assertEqual((so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"]), (4, 8))
+        self.assertNotIn("replicas", self.deployments["decode"]["spec"])
+        self.assertEqual(self.deployments["prefill"]["spec"]["replicas"], 2)
+
+
+class LlmdExampleTest(ManifestChecks, unittest.TestCase):
+    """examples/values-llm-d.yaml: aggregated workers in an InferencePool."""
+
+    VALUES_FILES = (lambda: example("values-llm-d.yaml"),)
+    RELEASE = "llm"
+    NAMESPACE = "llm"
+    ROLES = ("both",)
+
+    def fullname(self):
+        return "llm-pdworker"
+
+    def test_every_object_matches_its_api_schema(self):
+        for doc in self.docs:
+            self.assertEqual([], schema_errors(doc), f"{doc['kind']} {doc['metadata']['name']}")
+
+    def test_pool_selects_the_aggregated_workers(self):
+        (pool,) = by_kind(self.docs, "InferencePool")
+        check_inference_pool(self, pool, self.deployments, self.values)
+        self.assertEqual(pool["metadata"]["name"], "llama-3-1-8b")
+        self.assertEqual(pool["spec"]["endpointPickerRef"]["name"], "llama-3-1-8b-epp")
+
+    def test_llmd_labels(self):
+        labels = pod_labels(self.deployments["both"])
+        # llm-d's prefill and decode filters both accept role "both"
+        # (llm-d-inference-scheduler pkg/plugins/filter/pd_role.go).
+        self.assertEqual(labels["llm-d.ai/role"], "both")
+        self.assertEqual(labels["llm-d.ai/engine-type"], "vllm")
+        self.assertEqual(labels["llm-d.ai/inference-serving"], "true")
+        self.assertEqual(flag_values(container(self.deployments["both"])["args"])["role"], "both")
+
+    def test_prestop_delay_fits(self):
+        c = container(self.deployments["both"])
+        self.assertTrue(prestop_script(c).startswith("sleep 10; kill -TERM 1;"))
+
+
+def option(args, name):
+    """The value after `name` in an argv list (SMG takes `--flag value`)."""
+    i = args.index(name)
+    return args[i + 1]
+
+
+def prestop_script(c):
+    command = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["/bin/sh", "-c"] and len(command) == 3, command
+    return command[2]
+
+
+def check_prestop(test, dep, values):
+    c = container(dep)
+    if not values["preStop"]["enabled"]:
+        test.assertNotIn("lifecycle", c)
+        return
+    script = prestop_script(c)
+    # The worker drains on SIGTERM (worker/main.cc sigwait); PID 1 is the
+    # worker (exec-form ENTRYPOINT). The hook returns once it has exited.
+    test.assertIn("kill -TERM 1;", script)
+    test.assertTrue(script.endswith("while kill -0 1 2>/dev/null; do sleep 1; done"), script)
+    delay = values["preStop"]["delaySeconds"]
+    test.assertEqual(script.startswith(f"sleep {delay}; "), delay > 0, script)
+    test.assertNotIn("shareProcessNamespace", dep["spec"]["template"]["spec"])
+    check_drain_budget(test, dep, values)
+
+
+def check_inference_pool(test, pool, deployments, values):
+    role = pool["metadata"]["labels"]["app.kubernetes.io/component"]
+    r = values["roles"][role]["inferencePool"]
+    dep = deployments[role]
+    sel = pool["spec"]["selector"]["matchLabels"]
+    test.assertTrue(selects(sel, pod_labels(dep)), f"{role}: pool selector {sel} misses its pods")
+    if not r["matchLabels"]:
+        others = [o for o, d in deployments.items() if o != role and selects(sel, pod_labels(d))]
+        test.assertEqual(others, [], f"{role}: pool also selects {others}")
+    grpc = {p["name"]: p["containerPort"] for p in container(dep)["ports"]}["grpc"]
+    test.assertEqual(pool["spec"]["targetPorts"], [{"number": grpc}],
+                     f"{role}: targetPorts = the container's gRPC port")
+    test.assertEqual(pool["spec"].get("appProtocol", ""), r["appProtocol"])
+    ref = pool["spec"]["endpointPickerRef"]
+    test.assertEqual((ref["name"], ref["port"]["number"], ref["failureMode"]),
+                     (r["endpointPicker"]["name"], r["endpointPicker"]["port"],
+                      r["endpointPicker"]["failureMode"]))
+
+
+def check_autoscaler(test, doc, deployments, values):
+    role = doc["metadata"]["labels"]["app.kubernetes.io/component"]
+    a = values["roles"][role]["autoscaling"]
+    dep = deployments[role]
+    target = doc["spec"]["scaleTargetRef"]
+    test.assertEqual((target["apiVersion"], target["kind"], target["name"]),
+                     ("apps/v1", "Deployment", dep["metadata"]["name"]))
+    test.assertFalse("replicas" in dep["spec"], f"{role}: spec.replicas set: helm would fight "
+                     "the autoscaler on every upgrade")
+    known = documented_metrics()
+    if doc["kind"] == "HorizontalPodAutoscaler":
+        test.assertEqual(a["mode"], "hpa")
+        test.assertEqual((doc["spec"]["minReplicas"], doc["spec"]["maxReplicas"]),
+                         (a["minReplicas"], a["maxReplicas"]))
+        pods = [m["pods"]["metric"]["name"] for m in doc["spec"]["metrics"] if m["type"] == "Pods"]
+        test.assertEqual(pods, [m["name"] for m in a["hpa"]["podsMetrics"]])
+        test.assertLessEqual(set(pods), known, f"{role}: HPA metrics the worker does not export")
+        return
+    test.assertEqual(a["mode"], "keda")
+    test.assertEqual((doc["spec"]["minReplicaCount"], doc["spec"]["maxReplicaCount"]),
+                     (a["minReplicas"], a["maxReplicas"]))
+    (trigger,) = doc["spec"]["triggers"]
+    test.assertEqual(trigger["type"], "prometheus")
+    meta = trigger["metadata"]
+    test.assertEqual(meta["serverAddress"], values["autoscaling"]["keda"]["serverAddress"])
+    test.assertEqual(meta["threshold"], a["keda"]["threshold"])
+    query = meta["query"]
+    test.assertNotIn("{{", query, f"{role}: unrendered template in the KEDA query")
+    # The query selects this role's pods (their names: <deployment>-<hash>-<id>)
+    # in the release namespace, and no other role's.
+    m = re.search(r'namespace="([^"]+)",pod=~"([^"]+)"', query)
+    test.assertTrue(m, f"{role}: query without the role's pod matcher: {query}")
+    test.assertEqual(m.group(1), dep["metadata"]["namespace"])
+    pod_re = re.compile(m.group(2))
+    for other, d in deployments.items():
+        name = d["metadata"]["name"] + "-5d8f9c7b6d-x2x7z"
+        test.assertEqual(bool(pod_re.fullmatch(name)), other == role,
+                         f"{role}: pod matcher {m.group(2)} vs {name}")
+    used = set(re.findall(r"\bpdworker_\w+", query))
+    test.assertTrue(used, query)
+    test.assertLessEqual(used, known, f"{role}: KEDA query on metrics the worker does not export")
+
+
+def check_monitor(test, docs, deployments, values):
+    sm, pm = by_kind(docs, "ServiceMonitor"), by_kind(docs, "PodMonitor")
+    test.assertEqual((len(sm), len(pm)),
+                     (int(values["serviceMonitor"]["enabled"]), int(values["podMonitor"]["enabled"])))
+    routers = [d for d in by_kind(docs, "Deployment") if is_router(d)]
+    for mon in pm:
+        sel = mon["spec"]["selector"]
+        for role, dep in deployments.items():
+            test.assertTrue(selects_label_selector(sel, pod_labels(dep)), f"PodMonitor misses {role}")
+            ports = {p["name"] for p in container(dep)["ports"]}
+            for ep in mon["spec"]["podMetricsEndpoints"]:
+                test.assertIn(ep["port"], ports, f"{role}: PodMonitor port")
+                test.assertEqual(ep["path"], "/metrics")
+        for r in routers:
+            test.assertFalse(selects_label_selector(sel, pod_labels(r)), "PodMonitor scrapes the router")
+        test.assertEqual(mon["spec"]["namespaceSelector"]["matchNames"],
+                         [mon["metadata"]["namespace"]])
+    for mon in sm:
+        sel = mon["spec"]["selector"]
+        matched = [s for s in by_kind(docs, "Service")
+                   if selects_label_selector(sel, s["metadata"]["labels"])]
+        test.assertEqual(sorted(s["metadata"]["name"] for s in matched),
+                         sorted(s["metadata"]["name"] for s in worker_docs(docs, "Service")))
+
+
+def check_router(test, docs, values):
+    routers = [d for d in by_kind(docs, "Deployment") if is_router(d)]
+    if not values["router"]["enabled"]:
+        test.assertEqual(routers, [])
+        test.assertEqual(by_kind(docs, "Role") + by_kind(docs, "RoleBinding"), [])
+        return
+    (router,) = routers
+    args = container(router)["args"]
+    deployments = {role_of(d): d for d in worker_docs(docs, "Deployment")}
+    pd = set(deployments) == set(PD_ROLES)
+    test.assertEqual("--pd-disaggregation" in args, pd)
+    spec = router["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m for m in container(router)["volumeMounts"]}
+    test.assertIn(option(args, "--model-path"), mounts, "SMG reads the tokenizer from the model volume")
+    grpc = values["ports"]["grpc"]
+    if values["router"]["workerDiscovery"] == "kubernetes":
+        test.assertIn("--service-discovery", args)
+        test.assertEqual(option(args, "--service-discovery-port"), str(grpc))
+        test.assertEqual(option(args, "--service-discovery-namespace"),
+                         router["metadata"]["namespace"])
+        flags = {"prefill": "--prefill-selector", "decode": "--decode-selector"} if pd \
+            else {"both": "--selector"}
+        for role, flag in flags.items():
+            sel = dict(kv.split("=", 1) for kv in option(args, flag).split(","))
+            matched = [r for r, d in deployments.items() if selects(sel, pod_labels(d))]
+            test.assertEqual(matched, [role], f"{flag} {sel} selects {matched}")
+        (role_doc,) = by_kind(docs, "Role")
+        (binding,) = by_kind(docs, "RoleBinding")
+        test.assertIn({"apiGroups": [""], "resources": ["pods"],
+                       "verbs": ["get", "list", "watch"]}, role_doc["rules"])
+        test.assertEqual(binding["roleRef"], {"apiGroup": "rbac.authorization.k8s.io",
+                                              "kind": "Role", "name": role_doc["metadata"]["name"]})
+        test.assertEqual(binding["subjects"], [{"kind": "ServiceAccount",
+                                                "name": spec["serviceAccountName"],
+                                                "namespace": router["metadata"]["namespace"]}])
+        named(docs, "ServiceAccount", spec["serviceAccountName"])
+    else:
+        test.assertNotIn("--service-discovery", args)
+        test.assertEqual(by_kind(docs, "Role"), [])
+        services = {s["metadata"]["name"]: s for s in worker_docs(docs, "Service")}
+        urls = ([option(args, "--prefill"), option(args, "--decode")] if pd
+                else [option(args, "--worker-urls")])
+        for url, role in zip(urls, PD_ROLES if pd else ("both",)):
+            m = re.fullmatch(r"grpc://([a-z0-9-]+)\.([a-z0-9-]+)\.svc:(\d+)", url)
+            test.assertTrue(m, url)
+            svc = services[m.group(1)]
+            test.assertTrue(selects(svc["spec"]["selector"], pod_labels(deployments[role])), url)
+            test.assertEqual(int(m.group(3)), grpc)
+    svc = named(docs, "Service", router["metadata"]["name"])
+    test.assertTrue(selects(svc["spec"]["selector"], pod_labels(router)))
+    test.assertEqual(container(router)["image"],
+                     f"{values['router']['image']['repository']}:{values['router']['image']['tag']}")
+
+
+def combination_values(roles, pool, autoscaling, monitor, prestop, llmd, router):
+    v = {"roles": {"prefill": {}, "decode": {}, "both": {}},
+         "serviceMonitor": {"enabled": monitor == "serviceMonitor"},
+         "podMonitor": {"enabled": monitor == "podMonitor"},
+         "preStop": {"enabled": prestop, "delaySeconds": 5 if prestop else 0},
+         "terminationGracePeriodSeconds": 65,
+         "llmd": {"labels": {"enabled": llmd}},
+         "router": {"enabled": router != "off", "image": {"tag": "1.4.1"},
+                    "workerDiscovery": router if router != "off" else "kubernetes"}}
+    enabled = PD_ROLES if roles == "pd" else ("both",)
+    for role in ("prefill", "decode", "both"):
+        r = v["roles"][role]
+        r["enabled"] = role in enabled
+        r["inferencePool"] = {"enabled": pool, "endpointPicker": {"name": f"{role}-epp"}}
+        r["autoscaling"] = {"mode": autoscaling, "minReplicas": 2, "maxReplicas": 6}
+    return v, enabled
+
+
+class CombinationsTest(unittest.TestCase):
+    """Every combination of the optional objects, each rendered object of a
+    new kind checked against its API schema and against the pods it acts on."""
+
+    DIMENSIONS = {
+        "roles": ("pd", "both"),
+        "pool": (False, True),
+        "autoscaling": ("none", "hpa", "keda"),
+        "monitor": ("serviceMonitor", "podMonitor"),
+        "prestop": (False, True),
+        "llmd": (False, True),
+        "router": ("off", "kubernetes", "urls"),
+    }
+
+    def test_every_combination(self):
+        seen_kinds = set()
+        names = list(self.DIMENSIONS)
+        for combo in itertools.product(*self.DIMENSIONS.values()):
+            case = dict(zip(names, combo))
+            values, enabled = combination_values(**case)
+            with self.subTest(**case):
+                docs, _, coalesced = render(
+                    [write_values("combination.yaml", values)], "rel", "ns")
+                self.check_values_schema(coalesced)
+                self.check(docs, coalesced, case, enabled)
+                seen_kinds |= {d["kind"] for d in docs}
+        # Every schema'd kind was rendered (and validated) at least once.
+        self.assertLessEqual({k for _, k in SCHEMA_FILES}, seen_kinds)
+
+    def check_values_schema(self, values):
+        with open(os.path.join(ARGS.chart, "values.schema.json")) as f:
+            validator = jsonschema.Draft7Validator(json.load(f))
+        self.assertEqual([], [f"{list(e.path)}: {e.message}" for e in validator.iter_errors(values)])
+
+    def check(self, docs, values, case, enabled):
+        for doc in docs:
+            self.assertEqual([], schema_errors(doc), f"{doc['kind']} {doc['metadata']['name']}")
+            self.assertEqual(doc["metadata"]["namespace"], "ns")
+        deployments = {role_of(d): d for d in worker_docs(docs, "Deployment")}
+        self.assertEqual(set(deployments), set(enabled))
+        pools = by_kind(docs, "InferencePool")
+        self.assertEqual(len(pools), len(enabled) if case["pool"] else 0)
+        for pool in pools:
+            check_inference_pool(self, pool, deployments, values)
+        scalers = by_kind(docs, "HorizontalPodAutoscaler") + by_kind(docs, "ScaledObject")
+        self.assertEqual(len(scalers), 0 if case["autoscaling"] == "none" else len(enabled))
+        for doc in scalers:
+            check_autoscaler(self, doc, deployments, values)
+        for role, dep in deployments.items():
+            if case["autoscaling"] == "none":
+                self.assertEqual(dep["spec"]["replicas"], values["roles"][role]["replicaCount"])
+            check_prestop(self, dep, values)
+            labels = pod_labels(dep)
+            self.assertTrue(selects(dep["spec"]["selector"]["matchLabels"], labels))
+            if case["llmd"]:
+                self.assertEqual(labels["llm-d.ai/role"], role)
+                self.assertEqual(labels["llm-d.ai/engine-type"], "vllm")
+                self.assertEqual(labels["llm-d.ai/inference-serving"], "true")
+            else:
+                self.assertFalse([k for k in labels if k.startswith("llm-d.ai/")], labels)
+        if case["autoscaling"] == "keda":
+            queries = {d["metadata"]["labels"]["app.kubernetes.io/component"]:
+                       d["spec"]["triggers"][0]["metadata"]["query"]
+                       for d in by_kind(docs, "ScaledObject")}
+            # The defaults per role: prefill on queued calls, decode and
+            # aggregated workers on KV cache usage.
+            for role, q in queries.items():
+                metric = ("pdworker_executor_queue_depth" if role == "prefill"
+                          else "pdworker_kv_cache_usage_ratio")
+                self.assertIn(metric, q, role)
+        check_monitor(self, docs, deployments, values)
+        check_router(self, docs, values)
+
+
+class OptionalObjectValuesTest(unittest.TestCase):
+    """Values of the optional objects: overrides reach the manifests, bad
+    combinations fail the render or the schema."""
+
+    def test_custom_pool_selector_and_http(self):
+        docs, _, values = render([write_values("pool.yaml", {
+            "llmd": {"labels": {"enabled": True, "extra": {"llm-d.ai/guide": "llama"}}},
+            "roles": {"decode": {"inferencePool": {
+                "enabled": True, "name": "shared-pool", "appProtocol": "http",
+                "matchLabels": {"llm-d.ai/guide": "llama", "llm-d.ai/role": "decode"},
+                "endpointPicker": {"name": "epp", "port": 9003, "failureMode": "FailOpen",
+                                   "group": "example.com", "kind": "EndpointPicker"}}}}})])
+        (pool,) = by_kind(docs, "InferencePool")
+        self.assertEqual([], schema_errors(pool))
+        self.assertEqual(pool["metadata"]["name"], "shared-pool")
+        self.assertEqual(pool["spec"]["selector"]["matchLabels"],
+                         {"llm-d.ai/guide": "llama", "llm-d.ai/role": "decode"})
+        self.assertEqual(pool["spec"]["endpointPickerRef"],
+                         {"group": "example.com", "kind": "EndpointPicker", "name": "epp",
+                          "port": {"number": 9003}, "failureMode": "FailOpen"})
+        deployments = {role_of(d): d for d in worker_docs(docs, "Deployment")}
+        check_inference_pool(self, pool, deployments, values)
+
+    def test_pool_without_app_protocol_for_older_crds(self):
+        docs, _, _ = render([write_values("pool-old.yaml", {"roles": {"decode": {
+            "inferencePool": {"enabled": True, "appProtocol": "",
+                              "endpointPicker": {"name": "epp"}}}}})])
+        (pool,) = by_kind(docs, "InferencePool")
+        self.assertNotIn("appProtocol", pool["spec"])
+        self.assertEqual([], schema_errors(pool))
+
+    def test_schema_validation_catches_a_broken_pool(self):
+        docs, _, _ = render([write_values("pool-ok.yaml", {"roles": {"decode": {
+            "inferencePool": {"enabled": True, "endpointPicker": {"name": "epp"}}}}})])
+        (pool,) = by_kind(docs, "InferencePool")
+        for what, mutate in {
+            "unknown field": lambda p: p["spec"].update(targetPortNumber=50051),
+            "no target port": lambda p: p["spec"].update(targetPorts=[]),
+            "duplicate port": lambda p: p["spec"].update(targetPorts=[{"number": 1}, {"number": 1}]),
+            "bad protocol": lambda p: p["spec"].update(appProtocol="grpc"),
+            "service without port": lambda p: p["spec"]["endpointPickerRef"].pop("port"),
+        }.items():
+            bad = copy.deepcopy(pool)
+            mutate(bad)
+            with self.subTest(what):
+                self.assertTrue(schema_errors(bad), f"schema accepted {what}")
+
+    def test_hpa_overrides(self):
+        docs, _, _ = render([write_values("hpa.yaml", {"roles": {"prefill": {"autoscaling": {
+            "mode": "hpa", "minReplicas": 2, "maxReplicas": 9,
+            "hpa": {"targetCPUUtilizationPercentage": 60, "podsMetrics": [],
+                    "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}}}}}}})])
+        (hpa,) = by_kind(docs, "HorizontalPodAutoscaler")
+        self.assertEqual([], schema_errors(hpa))
+        self.assertEqual(hpa["spec"]["metrics"], [{"type": "Resource", "resource": {
+            "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 60}}}])
+        self.assertEqual(hpa["spec"]["behavior"], {"scaleDown": {"stabilizationWindowSeconds": 600}})
+        self.assertEqual((hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]), (2, 9))
+
+    def test_keda_overrides(self):
+        docs, _, _ = render([write_values("keda.yaml", {
+            "autoscaling": {"keda": {"serverAddress": "http://prom:9090",
+                                     "authenticationRef": "prom-auth", "pollingInterval": 5}},
+            "roles": {"prefill": {"autoscaling": {"mode": "keda", "keda": {
+                "query": "sum(rate(pdworker_forward_requests_total{ {{ .selector }} }[1m]))",
+                "threshold": "20", "activationThreshold": "1"}}}}}, ), ], "r", "n")
+        (so,) = by_kind(docs, "ScaledObject")
+        self.assertEqual([], schema_errors(so))
+        (trigger,) = so["spec"]["triggers"]
+        self.assertEqual(trigger["metadata"]["query"],
+                         'sum(rate(pdworker_forward_requests_total{ namespace="n",'
+                         'pod=~"r-pdworker-prefill-[a-z0-9]+-[a-z0-9]+" }[1m]))')
+        self.assertEqual(trigger["metadata"]["activationThreshold"], "1")
+        self.assertEqual(trigger["authenticationRef"], {"name": "prom-auth"})
+        self.assertEqual(so["spec"]["pollingInterval"], 5)
+
+    def test_bad_combinations_fail_the_render(self):
+        cases = [
+            ({"roles": {"decode": {"inferencePool": {"enabled": True}}}},
+             "endpointPicker.name is required"),
+            ({"tls": {"enabled": True, "secretName": "s"}, "roles": {"decode": {
+                "inferencePool": {"enabled": True, "endpointPicker": {"name": "e"}}}}},
+             "kubernetes.io/h2c"),
+            ({"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}},
+             "enable one"),
+            ({"roles": {"decode": {"autoscaling": {"mode": "hpa", "hpa": {"podsMetrics": []}}}}},
+             "needs targetCPUUtilizationPercentage or podsMetrics"),
+            ({"roles": {"decode": {"autoscaling": {"mode": "keda", "minReplicas": 5,
+                                                    "maxReplicas": 2}}}},
+             "below minReplicas"),
+            ({"router": {"enabled": True}}, "router.image.tag is required"),
+            ({"router": {"enabled": True, "image": {"tag": "1.4.1"}},
+              "tls": {"enabled": True, "secretName": "s"}}, "plaintext grpc"),
+            ({"router": {"enabled": True, "image": {"tag": "1.4.1"}},
+              "roles": {"both": {"enabled": True}}}, "not all three"),
+            ({"router": {"enabled": True, "image": {"tag": "1.4.1"}},
+              "roles": {"decode": {"enabled": False}}}, "needs roles prefill and decode"),
+        ]
+        for values, message in cases:
+            with self.subTest(values=values), self.assertRaises(RenderError) as e:
+                render([write_values("bad.yaml", values)])
+            self.assertIn(message, str(e.exception))
+
+    def test_schema_rejects_bad_new_values(self):
+        with open(os.path.join(ARGS.chart, "values.schema.json")) as f:
+            validator = jsonschema.Draft7Validator(json.load(f))
+        _, _, values = render()
+        cases = {
+            "unknown autoscaling mode": ("roles", "decode", "autoscaling", "mode", "vpa"),
+            "zero minReplicas": ("roles", "decode", "autoscaling", "minReplicas", 0),
+            "threshold as a number": ("roles", "decode", "autoscaling", "keda", "threshold", 0.75),
+            "bad metric type": ("roles", "decode", "autoscaling", "keda", "metricType", "Utilization"),
+            "bad quantity": ("roles", "decode", "autoscaling", "hpa", "podsMetrics", [
+                {"name": "pdworker_kv_cache_usage_ratio", "averageValue": "75%"}]),
+            "unknown app protocol": ("roles", "decode", "inferencePool", "appProtocol", "grpc"),
+            "bad label key": ("llmd", "labels", "roleKey", "llm-d.ai/role/x"),
+            "bad label value": ("llmd", "labels", "extra", {"llm-d.ai/inference-serving": "yes please"}),
+            "pool without EPP": ("roles", "decode", "inferencePool", "enabled", True),
+            "negative preStop delay": ("preStop", "delaySeconds", -1),
+            "unknown discovery": ("router", "workerDiscovery", "dns"),
+            "router without a tag": ("router", "enabled", True),
+            "unknown role": ("roles", "mixed", {}),
+        }
+        for what, path in cases.items():
+            bad = copy.deepcopy(values)
+            node = bad
+            for key in path[:-2]:
+                node = node[key]
+            node[path[-2]] = path[-1]
+            with self.subTest(what):
+                self.assertTrue(list(validator.iter_errors(bad)), f"schema accepted {what}")
+        both = copy.deepcopy(values)
+        both["serviceMonitor"]["enabled"] = both["podMonitor"]["enabled"] = True
+        self.assertTrue(list(validator.iter_errors(both)), "schema accepted both monitors")
 
 
 def normalized_rules(groups):
@@ -623,11 +1214,12 @@ class ValuesHandlingTest(unittest.TestCase):
 def main():
     global ARGS
     parser = argparse.ArgumentParser()
-    for flag in ("renderer", "chart", "pdworker", "alerts", "example"):
+    flags = ("renderer", "chart", "pdworker", "alerts", "example", "schemas", "metrics_readme")
+    for flag in flags:
         parser.add_argument("--" + flag, required=True)
     ARGS, rest = parser.parse_known_args()
     # Runfiles paths are relative to the test's working directory.
-    for flag in ("renderer", "chart", "pdworker", "alerts", "example"):
+    for flag in flags:
         setattr(ARGS, flag, os.path.abspath(getattr(ARGS, flag)))
     run_tests([sys.argv[0]] + rest)
 

@@ -105,3 +105,77 @@ periodSeconds: {{ .probe.periodSeconds }}
 timeoutSeconds: {{ .probe.timeoutSeconds }}
 failureThreshold: {{ .probe.failureThreshold }}
 {{- end }}
+
+{{/*
+Labels of one role's pods: the role's standard labels, llm-d's labels
+(llmd.labels) and the role's podLabels. The InferencePool selector and the
+Deployment selector both pick from these.
+Args: (dict "root" $ "role" "decode")
+*/}}
+{{- define "pdworker.podLabels" -}}
+{{ include "pdworker.roleLabels" . }}
+{{- $llmd := .root.Values.llmd.labels }}
+{{- if $llmd.enabled }}
+{{ $llmd.roleKey }}: {{ .role | quote }}
+{{ $llmd.engineTypeKey }}: {{ $llmd.engineType | quote }}
+{{- range $k, $v := $llmd.extra }}
+{{ $k }}: {{ $v | quote }}
+{{- end }}
+{{- end }}
+{{- with (index .root.Values.roles .role).podLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+PromQL label matchers selecting one role's worker pods as Prometheus Operator
+labels them (namespace, pod): Deployment pods are <deployment>-<hash>-<id>.
+Args: (dict "root" $ "role" "decode")
+*/}}
+{{- define "pdworker.promSelector" -}}
+{{- printf "namespace=%q,pod=~%q" .root.Release.Namespace (printf "%s-[a-z0-9]+-[a-z0-9]+" (include "pdworker.roleFullname" .)) }}
+{{- end }}
+
+{{/*
+The role's KEDA query: roles.<role>.autoscaling.keda.query with
+{{ .selector }} replaced by pdworker.promSelector.
+Args: (dict "root" $ "role" "decode")
+*/}}
+{{- define "pdworker.kedaQuery" -}}
+{{- $query := required (printf "roles.%s.autoscaling.keda.query is required for mode keda" .role) (index .root.Values.roles .role).autoscaling.keda.query }}
+{{- tpl $query (dict "selector" (include "pdworker.promSelector" .) "Template" .root.Template) }}
+{{- end }}
+
+{{/*
+The preStop command: start the worker's drain (SIGTERM to PID 1, the
+worker; see values.yaml "preStop") and return only once it has exited.
+*/}}
+{{- define "pdworker.preStopScript" -}}
+{{- if gt (int64 .Values.preStop.delaySeconds) 0 }}sleep {{ int64 .Values.preStop.delaySeconds }}; {{ end -}}
+kill -TERM 1; while kill -0 1 2>/dev/null; do sleep 1; done
+{{- end }}
+
+{{/* Router (SMG) resource names and labels. */}}
+{{- define "pdworker.routerFullname" -}}
+{{- printf "%s-router" (include "pdworker.fullname" .) }}
+{{- end }}
+
+{{- define "pdworker.routerSelectorLabels" -}}
+{{ include "pdworker.selectorLabels" . }}
+app.kubernetes.io/component: router
+{{- end }}
+
+{{- define "pdworker.routerLabels" -}}
+{{ include "pdworker.labels" . }}
+app.kubernetes.io/component: router
+{{- end }}
+
+{{/* A role's label selector as "k=v,k=v" (SMG --selector syntax). */}}
+{{- define "pdworker.roleSelectorString" -}}
+{{- $labels := include "pdworker.roleSelectorLabels" . | fromYaml }}
+{{- $pairs := list }}
+{{- range $k := keys $labels | sortAlpha }}
+{{- $pairs = append $pairs (printf "%s=%s" $k (index $labels $k)) }}
+{{- end }}
+{{- join "," $pairs }}
+{{- end }}
