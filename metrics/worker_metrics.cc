@@ -1,5 +1,6 @@
 #include "metrics/worker_metrics.h"
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -224,6 +225,35 @@ WorkerMetrics::WorkerMetrics(const WorkerInfo& info,
                          .Help("Used KV cache blocks / all blocks (0 to 1).")
                          .Register(r)
                          .Add({});
+  prefix_queries_ =
+      &prometheus::BuildCounter()
+           .Name("pdworker_prefix_cache_queries_total")
+           .Help(
+               "Prompt tokens of new sequences looked up in the prefix cache "
+               "(vLLM's prefix_cache_queries).")
+           .Register(r)
+           .Add({});
+  prefix_hits_ = &prometheus::BuildCounter()
+                      .Name("pdworker_prefix_cache_hits_total")
+                      .Help(
+                          "Of the looked-up tokens, those found cached and "
+                          "not computed (vLLM's prefix_cache_hits).")
+                      .Register(r)
+                      .Add({});
+  prefix_evictions_ =
+      &prometheus::BuildCounter()
+           .Name("pdworker_prefix_cache_evictions_total")
+           .Help("Cached KV blocks no sequence held, reused for new tokens.")
+           .Register(r)
+           .Add({});
+  prefix_cached_blocks_ =
+      &prometheus::BuildGauge()
+           .Name("pdworker_prefix_cache_blocks")
+           .Help(
+               "KV blocks in the prefix cache (held by sequences or free "
+               "until evicted).")
+           .Register(r)
+           .Add({});
 
   // --- Graph capture ---
   auto& graphs = prometheus::BuildGauge()
@@ -347,6 +377,19 @@ void WorkerMetrics::SetKvBlocks(int64_t used, int64_t free) {
   kv_free_blocks_->Set(static_cast<double>(free));
   const int64_t total = used + free;
   kv_usage_ratio_->Set(total > 0 ? static_cast<double>(used) / total : 0.0);
+}
+
+void WorkerMetrics::SetPrefixCache(int64_t query_tokens, int64_t hit_tokens,
+                                   int64_t evictions, int64_t cached_blocks) {
+  const auto advance = [](prometheus::Counter* counter, int64_t total,
+                          int64_t* seen) {
+    if (total > *seen) counter->Increment(static_cast<double>(total - *seen));
+    *seen = std::max(*seen, total);
+  };
+  advance(prefix_queries_, query_tokens, &prefix_queries_seen_);
+  advance(prefix_hits_, hit_tokens, &prefix_hits_seen_);
+  advance(prefix_evictions_, evictions, &prefix_evictions_seen_);
+  prefix_cached_blocks_->Set(static_cast<double>(cached_blocks));
 }
 
 void WorkerMetrics::SetQueueDepth(int64_t depth) {

@@ -125,6 +125,13 @@ class WorkerMetrics {
   // Forward calls waiting in the engine queue.
   void SetQueueDepth(int64_t depth);
 
+  // The prefix cache's totals since start (KvCacheStats: tokens looked up
+  // and found, blocks evicted) and the blocks cached now. The counters
+  // advance by the difference to the previous call: one caller (the engine
+  // thread).
+  void SetPrefixCache(int64_t query_tokens, int64_t hit_tokens,
+                      int64_t evictions, int64_t cached_blocks);
+
   // What CaptureGraphs() reported (graphs, seconds and memory per mode;
   // modes absent from `summary` are set to 0) and `graphs_captured`, the
   // device graph objects now held (ModelRunner::NumCapturedGraphs(): FULL
@@ -163,6 +170,12 @@ class WorkerMetrics {
   prometheus::Gauge* kv_used_blocks_ = nullptr;
   prometheus::Gauge* kv_free_blocks_ = nullptr;
   prometheus::Gauge* kv_usage_ratio_ = nullptr;
+  prometheus::Counter* prefix_queries_ = nullptr;
+  prometheus::Counter* prefix_hits_ = nullptr;
+  prometheus::Counter* prefix_evictions_ = nullptr;
+  prometheus::Gauge* prefix_cached_blocks_ = nullptr;
+  int64_t prefix_queries_seen_ = 0, prefix_hits_seen_ = 0,
+          prefix_evictions_seen_ = 0;
   prometheus::Gauge* queue_depth_ = nullptr;
   // Indexed by RuntimeMode; the kNone entries stay null (nothing captured).
   std::array<prometheus::Gauge*, kNumRuntimeModes> graphs_{};

@@ -68,6 +68,11 @@ ABSL_FLAG(int, max_model_len, 0,
 ABSL_FLAG(int64_t, kv_cache_bytes, int64_t{256} << 20,
           "KV cache budget in bytes; must hold one max_model_len sequence.");
 ABSL_FLAG(int, block_size, 16, "KV cache tokens per block.");
+ABSL_FLAG(bool, enable_prefix_caching, true,
+          "Automatic prefix caching: full KV blocks are kept after their "
+          "sequences end and shared by later prompts that start with the same "
+          "tokens (only the rest is computed). Also accepted as "
+          "--enable-prefix-caching / --no-enable-prefix-caching.");
 ABSL_FLAG(std::string, host, "0.0.0.0",
           "Address the gRPC and metrics servers bind.");
 ABSL_FLAG(int, port, 50051, "gRPC port; 0 = let the kernel pick one.");
@@ -247,6 +252,9 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
   r.max_model_len = absl::GetFlag(FLAGS_max_model_len);
   r.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
   r.block_size = absl::GetFlag(FLAGS_block_size);
+  r.prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching)
+                         ? PrefixCaching::kOn
+                         : PrefixCaching::kOff;
   for (const auto& [flag, value] : std::vector<std::pair<const char*, int64_t>>{
            {"max_num_seqs", r.max_num_seqs},
            {"max_num_batched_tokens", r.max_num_batched_tokens},
@@ -503,6 +511,13 @@ std::vector<std::string> UnderscoreFlagNames(int argc, char** argv) {
         arg.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
     if (name.find('-') == std::string::npos) continue;
     const std::string underscored = absl::StrReplaceAll(name, {{"-", "_"}});
+    // vLLM's negated booleans (--no-enable-prefix-caching): absl spells
+    // them --noenable_prefix_caching.
+    if (absl::StartsWith(underscored, "no_") && eq == std::string::npos &&
+        absl::FindCommandLineFlag(underscored.substr(3)) != nullptr) {
+      arg = absl::StrCat("--no", underscored.substr(3));
+      continue;
+    }
     if (absl::FindCommandLineFlag(underscored) == nullptr) continue;
     arg = absl::StrCat("--", underscored,
                        eq == std::string::npos ? "" : arg.substr(eq));
@@ -524,8 +539,8 @@ std::vector<FlagGroup> FlagGroups() {
         "compilation_config"}},
       {"Scheduling and KV cache",
        {"max_num_seqs", "max_num_batched_tokens", "max_model_len",
-        "kv_cache_bytes", "block_size", "max_queue", "max_waiting_requests",
-        "async_scheduling", "sequence_idle_timeout"}},
+        "kv_cache_bytes", "block_size", "enable_prefix_caching", "max_queue",
+        "max_waiting_requests", "async_scheduling", "sequence_idle_timeout"}},
       {"gRPC server and lifecycle",
        {"host", "port", "max_message_bytes", "grpc_keepalive_time",
         "grpc_keepalive_timeout", "grpc_min_client_ping_interval",

@@ -333,6 +333,22 @@ TEST(WorkerMetricsTest, KvBlocksAndUsageRatio) {
               UnorderedElementsAre("pdworker_kv_cache_usage_ratio 0"));
 }
 
+TEST(WorkerMetricsTest, PrefixCacheCountersAdvanceByTheTotals) {
+  WorkerMetrics metrics(DecodeInfo(), nullptr, Header());
+  metrics.SetPrefixCache(/*query_tokens=*/100, /*hit_tokens=*/64,
+                         /*evictions=*/2, /*cached_blocks=*/9);
+  metrics.SetPrefixCache(150, 96, 2, 7);
+  const std::string text = Text(metrics);
+  EXPECT_THAT(Samples(text, "pdworker_prefix_cache_queries_total"),
+              UnorderedElementsAre("pdworker_prefix_cache_queries_total 150"));
+  EXPECT_THAT(Samples(text, "pdworker_prefix_cache_hits_total"),
+              UnorderedElementsAre("pdworker_prefix_cache_hits_total 96"));
+  EXPECT_THAT(Samples(text, "pdworker_prefix_cache_evictions_total"),
+              UnorderedElementsAre("pdworker_prefix_cache_evictions_total 2"));
+  EXPECT_THAT(Samples(text, "pdworker_prefix_cache_blocks"),
+              UnorderedElementsAre("pdworker_prefix_cache_blocks 7"));
+}
+
 TEST(WorkerMetricsTest, QueueDepthIsAGauge) {
   WorkerMetrics metrics(DecodeInfo(), nullptr, Header());
   metrics.SetQueueDepth(7);

@@ -1156,6 +1156,8 @@ void Engine::PublishSnapshot() {
   }
   if (metrics_ != nullptr) {
     metrics_->SetKvBlocks(kv.used_blocks, kv.free_blocks);
+    metrics_->SetPrefixCache(kv.query_tokens, kv.hit_tokens, kv.evictions,
+                             kv.cached_blocks);
     metrics_->SetQueueDepth(queued);
   }
 }

@@ -234,6 +234,7 @@ class GenerateReactor final : public MessageWriter {
       vg::GenerateStreamChunk* chunk = queue_.emplace_back().mutable_chunk();
       for (const int32_t t : u.new_token_ids) chunk->add_token_ids(t);
       chunk->set_prompt_tokens(prompt_tokens_);
+      chunk->set_cached_tokens(static_cast<uint32_t>(u.num_cached_tokens));
       chunk->set_completion_tokens(
           static_cast<uint32_t>(u.new_token_ids.size()));
       if (num_top_ >= 0) {
@@ -261,6 +262,7 @@ class GenerateReactor final : public MessageWriter {
       complete->set_finish_reason(
           std::string(FinishReasonName(*u.finish_reason)));
       complete->set_prompt_tokens(prompt_tokens_);
+      complete->set_cached_tokens(static_cast<uint32_t>(u.num_cached_tokens));
       // Streaming: the last step's tokens again, as vLLM's servicer does
       // (the router accumulates the chunks); otherwise every token.
       if (stream_) {

@@ -46,6 +46,7 @@ void FillResponse(const v1::ForwardRequest& request,
     out->set_token_id(r.token_id);
     out->set_logprob(r.logprob);
     out->set_num_tokens(r.num_tokens);
+    out->set_cached_tokens(r.cached_tokens);
     if (static_cast<size_t>(i) < outcome.leases.size() &&
         outcome.leases[i].has_value()) {
       const KvLeaseInfo& lease = *outcome.leases[i];
@@ -185,7 +186,9 @@ WorkerService::WorkerService(const ModelRunner& runner, Engine& engine,
       handle_template_(HandleTemplate(runner, handoff)),
       fingerprint_(runner.model_fingerprint()),
       kv_layout_(runner.kv_cache_view().layout),
-      role_(runner.options().role) {
+      role_(runner.options().role),
+      prefix_caching_(runner.kv_cache().prefix_caching() ==
+                      PrefixCaching::kOn) {
   const ModelRunnerOptions& o = runner.options();
   std::lock_guard<std::mutex> lock(mu_);
   v1::WorkerStatus& s = status_template_;
@@ -204,6 +207,8 @@ WorkerService::WorkerService(const ModelRunner& runner, Engine& engine,
   s.set_model_fingerprint(runner.model_fingerprint());
   s.set_device(device_name);
   s.set_advertise_address(handoff.advertise_address);
+  s.set_prefix_caching(runner.kv_cache().prefix_caching() ==
+                       PrefixCaching::kOn);
 }
 
 void WorkerService::SetAdvertiseAddress(const std::string& address) {
@@ -324,6 +329,7 @@ void WorkerService::FillStatus(v1::WorkerStatus* response) const {
   response->set_kv_blocks_total(snapshot.kv.total_blocks);
   response->set_kv_blocks_free(snapshot.kv.free_blocks);
   response->set_num_sequences(snapshot.kv.num_sequences);
+  response->set_kv_blocks_cached(snapshot.kv.cached_blocks);
   response->set_serving(state() == ServingState::kServing);
   if (handoff_.leases != nullptr) {
     response->set_kv_leases(static_cast<int32_t>(handoff_.leases->size()));
@@ -425,6 +431,38 @@ grpc::ServerUnaryReactor* WorkerService::ImportKv(
         }
         call->Reply(ToGrpcStatus(result.status()));
       });
+  return call;
+}
+
+grpc::ServerUnaryReactor* WorkerService::FlushCache(
+    grpc::CallbackServerContext* /*context*/,
+    const grpc::ByteBuffer* raw_request, grpc::ByteBuffer* raw_response) {
+  using Call = UnaryCall<v1::FlushCacheRequest, v1::FlushCacheResponse>;
+  auto* call = new Call(raw_request, raw_response);
+  if (!call->parse_status().ok()) {
+    call->Reply(call->parse_status());
+    return call;
+  }
+  if (absl::Status serving = CheckServing(WhileDraining::kLetTheEngineDecide);
+      !serving.ok()) {
+    call->Reply(ToGrpcStatus(serving));
+    return call;
+  }
+  if (!prefix_caching_) {
+    call->Reply(ToGrpcStatus(absl::FailedPreconditionError(
+        "prefix caching is off (--enable_prefix_caching=false): there is "
+        "no cache to flush")));
+    return call;
+  }
+  // Between steps, on the engine thread (the KV cache's owner); the engine
+  // publishes AllBlocksCleared with the step's other events.
+  const absl::Status posted = engine_.Post([call](ModelRunner& runner) {
+    call->response().set_cleared_blocks(
+        runner.kv_cache().Stats().cached_blocks);
+    runner.ClearPrefixCache();
+    call->Reply(grpc::Status::OK);
+  });
+  if (!posted.ok()) call->Reply(ToGrpcStatus(posted));
   return call;
 }
 

@@ -56,7 +56,8 @@ using RawWorkerService = v1::Worker::WithRawCallbackMethod_Forward<
         v1::Worker::WithRawCallbackMethod_GetStatus<
             v1::Worker::WithRawCallbackMethod_GetGraphStats<
                 v1::Worker::WithRawCallbackMethod_ImportKv<
-                    v1::Worker::Service>>>>>;
+                    v1::Worker::WithRawCallbackMethod_FlushCache<
+                        v1::Worker::Service>>>>>>;
 
 class WorkerService final : public RawWorkerService {
  public:
@@ -94,6 +95,9 @@ class WorkerService final : public RawWorkerService {
   grpc::ServerUnaryReactor* ImportKv(grpc::CallbackServerContext* context,
                                      const grpc::ByteBuffer* request,
                                      grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* FlushCache(grpc::CallbackServerContext* context,
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
 
  private:
   // OK while serving (and while draining, for kLetTheEngineDecide);
@@ -116,6 +120,7 @@ class WorkerService final : public RawWorkerService {
   // What the handoff RPCs accept: decode holds no prompt, prefill imports no
   // KV (README, "Roles").
   const Role role_;
+  const bool prefix_caching_;
   std::atomic<ServingState> state_{ServingState::kStarting};
 
   mutable std::mutex mu_;
