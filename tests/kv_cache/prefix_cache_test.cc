@@ -320,6 +320,26 @@ TEST(PrefixCacheTest, AttachWithTokenIdsCachesImportedBlocks) {
   EXPECT_EQ(Step(m, "y", Range(0, 10)), 8);
 }
 
+TEST(PrefixCacheTest, AnImportAllocatesOnlyWhatIsNotCached) {
+  KvCacheManager m = Caching(16);
+  Step(m, "a", Range(0, 13));  // 3 cached blocks
+  int32_t cached = -1;
+  absl::StatusOr<SequenceKv> kv = m.AllocateDetached(14, Range(0, 14), &cached);
+  ASSERT_TRUE(kv.ok()) << kv.status();
+  EXPECT_EQ(cached, 12);
+  ASSERT_EQ(kv->blocks.size(), 4u);
+  for (int b = 0; b < 3; ++b) EXPECT_EQ(kv->blocks[b], m.Find("a")->blocks[b]);
+  EXPECT_EQ(m.Stats().detached_blocks, 4);
+  // The pulled tail is cached once attached with its ids.
+  ASSERT_TRUE(m.Attach("x", *kv).ok());
+  EXPECT_EQ(Step(m, "y", Range(0, 17)), 12);
+  EXPECT_EQ(m.AllocateDetached(5, Range(0, 4)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Without ids, or with caching off, nothing is shared.
+  EXPECT_TRUE(m.AllocateDetached(14, {}, &cached).ok());
+  EXPECT_EQ(cached, 0);
+}
+
 // Thousands of random operations against a shadow model of every slot's
 // content (the token written there): a sequence must always read its own
 // tokens back, so a shared block is never written; reference counts must

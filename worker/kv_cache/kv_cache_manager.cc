@@ -404,22 +404,52 @@ absl::StatusOr<SequenceKv> KvCacheManager::Detach(
 }
 
 absl::StatusOr<SequenceKv> KvCacheManager::AllocateDetached(
-    int32_t num_tokens) {
+    int32_t num_tokens, absl::Span<const int32_t> token_ids,
+    int32_t* cached_tokens) {
+  if (cached_tokens != nullptr) *cached_tokens = 0;
   if (num_tokens <= 0 || num_tokens > max_model_len_) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_tokens ", num_tokens,
                      " outside [1, max_model_len=", max_model_len_, "]"));
   }
+  if (!token_ids.empty() &&
+      static_cast<int32_t>(token_ids.size()) != num_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        token_ids.size(), " token ids for ", num_tokens, " tokens"));
+  }
+  std::vector<BlockHash> hashes;
+  PrefixHit hit;
+  if (caching() && !token_ids.empty()) {
+    hashes = HashKnownBlocks(hasher_, token_ids);
+    hit = FindPrefix(hashes, num_tokens);
+  }
   SequenceKv kv;
   const int32_t blocks = BlocksFor(num_tokens);
-  if (blocks > pool_.num_free()) {
+  // Hits on free cached blocks take them from the free blocks.
+  if (blocks - hit.num_held_blocks > pool_.num_free()) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "KV cache full: ", num_tokens, " tokens need ", blocks, " blocks, ",
         pool_.num_free(), " of ", pool_.num_blocks(), " free"));
   }
-  AllocateBlocks(blocks, &kv.blocks);
+  for (int32_t b = 0; b < hit.num_blocks; ++b) {
+    const int32_t block = *pool_.Lookup(hashes[b]);
+    pool_.Ref(block);
+    kv.blocks.push_back(block);
+  }
+  AllocateBlocks(blocks - hit.num_blocks, &kv.blocks);
   kv.num_tokens = num_tokens;
-  if (caching()) kv.token_ids.assign(num_tokens, kUnknownTokenId);
+  if (caching()) {
+    hashes.resize(hit.num_blocks);
+    kv.block_hashes = std::move(hashes);
+    if (token_ids.empty()) {
+      kv.token_ids.assign(num_tokens, kUnknownTokenId);
+    } else {
+      kv.token_ids.assign(token_ids.begin(), token_ids.end());
+      query_tokens_ += num_tokens;
+      hit_tokens_ += hit.num_blocks * block_size_;
+    }
+  }
+  if (cached_tokens != nullptr) *cached_tokens = hit.num_blocks * block_size_;
   detached_blocks_ += blocks;
   return kv;
 }

@@ -188,8 +188,15 @@ class KvCacheManager {
   absl::StatusOr<SequenceKv> Detach(absl::string_view sequence_id);
   // Allocates blocks for `num_tokens` tokens under no id (their bytes are
   // garbage until written). INVALID_ARGUMENT unless 0 < num_tokens <=
-  // max_model_len; RESOURCE_EXHAUSTED when the pool is short.
-  absl::StatusOr<SequenceKv> AllocateDetached(int32_t num_tokens);
+  // max_model_len (and token_ids, when given, has num_tokens ids);
+  // RESOURCE_EXHAUSTED when the pool is short. With prefix caching and
+  // `token_ids`, the leading blocks come from the cache where it holds them
+  // (capped as in StartSequence): `*cached_tokens` (when not null) says how
+  // many tokens they hold, whose bytes are already right; an import pulls
+  // only the rest.
+  absl::StatusOr<SequenceKv> AllocateDetached(
+      int32_t num_tokens, absl::Span<const int32_t> token_ids = {},
+      int32_t* cached_tokens = nullptr);
   // Makes detached blocks the live sequence `sequence_id`. ALREADY_EXISTS
   // (nothing changes; the caller still owns `kv`) when the id is live.
   // With prefix caching, `token_ids` (when given: num_tokens of them) are

@@ -670,8 +670,10 @@ absl::StatusOr<SequenceKv> ModelRunner::Detach(absl::string_view sequence_id) {
   return kv_->Detach(sequence_id);
 }
 
-absl::StatusOr<SequenceKv> ModelRunner::AllocateDetached(int32_t num_tokens) {
-  return kv_->AllocateDetached(num_tokens);
+absl::StatusOr<SequenceKv> ModelRunner::AllocateDetached(
+    int32_t num_tokens, absl::Span<const int32_t> token_ids,
+    int32_t* cached_tokens) {
+  return kv_->AllocateDetached(num_tokens, token_ids, cached_tokens);
 }
 
 absl::Status ModelRunner::Attach(absl::string_view sequence_id, SequenceKv& kv,

@@ -196,7 +196,11 @@ class ModelRunner {
   // detaches a finished sequence; an import allocates detached blocks,
   // fills them off the step thread, then attaches them under an id.
   absl::StatusOr<SequenceKv> Detach(absl::string_view sequence_id);
-  absl::StatusOr<SequenceKv> AllocateDetached(int32_t num_tokens);
+  // With `token_ids` and prefix caching, cached leading blocks are reused
+  // (`*cached_tokens` of them; see KvCacheManager::AllocateDetached).
+  absl::StatusOr<SequenceKv> AllocateDetached(
+      int32_t num_tokens, absl::Span<const int32_t> token_ids = {},
+      int32_t* cached_tokens = nullptr);
   absl::Status Attach(absl::string_view sequence_id, SequenceKv& kv,
                       absl::Span<const int32_t> token_ids = {});
   void FreeDetached(SequenceKv& kv);
