@@ -3,8 +3,8 @@
 // (//worker:pdworker). Only the sanitizer runtimes call these hooks, so they
 // are inert in ordinary builds.
 //
-// Why: Debian's abseil, gRPC, protobuf, OpenSSL, glog and prometheus-cpp are
-// not built with -fsanitize=thread. ThreadSanitizer cannot see the
+// Why: Debian's abseil, gRPC, protobuf, OpenSSL, glog, prometheus-cpp and
+// libzmq are not built with -fsanitize=thread. ThreadSanitizer cannot see the
 // synchronization inside them (abseil's futex-based Mutex, which gRPC uses
 // internally), so it reports races between their own threads that are not real.
 // We suppress only reports raised from inside those libraries; our own code
@@ -33,6 +33,9 @@ const char* __tsan_default_suppressions() {
          // OpenSSL (gRPC's TLS) synchronizes with its own atomics.
          "race:libcrypto.so\n"
          "race:libssl.so\n"
+         // ZeroMQ (KV events) hands messages between a socket's thread and
+         // its I/O thread through lock-free pipes and mailboxes.
+         "race:libzmq.so\n"
          "deadlock:absl::debian3::\n"
          "deadlock:grpc_core::\n"
          "mutex:absl::debian3::\n";
