@@ -277,7 +277,9 @@ std::string TinyModelConfigJson(const TinyModelOptions& options) {
       {"num_attention_heads", d.heads},
       {"num_key_value_heads", d.kv_heads},
       {"vocab_size", d.vocab},
-      {"max_position_embeddings", d.max_position_embeddings},
+      {"max_position_embeddings", options.max_position_embeddings > 0
+                                      ? options.max_position_embeddings
+                                      : d.max_position_embeddings},
       {"rms_norm_eps", d.rms_norm_eps},
       {"rope_theta", d.rope_theta},
       {"hidden_act", "silu"},

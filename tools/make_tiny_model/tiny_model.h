@@ -46,6 +46,10 @@ struct TinyModelOptions {
   // 1: model.safetensors. N > 1: model-0000i-of-0000N.safetensors plus
   // model.safetensors.index.json, tensors split contiguously in HF order.
   int num_shards = 1;
+  // config.json's max_position_embeddings; 0: the shape's (512 for the
+  // small shapes). Benchmarks of long prompts raise it (no weight depends
+  // on it).
+  int64_t max_position_embeddings = 0;
 };
 
 // The config.json text for `options` (pretty-printed JSON).
