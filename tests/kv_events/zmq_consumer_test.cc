@@ -65,7 +65,7 @@ class ZmqConsumerTest : public testing::TestWithParam<Mode> {
     plan["topic"] = options.topic;
     plan["sub_endpoint"] = sub_endpoint;
     plan["replay_endpoint"] = replay_endpoint;
-    plan["layout"] = std::string(KvEventLayoutName(options.format.layout));
+    plan["layout"] = std::string{KvEventLayoutName(options.format.layout)};
     plan["medium"] = options.format.medium;
     plan["dp_rank"] = options.format.data_parallel_rank;
     for (int i = 0; i < kBatches; ++i) {
@@ -127,7 +127,7 @@ TEST_P(ZmqConsumerTest, EveryBatchArrivesAndDecodes) {
     // The line after the marker: "sub_endpoint tcp://127.0.0.1:PORT".
     absl::string_view rest =
         absl::string_view(*out).substr(out->find("sub_endpoint ") + 13);
-    options.endpoint = std::string(rest.substr(0, rest.find('\n')));
+    options.endpoint = std::string{rest.substr(0, rest.find('\n'))};
     ASSERT_FALSE(options.endpoint.empty());
     ASSERT_NO_FATAL_FAILURE(create_publisher());
     ASSERT_NO_FATAL_FAILURE(

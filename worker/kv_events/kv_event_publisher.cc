@@ -274,7 +274,7 @@ void KvEventPublisher::ServeReplays() {
     }
     // [identity, "", start]: what vLLM's ROUTER accepts (3 frames, the
     // start read as a big-endian integer).
-    if (frames.size() != 3 || frames[2].size() == 0 || frames[2].size() > 8) {
+    if (frames.size() != 3 || frames[2].empty() || frames[2].size() > 8) {
       LOG_EVERY_N(WARNING, 100) << "KV events: ignoring a replay request of "
                                 << frames.size() << " frames";
       continue;

@@ -76,12 +76,12 @@ common::KvEventBatch ToKvEventBatchProto(absl::Span<const KvCacheEvent> events,
 // the stream's end (gRPC deletes the reactor when the call is done).
 struct KvEventStream::Hub {
   struct Entry {
-    uint64_t seq;
+    uint64_t seq = 0;
     grpc::ByteBuffer bytes;  // the serialized KvEventBatch
-    size_t size;
+    size_t size = 0;
   };
 
-  explicit Hub(KvEventStreamOptions o) : options(std::move(o)) {
+  explicit Hub(const KvEventStreamOptions& o) : options(o) {
     options.history_batches = std::max<size_t>(options.history_batches, 1);
   }
 
@@ -190,7 +190,7 @@ class KvEventStream::Subscription final
 };
 
 KvEventStream::KvEventStream(KvEventStreamOptions options)
-    : hub_(std::make_shared<Hub>(std::move(options))) {}
+    : hub_(std::make_shared<Hub>(options)) {}
 
 KvEventStream::~KvEventStream() { Shutdown(); }
 
@@ -256,9 +256,10 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvEventStream::Subscribe(
   const uint64_t cursor = request.start_sequence_number();
 
   std::lock_guard<std::mutex> lock(hub_->mu);
-  auto refuse_locked = [this](grpc::StatusCode code, std::string message) {
+  auto refuse_locked = [this](grpc::StatusCode code,
+                              const std::string& message) {
     ++hub_->refused;
-    return new ListWriter({}, grpc::Status(code, std::move(message)));
+    return new ListWriter({}, grpc::Status(code, message));
   };
   if (hub_->closed) {
     return refuse_locked(grpc::StatusCode::UNAVAILABLE,
