@@ -1,6 +1,8 @@
 // Token-level KV copies between paged caches (what every transport does on
-// arrival), and the checks on a CUDA IPC export before it is trusted. On the
-// CPU backend; the CUDA IPC mapping itself needs two processes on a GPU.
+// arrival), from a first token on (a prefix-cache hit), the NCCL transport's
+// packing, and the checks on a CUDA IPC export before it is trusted. On the
+// CPU backend; the CUDA IPC mapping and NCCL itself need GPUs.
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -10,6 +12,7 @@
 #include "worker/runtime/stream.h"
 #include "worker/transfer/cuda_ipc_puller.h"
 #include "worker/transfer/kv_cache_view.h"
+#include "worker/transfer/nccl_transfer.h"
 
 namespace pdworker {
 namespace {
@@ -108,6 +111,124 @@ TEST_F(KvCopyTest, CopiesBetweenDifferentBlockSizes) {
   other.layout.dtype = "bfloat16";
   EXPECT_EQ(CopyKvTokens(*stream_, src.view, from, other, to, 13).code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+// Writes distinct bytes into every (layer, part, token) of `seq`.
+void Fill(Stream& stream, const KvCacheView& view, const SequenceKv& seq,
+          int salt) {
+  std::vector<uint8_t> pattern(seq.num_tokens * kTokenBytes);
+  for (int l = 0; l < kLayers; ++l) {
+    for (KvCachePart part : {KvCachePart::kKey, KvCachePart::kValue}) {
+      for (size_t i = 0; i < pattern.size(); ++i) {
+        pattern[i] = static_cast<uint8_t>(
+            i * 7 + l * 31 + (part == KvCachePart::kKey ? 0 : 101) + salt);
+      }
+      ASSERT_TRUE(WriteKvTokens(stream, view, seq, {l, part, 0, seq.num_tokens},
+                                pattern.data())
+                      .ok());
+    }
+  }
+}
+
+// Tokens [first, seq.num_tokens) of every (layer, part), in that order.
+std::vector<uint8_t> ReadFrom(Stream& stream, const KvCacheView& view,
+                              const SequenceKv& seq, int32_t first) {
+  const int32_t n = seq.num_tokens - first;
+  std::vector<uint8_t> out(n * kTokenBytes * 2 * kLayers);
+  size_t at = 0;
+  for (int l = 0; l < kLayers; ++l) {
+    for (KvCachePart part : {KvCachePart::kKey, KvCachePart::kValue}) {
+      EXPECT_TRUE(
+          ReadKvTokens(stream, view, seq, {l, part, first, n}, out.data() + at)
+              .ok());
+      at += n * kTokenBytes;
+    }
+  }
+  return out;
+}
+
+// A decode worker with the first tokens cached copies only the rest; the
+// tokens before first_token stay as they were.
+TEST_F(KvCopyTest, CopiesFromFirstTokenOnly) {
+  Cache src = MakeCache(device_, 8, 4);
+  Cache dst = MakeCache(device_, 4, 8);
+  const SequenceKv from = Seq({5, 1, 7, 2}, 13);
+  const SequenceKv to = Seq({3, 0}, 13);
+  Fill(*stream_, src.view, from, 0);
+  Fill(*stream_, dst.view, to, 50);  // the "cached" prefix
+  const std::vector<uint8_t> cached = ReadAll(*stream_, dst.view, to);
+  ASSERT_TRUE(CopyKvTokens(*stream_, src.view, from, dst.view, to, 13,
+                           KvCopyMethod::kAuto, 5)
+                  .ok());
+  EXPECT_EQ(ReadFrom(*stream_, dst.view, to, 5),
+            ReadFrom(*stream_, src.view, from, 5));
+  const std::vector<uint8_t> after = ReadAll(*stream_, dst.view, to);
+  for (int part = 0; part < 2 * kLayers; ++part) {
+    const size_t begin = part * 13 * kTokenBytes;
+    EXPECT_TRUE(std::equal(cached.begin() + begin,
+                           cached.begin() + begin + 5 * kTokenBytes,
+                           after.begin() + begin))
+        << "part " << part;
+  }
+  for (const int bad : {13, -1}) {
+    EXPECT_EQ(CopyKvTokens(*stream_, src.view, from, dst.view, to, 13,
+                           KvCopyMethod::kAuto, bad)
+                  .code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+}
+
+// The NCCL transport's staging layout, on the CPU: packing tokens [5, 13)
+// fills exactly the payload ([layer][K, V][token], contiguous) after the
+// lead, and unpacking a copy of the payload (what ncclRecv delivers)
+// restores those tokens in a cache of another block size, leaving the
+// tokens before 5 alone.
+TEST_F(KvCopyTest, NcclStagingPacksTheTokensFromFirstToken) {
+  Cache src = MakeCache(device_, 8, 4);
+  Cache dst = MakeCache(device_, 4, 8);
+  const SequenceKv from = Seq({5, 1, 7, 2}, 13);
+  const SequenceKv to = Seq({3, 0}, 13);
+  Fill(*stream_, src.view, from, 0);
+  for (const int first : {0, 5, 12}) {
+    SCOPED_TRACE(first);
+    Fill(*stream_, dst.view, to, 50 + first);
+    const std::vector<uint8_t> before = ReadAll(*stream_, dst.view, to);
+    const size_t lead = NcclPayloadOffset(src.view, first);
+    const size_t payload = src.view.BytesFor(13 - first);
+    EXPECT_EQ(lead, first * kTokenBytes);
+    DeviceMemory sent = *device_.Allocate(lead + payload);
+    DeviceMemory received = *device_.Allocate(lead + payload);
+    std::memset(sent.data(), 0xEE, sent.size_bytes());
+    std::memset(received.data(), 0xEE, received.size_bytes());
+    const SequenceKv packed_seq = Seq({0}, 13);
+    ASSERT_TRUE(CopyKvTokens(*stream_, src.view, from,
+                             NcclPackedView(src.view, sent.buffer(), first, 13),
+                             packed_seq, 13, KvCopyMethod::kAuto, first)
+                    .ok());
+    const uint8_t* bytes = static_cast<const uint8_t*>(sent.data());
+    EXPECT_EQ(std::vector<uint8_t>(bytes, bytes + lead),
+              std::vector<uint8_t>(lead, 0xEE));
+    EXPECT_EQ(std::vector<uint8_t>(bytes + lead, bytes + lead + payload),
+              ReadFrom(*stream_, src.view, from, first));
+    std::memcpy(static_cast<uint8_t*>(received.data()) + lead, bytes + lead,
+                payload);
+    ASSERT_TRUE(
+        CopyKvTokens(*stream_,
+                     NcclPackedView(src.view, received.buffer(), first, 13),
+                     packed_seq, dst.view, to, 13, KvCopyMethod::kAuto, first)
+            .ok());
+    EXPECT_EQ(ReadFrom(*stream_, dst.view, to, first),
+              ReadFrom(*stream_, src.view, from, first));
+    const std::vector<uint8_t> after = ReadAll(*stream_, dst.view, to);
+    for (int part = 0; part < 2 * kLayers; ++part) {
+      const size_t begin = part * 13 * kTokenBytes;
+      EXPECT_TRUE(std::equal(before.begin() + begin,
+                             before.begin() + begin + first * kTokenBytes,
+                             after.begin() + begin))
+          << "part " << part;
+    }
+  }
 }
 
 // What a source puts into a CudaIpcExport, from its own view.

@@ -424,6 +424,7 @@ grpc::ServerUnaryReactor* WorkerService::ImportKv(
           response.set_transport(
               std::string{KvTransportName(result->transport)});
           response.set_transfer_bytes(result->transfer_bytes);
+          response.set_cached_tokens(result->cached_tokens);
           response.set_transfer_micros(
               static_cast<int64_t>(result->transfer_seconds * 1e6));
           response.set_import_micros(

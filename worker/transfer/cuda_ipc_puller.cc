@@ -64,7 +64,8 @@ absl::Status PullKvOverCudaIpc(PeerChannels& channels,
   KvTransferOutcome outcome = KvTransferOutcome::kOk;
   const int32_t n = p.handle->num_tokens();
   auto finish = [&](absl::Status status) {
-    RecordPullStats(stats, start, status.ok() ? p.view->BytesFor(n) : 0,
+    RecordPullStats(stats, start,
+                    status.ok() ? p.view->BytesFor(n - p.first_token) : 0,
                     outcome);
     return status;
   };
@@ -103,8 +104,10 @@ absl::Status PullKvOverCudaIpc(PeerChannels& channels,
   SequenceKv source_seq;
   source_seq.blocks.assign(e.blocks().begin(), e.blocks().end());
   source_seq.num_tokens = n;
+  // Only the tokens the puller's prefix cache did not hold.
   absl::Status copied =
-      CopyKvTokens(*p.stream, *source, source_seq, *p.view, *p.destination, n);
+      CopyKvTokens(*p.stream, *source, source_seq, *p.view, *p.destination, n,
+                   KvCopyMethod::kAuto, p.first_token);
   if (copied.ok()) copied = p.stream->Synchronize();
   if (!copied.ok()) outcome = KvTransferOutcome::kInternal;
   return finish(copied);

@@ -1,7 +1,8 @@
 // The CUDA IPC transport of the KV handoff, puller side: asks the source for
 // the lease's location in its GPU memory (PullKv with transport
 // "cuda_ipc"), maps the source's KV allocation and copies the lease's tokens
-// device to device into the blocks reserved for the import.
+// from params.first_token on device to device into the blocks reserved for
+// the import.
 #ifndef PDWORKER_WORKER_TRANSFER_CUDA_IPC_PULLER_H_
 #define PDWORKER_WORKER_TRANSFER_CUDA_IPC_PULLER_H_
 

@@ -12,11 +12,11 @@ namespace pdworker {
 namespace {
 
 // Where the next chunk must start: layers in order, K before V, tokens
-// contiguous from 0 to num_tokens.
+// contiguous from first_token to num_tokens.
 struct Cursor {
   int layer = 0;
   KvCachePart part = KvCachePart::kKey;
-  int32_t next_token = 0;
+  int32_t next_token = 0;  // starts at KvPullParams::first_token
 };
 
 absl::Status ApplyChunk(const KvPullParams& p, const v1::KvChunk& chunk,
@@ -52,7 +52,7 @@ absl::Status ApplyChunk(const KvPullParams& p, const v1::KvChunk& chunk,
   if (!written.ok()) return written;
   cursor.next_token += chunk.num_tokens();
   if (cursor.next_token == n) {
-    cursor.next_token = 0;
+    cursor.next_token = p.first_token;
     if (cursor.part == KvCachePart::kKey) {
       cursor.part = KvCachePart::kValue;
     } else {
@@ -74,6 +74,7 @@ v1::PullKvRequest PullRequestFor(const KvPullParams& p,
   request.set_transport(std::string(transport));
   request.set_num_tokens(p.handle->num_tokens());
   request.set_source_epoch(p.handle->source_epoch());
+  request.set_first_token(p.first_token);
   return request;
 }
 
@@ -141,6 +142,7 @@ absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& p,
 
   int64_t bytes = 0;
   Cursor cursor;
+  cursor.next_token = p.first_token;
   absl::Status applied = absl::OkStatus();
   KvTransferOutcome outcome = KvTransferOutcome::kOk;
   std::unique_ptr<grpc::ClientReader<v1::KvChunk>> reader =

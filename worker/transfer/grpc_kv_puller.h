@@ -1,7 +1,8 @@
 // GrpcKvPuller: the gRPC streaming transport of the KV handoff, puller side.
 // Opens PullKv on the prefill worker named by the handle and writes each
 // chunk into the blocks reserved for the import, checking that the chunks
-// tile every layer's K and V exactly once, in order.
+// tile tokens [first_token, num_tokens) of every layer's K and V exactly
+// once, in order.
 #ifndef PDWORKER_WORKER_TRANSFER_GRPC_KV_PULLER_H_
 #define PDWORKER_WORKER_TRANSFER_GRPC_KV_PULLER_H_
 
@@ -39,7 +40,10 @@ struct KvPullParams {
   std::string model_fingerprint;  // ours, checked by the source as well
   const KvCacheView* view = nullptr;
   const SequenceKv* destination = nullptr;  // handle->num_tokens tokens
-  Stream* stream = nullptr;                 // for the copies into the cache
+  // Tokens [first_token, handle->num_tokens) are pulled; the ones before
+  // are in `destination` already (prefix cache hit). 0: all.
+  int32_t first_token = 0;
+  Stream* stream = nullptr;  // for the copies into the cache
   // The import's own deadline (the ImportKv caller's) and the bound on the
   // pull (no progress from a hung source lasts longer than this).
   std::chrono::system_clock::time_point call_deadline;

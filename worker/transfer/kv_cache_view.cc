@@ -59,7 +59,8 @@ absl::Status ForEachBlockPiece(const KvCacheView& view, const SequenceKv& seq,
 }
 
 #if PDW_HAVE_CUDA
-// The batched CUDA copy (kv_block_copy_cuda.h) of tokens [0, num_tokens),
+// The batched CUDA copy (kv_block_copy_cuda.h) of tokens
+// [first_token, num_tokens),
 // in launches of at most kKvBlockCopyMaxBlocks blocks per side. False when
 // the views do not fit it (rows not whole 16-byte units, too many layers).
 bool FitsBatchedCopy(const KvCacheView& src, const KvCacheView& dst) {
@@ -83,7 +84,7 @@ bool FitsBatchedCopy(const KvCacheView& src, const KvCacheView& dst) {
 absl::Status BatchedCopyKvTokens(Stream& stream, const KvCacheView& src,
                                  const SequenceKv& src_seq,
                                  const KvCacheView& dst,
-                                 const SequenceKv& dst_seq,
+                                 const SequenceKv& dst_seq, int32_t first_token,
                                  int32_t num_tokens) {
   // Shared by every launch: the part pointers (~4 KB); the block lists are
   // refilled per launch.
@@ -103,7 +104,7 @@ absl::Status BatchedCopyKvTokens(Stream& stream, const KvCacheView& src,
   // wherever it starts within a block.
   const int32_t per_launch =
       (kKvBlockCopyMaxBlocks - 1) * std::min(src.block_size, dst.block_size);
-  for (int32_t first = 0; first < num_tokens; first += per_launch) {
+  for (int32_t first = first_token; first < num_tokens; first += per_launch) {
     const int32_t last = std::min(num_tokens, first + per_launch) - 1;
     p->first_token = first;
     p->num_tokens = last - first + 1;
@@ -163,7 +164,7 @@ absl::Status WriteKvTokens(Stream& stream, const KvCacheView& view,
 absl::Status CopyKvTokens(Stream& stream, const KvCacheView& src,
                           const SequenceKv& src_seq, const KvCacheView& dst,
                           const SequenceKv& dst_seq, int32_t num_tokens,
-                          KvCopyMethod method) {
+                          KvCopyMethod method, int32_t first_token) {
   if (!(src.layout == dst.layout) || src.token_bytes != dst.token_bytes) {
     return absl::FailedPreconditionError(
         absl::StrCat("KV layouts differ: ", src.layout.ToString(), " vs ",
@@ -174,6 +175,10 @@ absl::Status CopyKvTokens(Stream& stream, const KvCacheView& src,
     return absl::InvalidArgumentError(
         absl::StrCat("cannot copy ", num_tokens, " tokens from ",
                      src_seq.num_tokens, " into ", dst_seq.num_tokens));
+  }
+  if (first_token < 0 || first_token >= num_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "first_token=", first_token, " outside [0, ", num_tokens, ")"));
   }
   const int64_t src_blocks = (num_tokens + src.block_size - 1) / src.block_size;
   const int64_t dst_blocks = (num_tokens + dst.block_size - 1) / dst.block_size;
@@ -186,7 +191,8 @@ absl::Status CopyKvTokens(Stream& stream, const KvCacheView& src,
 #if PDW_HAVE_CUDA
   if (method == KvCopyMethod::kAuto && stream.kind() == DeviceKind::kCuda &&
       FitsBatchedCopy(src, dst)) {
-    return BatchedCopyKvTokens(stream, src, src_seq, dst, dst_seq, num_tokens);
+    return BatchedCopyKvTokens(stream, src, src_seq, dst, dst_seq, first_token,
+                               num_tokens);
   }
 #else
   static_cast<void>(method);  // without CUDA every copy is per block
@@ -195,7 +201,7 @@ absl::Status CopyKvTokens(Stream& stream, const KvCacheView& src,
     for (const KvCachePart part : {KvCachePart::kKey, KvCachePart::kValue}) {
       const DeviceBuffer& from = src.Buffer(layer, part);
       const DeviceBuffer& to = dst.Buffer(layer, part);
-      int32_t token = 0;
+      int32_t token = first_token;
       // Runs contiguous on both sides: bounded by either side's block end.
       while (token < num_tokens) {
         const int32_t src_within = token % src.block_size;

@@ -84,15 +84,17 @@ enum class KvCopyMethod {
   kPerBlock,
 };
 
-// Copies the first `num_tokens` tokens of every layer's K and V from one
+// Copies tokens [first_token, num_tokens) of every layer's K and V from one
 // cache to another on `stream` (device to device; the caches may differ in
-// block size). Both views must have the same layout and token_bytes, and
-// each block table must hold num_tokens tokens (INVALID_ARGUMENT before
-// anything is copied otherwise).
+// block size; token t goes to token t). Both views must have the same
+// layout and token_bytes, 0 <= first_token < num_tokens, and each block
+// table must hold num_tokens tokens (INVALID_ARGUMENT before anything is
+// copied otherwise).
 absl::Status CopyKvTokens(Stream& stream, const KvCacheView& src,
                           const SequenceKv& src_seq, const KvCacheView& dst,
                           const SequenceKv& dst_seq, int32_t num_tokens,
-                          KvCopyMethod method = KvCopyMethod::kAuto);
+                          KvCopyMethod method = KvCopyMethod::kAuto,
+                          int32_t first_token = 0);
 
 // Copies host bytes `src` into a run of `seq`'s blocks on `stream` (the copy
 // is complete, or at least ordered before later work on `stream`, when this

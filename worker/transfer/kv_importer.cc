@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
 #include "glog/logging.h"
 #include "proto/worker.grpc.pb.h"
 #include "worker/transfer/cuda_ipc_puller.h"
@@ -141,20 +142,41 @@ absl::StatusOr<KvImportResult> KvImporter::RunJob(
   }
   const std::string& id = request.sequence_id;
   const int32_t num_tokens = request.handle.num_tokens();
+  // A cached block matches by hash of its token ids, salted with our
+  // fingerprint: its K/V equal the source's only if the source runs the
+  // same weights with the same layout. The caller checked the handle
+  // (ValidateKvHandle) already; check again here so that no path reuses a
+  // block before that check passed (and the source checks the pull too).
+  absl::Status compatible = CheckCompatible(
+      "the KV handle", request.handle.model_fingerprint(),
+      FromProto(request.handle.layout()), fingerprint_, view_.layout);
+  if (!compatible.ok()) return compatible;
+  // The prompt's ids (all of them, or none: a handle that lacks them pulls
+  // everything) let the reservation start from our cached prefix.
+  absl::Span<const int32_t> token_ids;
+  if (request.handle.prompt_token_ids_size() == num_tokens) {
+    token_ids = absl::MakeConstSpan(request.handle.prompt_token_ids().data(),
+                                    request.handle.prompt_token_ids_size());
+  }
 
-  // 1. Reserve, between steps.
+  // 1. Reserve, between steps; `cached` leading tokens need no pull.
   SequenceKv kv;
+  int32_t cached = 0;
   absl::Status reserved = engine_.RunExclusive([&](ModelRunner& runner) {
     if (runner.kv_cache().Find(id) != nullptr) {
       return absl::AlreadyExistsError(
           absl::StrCat("sequence '", id, "' already exists"));
     }
-    absl::StatusOr<SequenceKv> blocks = runner.AllocateDetached(num_tokens);
+    absl::StatusOr<SequenceKv> blocks =
+        runner.AllocateDetached(num_tokens, token_ids, &cached);
     if (!blocks.ok()) return blocks.status();
     kv = std::move(*blocks);
     return absl::OkStatus();
   });
   if (!reserved.ok()) return reserved;
+  // AllocateDetached leaves the last token uncached; a violation would
+  // make the pull empty (and the source refuse first_token).
+  CHECK_LT(cached, num_tokens);
 
   // 2. Pull, on this thread.
   KvPullStats pull;
@@ -169,6 +191,7 @@ absl::StatusOr<KvImportResult> KvImporter::RunJob(
     params.model_fingerprint = fingerprint_;
     params.view = &view_;
     params.destination = &kv;
+    params.first_token = cached;
     params.stream = stream->get();
     params.call_deadline = request.deadline;
     params.pull_deadline =
@@ -182,7 +205,8 @@ absl::StatusOr<KvImportResult> KvImporter::RunJob(
       runner.FreeDetached(kv);
       return pulled;
     }
-    absl::Status attached = runner.Attach(id, kv);
+    // With the ids, the pulled full blocks become cached too.
+    absl::Status attached = runner.Attach(id, kv, token_ids);
     if (!attached.ok()) runner.FreeDetached(kv);
     return attached;
   });
@@ -195,6 +219,7 @@ absl::StatusOr<KvImportResult> KvImporter::RunJob(
   result.num_tokens = num_tokens;
   result.transport = transport;
   result.transfer_bytes = pull.bytes;
+  result.cached_tokens = cached;
   result.transfer_seconds = pull.seconds;
   result.import_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start)

@@ -1,9 +1,12 @@
 // KvImporter: the decode side of the KV handoff (Worker.ImportKv).
 //
 //   ImportKv ─▶ queue ─▶ importer thread:
-//       1. reserve detached blocks        (engine task, between steps)
-//       2. pull the KV into them          (this thread; steps go on)
-//       3. attach them as the sequence    (engine task, between steps)
+//       1. reserve detached blocks        (engine task, between steps):
+//          with prefix caching and the handle's prompt_token_ids, the
+//          leading blocks this worker has cached are reused, not pulled
+//       2. pull the rest of the KV        (this thread; steps go on)
+//       3. attach them as the sequence    (engine task, between steps),
+//          caching its full blocks
 //       4. answer, then ReleaseKv on the source (the lease TTL is the
 //          backstop if that call is lost)
 //   From queueing until the import ends, a renewal thread calls RenewKv on
@@ -57,7 +60,8 @@ struct KvImporterOptions {
 struct KvImportResult {
   int32_t num_tokens = 0;
   KvTransport transport = KvTransport::kGrpc;
-  int64_t transfer_bytes = 0;
+  int64_t transfer_bytes = 0;  // of num_tokens - cached_tokens tokens
+  int32_t cached_tokens = 0;   // leading tokens reused from our prefix cache
   double transfer_seconds = 0.0;
   double import_seconds = 0.0;
 };

@@ -103,9 +103,10 @@ class PullReactor final : public MessageWriter {
   }
 
   // Starts the pull, or finishes at once with the reason it is refused.
-  // `expected_tokens`: the puller's handle's num_tokens (0: not checked).
+  // `expected_tokens`: the puller's handle's num_tokens (0: not checked);
+  // tokens from `first_token` on are sent (the puller has the rest).
   void Start(const absl::Status& compatible, const std::string& lease_id,
-             int32_t expected_tokens) {
+             int32_t expected_tokens, int32_t first_token) {
     if (!compatible.ok()) {
       outcome_ = KvTransferOutcome::kModelMismatch;
       Finish(ToGrpcStatus(compatible));
@@ -129,7 +130,17 @@ class PullReactor final : public MessageWriter {
           " tokens: the handle was altered or belongs to another lease"))));
       return;
     }
+    if (first_token < 0 || first_token >= grant->kv.num_tokens) {
+      leases_.EndPull(lease_id, /*sent_all=*/false);
+      outcome_ = KvTransferOutcome::kHandleMismatch;
+      Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+          "first_token=", first_token, " outside [0, ", grant->kv.num_tokens,
+          "): lease ", lease_id, " holds ", grant->kv.num_tokens, " tokens"))));
+      return;
+    }
     lease_id_ = lease_id;
+    first_token_ = first_token;
+    next_token_ = first_token;
     grant_ = std::move(*grant);
     absl::StatusOr<std::unique_ptr<Stream>> stream = device_.CreateStream();
     if (!stream.ok()) {
@@ -189,8 +200,12 @@ class PullReactor final : public MessageWriter {
       FinishPull(absl::OkStatus());
       return;
     }
+    // Chunks end on multiples of tokens_per_chunk_ (whole source blocks);
+    // only a part's first chunk may start inside a block (first_token_).
+    const int32_t chunk_end =
+        (next_token_ / tokens_per_chunk_ + 1) * tokens_per_chunk_;
     KvTokenRun run{layer_, part_, next_token_,
-                   std::min(tokens_per_chunk_, n - next_token_)};
+                   std::min(chunk_end, n) - next_token_};
     chunk_.Clear();
     chunk_.set_layer(run.layer);
     chunk_.set_part(run.part == KvCachePart::kKey ? v1::KvChunk::PART_KEY
@@ -210,7 +225,7 @@ class PullReactor final : public MessageWriter {
     // Advance the cursor: tokens, then V after K, then the next layer.
     next_token_ += run.num_tokens;
     if (next_token_ == n) {
-      next_token_ = 0;
+      next_token_ = first_token_;
       if (part_ == KvCachePart::kKey) {
         part_ = KvCachePart::kValue;
       } else {
@@ -249,13 +264,14 @@ class PullReactor final : public MessageWriter {
     params.device = &device_;
     params.view = &view_;
     params.seq = &grant_.kv;
+    params.first_token = first_token_;
     params.num_tokens = grant_.kv.num_tokens;
     params.unique_id = nccl_id_;
     params.deadline = nccl_deadline_;
     const absl::Status sent = NcclSendKv(params);
     if (sent.ok()) {
       sent_all_ = true;
-      bytes_ = view_.BytesFor(grant_.kv.num_tokens);
+      bytes_ = view_.BytesFor(grant_.kv.num_tokens - first_token_);
     } else {
       outcome_ = sent.code() == absl::StatusCode::kUnavailable
                      ? KvTransferOutcome::kCancelled
@@ -285,6 +301,7 @@ class PullReactor final : public MessageWriter {
   v1::KvChunk chunk_;
   int layer_ = 0;
   KvCachePart part_ = KvCachePart::kKey;
+  int32_t first_token_ = 0;  // PullKvRequest.first_token
   int32_t next_token_ = 0;
   int64_t bytes_ = 0;
   bool sent_all_ = false;
@@ -402,7 +419,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvTransferService::PullKv(
     reactor->UseNccl(request->nccl_unique_id(), nccl_sender_.get(),
                      std::chrono::steady_clock::now() + left);
   }
-  reactor->Start(allowed, request->lease_id(), request->num_tokens());
+  reactor->Start(allowed, request->lease_id(), request->num_tokens(),
+                 request->first_token());
   return reactor;
 }
 

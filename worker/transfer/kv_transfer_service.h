@@ -1,7 +1,8 @@
 // KvTransferService: the source side of the KV handoff (pdworker.v1.
-// KvTransfer). PullKv streams a held lease's K/V, layer by layer, in chunks
-// of whole source blocks with one chunk in flight (gRPC flow control paces
-// it to the puller); ReleaseKv frees a lease.
+// KvTransfer). PullKv streams a held lease's K/V from the request's
+// first_token on, layer by layer, in chunks of whole source blocks with one
+// chunk in flight (gRPC flow control paces it to the puller); ReleaseKv
+// frees a lease.
 //
 // Pulls read the lease's blocks on gRPC threads through their own stream:
 // leased blocks belong to no sequence, so no model step touches them.

@@ -17,7 +17,8 @@ absl::Status PullKvOverNccl(PeerChannels& channels, Device& device,
   KvTransferOutcome outcome = KvTransferOutcome::kOk;
   const int32_t n = p.handle->num_tokens();
   auto finish = [&](absl::Status status) {
-    RecordPullStats(stats, start, status.ok() ? p.view->BytesFor(n) : 0,
+    RecordPullStats(stats, start,
+                    status.ok() ? p.view->BytesFor(n - p.first_token) : 0,
                     outcome);
     return status;
   };
@@ -43,6 +44,7 @@ absl::Status PullKvOverNccl(PeerChannels& channels, Device& device,
     params.device = &device;
     params.view = p.view;
     params.seq = p.destination;
+    params.first_token = p.first_token;
     params.num_tokens = n;
     params.unique_id = *id;
     params.deadline = std::chrono::steady_clock::now() +

@@ -19,6 +19,31 @@
 
 namespace pdworker {
 
+size_t NcclPayloadOffset(const KvCacheView& like, int32_t first_token) {
+  return static_cast<size_t>(first_token) * like.token_bytes;
+}
+
+KvCacheView NcclPackedView(const KvCacheView& like, DeviceBuffer staging,
+                           int32_t first_token, int32_t num_tokens) {
+  // Part i starts (num_tokens - first_token) tokens after part i - 1 and
+  // spans num_tokens tokens, so that its tokens from first_token on (the
+  // only ones copied) follow part i - 1's: slices overlap only in tokens
+  // nobody touches.
+  KvCacheView packed;
+  packed.layout = like.layout;
+  packed.block_size = num_tokens;
+  packed.token_bytes = like.token_bytes;
+  packed.allocation = staging;
+  const size_t part =
+      static_cast<size_t>(num_tokens - first_token) * like.token_bytes;
+  const size_t span = static_cast<size_t>(num_tokens) * like.token_bytes;
+  for (int l = 0; l < like.layout.num_layers; ++l) {
+    packed.keys.push_back(staging.Slice(2 * l * part, span));
+    packed.values.push_back(staging.Slice((2 * l + 1) * part, span));
+  }
+  return packed;
+}
+
 #if PDW_HAVE_NCCL
 namespace {
 
@@ -87,24 +112,6 @@ void EndCommunicator(ncclComm_t comm,
   ncclCommAbort(comm);
 }
 
-// The lease's tokens as one contiguous cache of a single block:
-// keys[l] = [num_tokens, token_bytes] at (2l) * part_bytes, values at
-// (2l + 1) * part_bytes.
-KvCacheView PackedView(const KvCacheView& like, DeviceBuffer staging,
-                       int32_t num_tokens) {
-  KvCacheView packed;
-  packed.layout = like.layout;
-  packed.block_size = num_tokens;
-  packed.token_bytes = like.token_bytes;
-  packed.allocation = staging;
-  const size_t part = static_cast<size_t>(num_tokens) * like.token_bytes;
-  for (int l = 0; l < like.layout.num_layers; ++l) {
-    packed.keys.push_back(staging.Slice(2 * l * part, part));
-    packed.values.push_back(staging.Slice((2 * l + 1) * part, part));
-  }
-  return packed;
-}
-
 enum class Rank { kPuller = 0, kSource = 1 };
 
 absl::Status Transfer(const NcclKvParams& p, Rank rank) {
@@ -119,18 +126,27 @@ absl::Status Transfer(const NcclKvParams& p, Rank rank) {
   if (cuda == nullptr) {
     return absl::FailedPreconditionError("NCCL needs a CUDA device");
   }
-  const size_t bytes = static_cast<size_t>(p.view->BytesFor(p.num_tokens));
-  absl::StatusOr<DeviceMemory> staging = p.device->Allocate(bytes);
+  if (p.first_token < 0 || p.first_token >= p.num_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "first_token=", p.first_token, " outside [0, ", p.num_tokens, ")"));
+  }
+  // What moves: the payload after NcclPayloadOffset (see NcclPackedView).
+  const size_t bytes =
+      static_cast<size_t>(p.view->BytesFor(p.num_tokens - p.first_token));
+  const size_t lead = NcclPayloadOffset(*p.view, p.first_token);
+  absl::StatusOr<DeviceMemory> staging = p.device->Allocate(lead + bytes);
   if (!staging.ok()) return staging.status();
+  void* payload = static_cast<char*>(staging->data()) + lead;
   const KvCacheView packed =
-      PackedView(*p.view, staging->buffer(), p.num_tokens);
+      NcclPackedView(*p.view, staging->buffer(), p.first_token, p.num_tokens);
   SequenceKv packed_seq;
   packed_seq.blocks = {0};
   packed_seq.num_tokens = p.num_tokens;
 
   if (rank == Rank::kSource) {
-    absl::Status copied = CopyKvTokens(**stream, *p.view, *p.seq, packed,
-                                       packed_seq, p.num_tokens);
+    absl::Status copied =
+        CopyKvTokens(**stream, *p.view, *p.seq, packed, packed_seq,
+                     p.num_tokens, KvCopyMethod::kAuto, p.first_token);
     if (!copied.ok()) return copied;
   }
 
@@ -148,10 +164,9 @@ absl::Status Transfer(const NcclKvParams& p, Rank rank) {
   if (status.ok()) {
     r = ncclGroupStart();
     if (r == ncclSuccess) {
-      r = rank == Rank::kSource ? ncclSend(staging->data(), bytes, ncclUint8, 0,
-                                           comm, cuda->native())
-                                : ncclRecv(staging->data(), bytes, ncclUint8, 1,
-                                           comm, cuda->native());
+      r = rank == Rank::kSource
+              ? ncclSend(payload, bytes, ncclUint8, 0, comm, cuda->native())
+              : ncclRecv(payload, bytes, ncclUint8, 1, comm, cuda->native());
     }
     const ncclResult_t ended = ncclGroupEnd();
     if (r == ncclSuccess) r = ended;
@@ -175,8 +190,9 @@ absl::Status Transfer(const NcclKvParams& p, Rank rank) {
   EndCommunicator(comm, std::max(p.deadline, std::chrono::steady_clock::now() +
                                                  std::chrono::seconds(1)));
   if (rank == Rank::kPuller) {
-    absl::Status copied = CopyKvTokens(**stream, packed, packed_seq, *p.view,
-                                       *p.seq, p.num_tokens);
+    absl::Status copied =
+        CopyKvTokens(**stream, packed, packed_seq, *p.view, *p.seq,
+                     p.num_tokens, KvCopyMethod::kAuto, p.first_token);
     if (copied.ok()) copied = (*stream)->Synchronize();
     return copied;
   }
