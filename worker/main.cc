@@ -47,6 +47,8 @@
 #include "metrics/metrics_server.h"
 #include "metrics/table_logger.h"
 #include "metrics/worker_metrics.h"
+#include "worker/kv_events/kv_event_publisher.h"
+#include "worker/kv_events/vllm_event_batch.h"
 #include "worker/runner/model_runner.h"
 #include "worker/runtime/device_factory.h"
 #include "worker/server/tls_material.h"
@@ -137,6 +139,22 @@ ABSL_FLAG(std::string, kv_pull_timeout, "10s",
           "Decode side: bound on one KV pull; a prefill worker that dies or "
           "hangs mid-pull fails the import with UNAVAILABLE within it.");
 ABSL_FLAG(int, kv_import_threads, 4, "Decode side: concurrent KV pulls.");
+ABSL_FLAG(std::string, kv_events_endpoint, "",
+          "Publish KV cache events (prefix caching's BlockStored, "
+          "BlockRemoved, AllBlocksCleared) in vLLM's format on a ZMQ PUB "
+          "socket here, for cache-aware routers (llm-d, Dynamo). Bound when "
+          "the address has a wildcard (tcp://*:5557), connected otherwise "
+          "(vLLM's rule). Empty: off.");
+ABSL_FLAG(std::string, kv_events_replay_endpoint, "",
+          "ZMQ ROUTER socket answering replays of missed event batches by "
+          "sequence number (vLLM's replay protocol). Empty: none.");
+ABSL_FLAG(std::string, kv_events_topic, "",
+          "First frame of every KV event message; llm-d expects "
+          "kv@<pod-ip>@<model>.");
+ABSL_FLAG(std::string, kv_events_layout, "map",
+          "KV event msgpack layout: map (vLLM >= 0.26, tagged maps) or array "
+          "(older positional structs).");
+ABSL_FLAG(int, kv_events_buffer_steps, 10000, "Event batches kept for replay.");
 ABSL_FLAG(std::string, kv_lease_renew_margin, "5s",
           "Decode side: while an import is queued or pulling, renew its "
           "source lease (RenewKv) when it would expire within this, so a "
@@ -387,6 +405,28 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
     }
   }
   c.server.importer.num_threads = absl::GetFlag(FLAGS_kv_import_threads);
+  if (const std::string endpoint = absl::GetFlag(FLAGS_kv_events_endpoint);
+      !endpoint.empty()) {
+    KvEventPublisherOptions events;
+    events.endpoint = endpoint;
+    events.replay_endpoint = absl::GetFlag(FLAGS_kv_events_replay_endpoint);
+    events.topic = absl::GetFlag(FLAGS_kv_events_topic);
+    events.buffer_steps = absl::GetFlag(FLAGS_kv_events_buffer_steps);
+    absl::StatusOr<KvEventLayout> layout =
+        ParseKvEventLayout(absl::GetFlag(FLAGS_kv_events_layout));
+    if (!layout.ok()) {
+      return FlagError("kv_events_layout", layout.status().message());
+    }
+    events.format.layout = *layout;
+    if (!absl::GetFlag(FLAGS_enable_prefix_caching)) {
+      return FlagError("kv_events_endpoint",
+                       "needs --enable_prefix_caching (no prefix cache, no "
+                       "KV cache events)");
+    }
+    c.server.kv_events_zmq = std::move(events);
+  } else if (!absl::GetFlag(FLAGS_kv_events_replay_endpoint).empty()) {
+    return FlagError("kv_events_replay_endpoint", "needs --kv_events_endpoint");
+  }
   pem = ReadPemFile("kv_peer_ca", absl::GetFlag(FLAGS_kv_peer_ca));
   if (!pem.ok()) return pem.status();
   if (!pem->empty() && tls.cert_chain_pem.empty()) {
@@ -550,6 +590,9 @@ std::vector<FlagGroup> FlagGroups() {
        {"advertise_address", "kv_lease_ttl", "kv_pull_timeout",
         "kv_import_threads", "kv_lease_renew_margin", "kv_peer_ca",
         "kv_peer_tls_server_name"}},
+      {"KV cache events (prefix caching)",
+       {"kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic",
+        "kv_events_layout", "kv_events_buffer_steps"}},
       {"Metrics and logs", {"metrics_port", "stats_log_interval"}},
   };
 }

@@ -161,11 +161,13 @@ absl::Status UnknownSequenceError(
 }  // namespace
 
 Engine::Engine(ModelRunner& runner, const EngineOptions& options,
-               WorkerMetrics* metrics, KvLeaseTable* leases)
+               WorkerMetrics* metrics, KvLeaseTable* leases,
+               KvEventSink* kv_events)
     : runner_(runner),
       options_(options),
       metrics_(metrics),
       leases_(leases),
+      kv_events_(kv_events),
       vocab_size_(static_cast<int32_t>(runner.model_config().vocab_size)),
       max_model_len_(runner.max_model_len()),
       planner_(StepBudget{runner.options().max_num_seqs,
@@ -202,12 +204,14 @@ void Engine::Run() {
     RetireSteps(options_.overlap == StepOverlap::kOn && launched ? 1 : 0);
     CompleteFinishedCalls();  // roll back or release_after_step; respond
     ReleaseIdleSequences();   // abandoned by their router: free their KV
+    PublishKvEvents();        // what the prefix cache stored and evicted
     // Nothing changed (requests waiting for KV that step-level sequences
     // hold): sleep until something does instead of spinning.
     stalled_ = progress_ == progress_before;
   }
   RetireSteps(0);
   FailAll(absl::UnavailableError("the worker stopped before the call ran"));
+  PublishKvEvents();
 }
 
 bool Engine::Paused() const {
@@ -1128,6 +1132,13 @@ void Engine::FailAll(const absl::Status& status) {
     if (!e->final_status.has_value()) e->final_status = status;
   }
   CompleteFinishedCalls();
+}
+
+void Engine::PublishKvEvents() {
+  // Dropped when nobody listens, so they never pile up.
+  kv_event_batch_.clear();
+  runner_.TakeKvEvents(&kv_event_batch_);
+  if (kv_events_ != nullptr) kv_events_->Publish(kv_event_batch_);
 }
 
 void Engine::PublishSnapshot() {

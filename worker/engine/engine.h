@@ -63,6 +63,7 @@
 #include "worker/engine/step_calls.h"
 #include "worker/engine/step_planner.h"
 #include "worker/kv_cache/kv_cache_manager.h"
+#include "worker/kv_events/kv_event_sink.h"
 #include "worker/runner/model_runner.h"
 #include "worker/transfer/kv_lease_table.h"
 
@@ -116,8 +117,11 @@ class Engine {
   // the engine; from now on only the engine thread touches `runner`.
   // `leases` (may be null: hold_for_handoff calls then just keep their
   // sequence) receives the sequences of hold_for_handoff calls.
+  // `kv_events` (may be null) gets the prefix cache's events after every
+  // loop iteration that had some; it must outlive the engine.
   Engine(ModelRunner& runner, const EngineOptions& options,
-         WorkerMetrics* metrics, KvLeaseTable* leases = nullptr);
+         WorkerMetrics* metrics, KvLeaseTable* leases = nullptr,
+         KvEventSink* kv_events = nullptr);
   // Stop(), then joins.
   ~Engine();
 
@@ -191,6 +195,8 @@ class Engine {
   void CompleteFinishedCalls();
   void ReleaseIdleSequences();
   void PublishSnapshot();
+  // The prefix cache's events of this iteration, as one batch.
+  void PublishKvEvents();
 
   // Launches `pieces` as one step; false (with `error`) when the runner
   // refused it, which changed nothing.
@@ -233,6 +239,8 @@ class Engine {
   const EngineOptions options_;
   WorkerMetrics* const metrics_;
   KvLeaseTable* const leases_;
+  KvEventSink* const kv_events_;
+  std::vector<KvCacheEvent> kv_event_batch_;  // PublishKvEvents' scratch
   // Read-only facts from the runner, for Submit on other threads.
   const int32_t vocab_size_;
   const int32_t max_model_len_;

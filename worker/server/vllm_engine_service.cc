@@ -600,17 +600,21 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* VllmEngineService::GetTokenizer(
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>*
-VllmEngineService::SubscribeKvEvents(grpc::CallbackServerContext* /*context*/,
+VllmEngineService::SubscribeKvEvents(grpc::CallbackServerContext* context,
                                      const grpc::ByteBuffer* raw_request) {
   common::SubscribeKvEventsRequest request;
   if (grpc::Status parsed = ParseRequest(*raw_request, &request);
       !parsed.ok()) {
     return new ListWriter({}, parsed);
   }
-  return new ListWriter(
-      {}, grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                       "SubscribeKvEvents: pdworker has no prefix cache yet, "
-                       "so it publishes no KV cache events"));
+  if (options_.kv_events == nullptr) {
+    return new ListWriter(
+        {}, grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                         "SubscribeKvEvents: prefix caching is off "
+                         "(--enable_prefix_caching=false), so this worker "
+                         "publishes no KV cache events"));
+  }
+  return options_.kv_events->Subscribe(context, raw_request);
 }
 
 }  // namespace pdworker

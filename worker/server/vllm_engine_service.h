@@ -16,6 +16,7 @@
 
 #include "proto/vllm_engine.grpc.pb.h"
 #include "worker/engine/engine.h"
+#include "worker/kv_events/kv_event_stream.h"
 #include "worker/runner/model_runner.h"
 #include "worker/server/generate_request.h"
 #include "worker/server/worker_service.h"
@@ -28,6 +29,9 @@ struct VllmEngineServiceOptions {
   std::string served_model_name;  // empty: the model directory
   // How recently a busy engine must have finished a step to be healthy.
   std::chrono::milliseconds health_step_window{30000};
+  // SubscribeKvEvents' source (the prefix cache's events); null:
+  // UNIMPLEMENTED (prefix caching off). Must outlive the service.
+  KvEventStream* kv_events = nullptr;
 };
 
 // Every method raw: requests are parsed by us (parsed_call.h says why).

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "glog/logging.h"
 
 namespace pdworker {
@@ -160,8 +161,22 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
             << "KV lease blocks not freed (engine stopped): " << posted;
       },
       metrics);
+  // KV cache events: nothing to publish without prefix caching.
+  if (runner.kv_cache().prefix_caching() == PrefixCaching::kOn) {
+    std::unique_ptr<KvEventPublisher> zmq;
+    if (options.kv_events_zmq.has_value()) {
+      PDW_ASSIGN_OR_RETURN(zmq,
+                           KvEventPublisher::Create(*options.kv_events_zmq));
+    }
+    s->kv_events_ = std::make_unique<KvEventSink>(
+        std::move(zmq), std::make_unique<KvEventStream>());
+  } else if (options.kv_events_zmq.has_value()) {
+    return absl::InvalidArgumentError(
+        "--kv_events_endpoint needs --enable_prefix_caching: without a "
+        "prefix cache there are no KV cache events");
+  }
   s->engine_ = std::make_unique<Engine>(runner, options.engine, metrics,
-                                        s->leases_.get());
+                                        s->leases_.get(), s->kv_events_.get());
   PeerTls peer_tls =
       options.peer_tls.enabled ? options.peer_tls : DefaultPeerTls(options.tls);
   peer_tls.server_name_override = options.peer_tls.server_name_override;
@@ -197,6 +212,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   VllmEngineServiceOptions engine_api;
   engine_api.model_dir = options.model_dir;
   engine_api.served_model_name = options.served_model_name;
+  engine_api.kv_events =
+      s->kv_events_ != nullptr ? s->kv_events_->stream() : nullptr;
   s->engine_api_ = std::make_unique<VllmEngineService>(
       runner, *s->engine_, engine_api, s->importer_.get(),
       &s->service_->handle_template());
@@ -325,6 +342,11 @@ void WorkerServer::Shutdown() {
   // Engine first: whatever is still queued fails with UNAVAILABLE, so no
   // reactor waits on it while the server shuts down.
   engine_->Stop();
+  // SubscribeKvEvents streams never end by themselves: end them (UNAVAILABLE)
+  // so the server's shutdown does not wait on them.
+  if (kv_events_ != nullptr && kv_events_->stream() != nullptr) {
+    kv_events_->stream()->Shutdown();
+  }
   // Our calls are all finished; the grace is for the others (e.g. health
   // Watch streams), which are then cancelled.
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));

@@ -15,11 +15,14 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "metrics/worker_metrics.h"
 #include "worker/engine/engine.h"
+#include "worker/kv_events/kv_event_publisher.h"
+#include "worker/kv_events/kv_event_sink.h"
 #include "worker/runner/model_runner.h"
 #include "worker/runtime/capture_session.h"
 #include "worker/server/call_arrivals.h"
@@ -106,6 +109,10 @@ struct WorkerServerOptions {
   // worker talks TLS: root = the client CA, else the system's roots; client
   // certificate = the server's). server_name_override applies either way.
   PeerTls peer_tls;
+  // KV cache events (prefix caching): vLLM's ZMQ publisher when set
+  // (--kv_events_endpoint); SMG's SubscribeKvEvents stream whenever the
+  // runner caches prefixes.
+  std::optional<KvEventPublisherOptions> kv_events_zmq;
 };
 
 class WorkerServer {
@@ -169,6 +176,8 @@ class WorkerServer {
   // Destroyed in reverse: the gRPC server (whose reactors call into the
   // rest) goes first; the importer joins its pulls; the lease table hands
   // its blocks to the (stopped) engine last.
+  // Outlives the engine (which publishes into it) and the services.
+  std::unique_ptr<KvEventSink> kv_events_;
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<KvLeaseTable> leases_;
   std::unique_ptr<PeerChannels> peers_;
