@@ -124,11 +124,8 @@ absl::StatusOr<StepReservation> KvCacheManager::Append(
     if (!created || !caching() || a.token_ids.empty()) continue;
     const Lookup& lookup = lookups[k];
     const int32_t cached = lookup.hit.num_blocks * block_size_;
-    for (int32_t b = 0; b < lookup.hit.num_blocks; ++b) {
-      const int32_t block = *pool_.Lookup(lookup.hashes[b]);
-      pool_.Ref(block);
-      seq.blocks.push_back(block);
-    }
+    TakePrefix(absl::MakeConstSpan(lookup.hashes).first(lookup.hit.num_blocks),
+               &seq.blocks);
     seq.block_hashes.assign(lookup.hashes.begin(),
                             lookup.hashes.begin() + lookup.hit.num_blocks);
     seq.token_ids.assign(a.token_ids.begin(), a.token_ids.begin() + cached);
@@ -212,11 +209,7 @@ absl::StatusOr<int32_t> KvCacheManager::StartSequence(
   std::vector<BlockHash> hashes = HashKnownBlocks(hasher_, token_ids);
   const PrefixHit hit =
       FindPrefix(hashes, static_cast<int32_t>(token_ids.size()));
-  for (int32_t b = 0; b < hit.num_blocks; ++b) {
-    const int32_t block = *pool_.Lookup(hashes[b]);
-    pool_.Ref(block);
-    seq.blocks.push_back(block);
-  }
+  TakePrefix(absl::MakeConstSpan(hashes).first(hit.num_blocks), &seq.blocks);
   hashes.resize(hit.num_blocks);
   seq.block_hashes = std::move(hashes);
   seq.num_tokens = hit.num_blocks * block_size_;
@@ -245,6 +238,15 @@ PrefixHit KvCacheManager::FindPrefix(absl::Span<const BlockHash> hashes,
     if (pool_.ref_count(*block) > 0) ++hit.num_held_blocks;
   }
   return hit;
+}
+
+void KvCacheManager::TakePrefix(absl::Span<const BlockHash> hashes,
+                                std::vector<int32_t>* blocks) {
+  for (const BlockHash& hash : hashes) {
+    const int32_t block = *pool_.Lookup(hash);
+    pool_.Ref(block);
+    blocks->push_back(block);
+  }
 }
 
 void KvCacheManager::SetTokenId(absl::string_view sequence_id, int32_t position,
@@ -431,11 +433,7 @@ absl::StatusOr<SequenceKv> KvCacheManager::AllocateDetached(
         "KV cache full: ", num_tokens, " tokens need ", blocks, " blocks, ",
         pool_.num_free(), " of ", pool_.num_blocks(), " free"));
   }
-  for (int32_t b = 0; b < hit.num_blocks; ++b) {
-    const int32_t block = *pool_.Lookup(hashes[b]);
-    pool_.Ref(block);
-    kv.blocks.push_back(block);
-  }
+  TakePrefix(absl::MakeConstSpan(hashes).first(hit.num_blocks), &kv.blocks);
   AllocateBlocks(blocks - hit.num_blocks, &kv.blocks);
   kv.num_tokens = num_tokens;
   if (caching()) {

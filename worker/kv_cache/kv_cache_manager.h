@@ -233,6 +233,10 @@ class KvCacheManager {
   // The capped hit for `num_tokens` tokens with these hashes.
   PrefixHit FindPrefix(absl::Span<const BlockHash> hashes,
                        int32_t num_tokens) const;
+  // References the cached blocks of `hashes` (all cached: a FindPrefix
+  // hit) and appends them to `blocks`.
+  void TakePrefix(absl::Span<const BlockHash> hashes,
+                  std::vector<int32_t>* blocks);
   // Hashes and caches the sequence's full blocks of known ids not hashed
   // yet, recording one BlockStored for them.
   void CacheFullBlocks(SequenceKv& seq);
