@@ -116,8 +116,8 @@ absl::StatusOr<GenerationResult> Router::GenerateRequestLevel(
           absl::string_view what,
           PoolWorker** worker) -> absl::StatusOr<GenerateOutcome> {
     for (int attempt = 0;; ++attempt) {
-      absl::StatusOr<PoolWorker*> picked =
-          pool.PickLeastLoaded(expected_tokens);
+      absl::StatusOr<PoolWorker*> picked = PickForPrompt(
+          pool, request, expected_tokens, &result.predicted_cached_tokens);
       if (!picked.ok()) return picked.status();
       *worker = *picked;
       absl::StatusOr<GenerateOutcome> out =

@@ -75,6 +75,26 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Create(
     router->prefill_ = *std::move(prefill);
     router->decode_ = *std::move(decode);
   }
+  if (options.route_by_prefix) {
+    const std::vector<std::string>& prompt_pool =
+        has_aggregated ? options.aggregated_addresses
+                       : options.prefill_addresses;
+    if (options.kv_events.empty()) {
+      return absl::InvalidArgumentError(
+          "route_by_prefix needs the KV events endpoints of the workers");
+    }
+    for (const auto& [address, endpoints] : options.kv_events) {
+      if (std::find(prompt_pool.begin(), prompt_pool.end(), address) ==
+          prompt_pool.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "KV events endpoints for ", address, ", which is not a ",
+            has_aggregated ? "" : "prefill ", "worker of this router"));
+      }
+    }
+    auto index = PrefixIndex::Create(options.kv_events, options.prefix_index);
+    if (!index.ok()) return index.status();
+    router->prefix_index_ = *std::move(index);
+  }
   return router;
 }
 
@@ -158,6 +178,7 @@ absl::StatusOr<v1::SequenceOutput> Router::RunPrompt(
       worker.worker->Forward(&context, forward, &response);
   *received = Clock::now();
   result->prefill_address = worker.address;
+  result->cached_tokens = 0;
   if (!status.ok()) {
     // A failed call changes nothing on the worker, but a deadline the router
     // gave up on may have passed after the step ran. Held KV then expires
@@ -178,6 +199,7 @@ absl::StatusOr<v1::SequenceOutput> Router::RunPrompt(
                      response.sequences_size(), " sequences for 1"));
   }
   const v1::SequenceOutput& out = response.sequences(0);
+  result->cached_tokens = out.cached_tokens();
   result->timings.prefill_us = Micros(*received - sent);
   result->timings.ttft_us = Micros(*received - started);
   result->tokens.push_back(out.token_id());
@@ -193,6 +215,31 @@ bool Router::TryAnotherWorker(WorkerPool& pool, const PoolWorker& worker,
   return true;
 }
 
+absl::StatusOr<PoolWorker*> Router::PickForPrompt(
+    WorkerPool& pool, const GenerationRequest& request, int expected_tokens,
+    int32_t* predicted) {
+  WorkerPool* prompt_pool =
+      disaggregated() ? prefill_.get() : aggregated_.get();
+  if (prefix_index_ == nullptr || &pool != prompt_pool) {
+    return pool.PickLeastLoaded(expected_tokens);
+  }
+  // The statuses are cached by the pool (refreshed in the background), so
+  // this costs the prompt's hashing, not round trips.
+  std::vector<int32_t> scores(pool.size(), 0);
+  for (int i = 0; i < pool.size(); ++i) {
+    const absl::StatusOr<v1::WorkerStatus> status = pool.Status(i);
+    if (!status.ok()) continue;
+    const std::string& address = pool.worker(i).address;
+    prefix_index_->SetModel(address, status->model_fingerprint(),
+                            status->kv_block_size(), status->prefix_caching());
+    scores[i] = prefix_index_->LongestPrefixTokens(address, request.prompt);
+  }
+  absl::StatusOr<PoolWorker*> picked =
+      pool.PickLeastLoaded(expected_tokens, scores);
+  if (picked.ok()) *predicted = scores[(*picked)->index];
+  return picked;
+}
+
 absl::StatusOr<v1::SequenceOutput> Router::PlacePrompt(
     WorkerPool& pool, const GenerationRequest& request, bool hold,
     Clock::time_point started, Clock::time_point* received,
@@ -203,7 +250,8 @@ absl::StatusOr<v1::SequenceOutput> Router::PlacePrompt(
   const int expected_tokens =
       static_cast<int>(request.prompt.size()) + (hold ? 0 : request.max_tokens);
   for (int attempt = 0;; ++attempt) {
-    absl::StatusOr<PoolWorker*> picked = pool.PickLeastLoaded(expected_tokens);
+    absl::StatusOr<PoolWorker*> picked = PickForPrompt(
+        pool, request, expected_tokens, &result->predicted_cached_tokens);
     if (!picked.ok()) return picked.status();
     *worker = *picked;
     absl::StatusOr<v1::SequenceOutput> first =

@@ -38,6 +38,7 @@
 #include "absl/status/statusor.h"
 #include "proto/worker.grpc.pb.h"
 #include "tools/router/decode_batcher.h"
+#include "tools/router/prefix_index.h"
 #include "tools/router/worker_pool.h"
 
 namespace pdworker::router {
@@ -71,6 +72,16 @@ struct RouterOptions {
   std::chrono::milliseconds control_timeout{10000};
 
   WorkerPoolOptions pool;
+
+  // Prefix-aware routing: the prompt goes to the worker of its pool
+  // (aggregated, or prefill) whose KV cache holds the longest prefix of it,
+  // as the workers' KV events say (PrefixIndex); ties (a prompt nobody
+  // holds) go to the least loaded. Decode workers are still picked by load.
+  // `kv_events` maps worker addresses of that pool to their event
+  // endpoints; a worker without an entry always scores 0.
+  bool route_by_prefix = false;
+  std::map<std::string, KvEventEndpoints> kv_events;
+  PrefixIndexOptions prefix_index;
 };
 
 // Mirrors v1::SamplingParams. All-default: greedy.
@@ -121,6 +132,11 @@ struct GenerationResult {
   FinishReason finish_reason = FinishReason::kLength;
   std::string prefill_address;  // the worker that ran the prompt
   std::string decode_address;   // the worker that ran the decode steps
+  // Prompt tokens the prompt's worker found in its prefix cache (as it
+  // reported them; step-level API only), and what the router's prefix index
+  // predicted for it (0 when not routing by prefix).
+  int32_t cached_tokens = 0;
+  int32_t predicted_cached_tokens = 0;
   GenerationTimings timings;
 };
 
@@ -155,6 +171,9 @@ class Router {
   // Every worker, prefill pool first, then decode, then aggregated.
   std::vector<PoolWorker*> workers();
 
+  // The index behind route_by_prefix (null when off).
+  PrefixIndex* prefix_index() { return prefix_index_.get(); }
+
  private:
   explicit Router(const RouterOptions& options) : options_(options) {}
 
@@ -165,6 +184,13 @@ class Router {
       std::chrono::steady_clock::time_point started,
       std::chrono::steady_clock::time_point* received, GenerationResult* result,
       const TokenCallback& on_token);
+  // Picks the worker of `pool` for a new request's prompt: by prefix when
+  // `pool` is the prompt pool and route_by_prefix is on (setting
+  // `*predicted` to the chosen worker's score), else least loaded.
+  absl::StatusOr<PoolWorker*> PickForPrompt(WorkerPool& pool,
+                                            const GenerationRequest& request,
+                                            int expected_tokens,
+                                            int32_t* predicted);
   // RunPrompt on the least-loaded worker of `pool`, then on the next one
   // while a worker refuses for not serving (see TryAnotherWorker). Sets
   // `*worker` to the one that answered last.
@@ -209,6 +235,7 @@ class Router {
   std::unique_ptr<WorkerPool> prefill_;
   std::unique_ptr<WorkerPool> decode_;
   std::unique_ptr<WorkerPool> aggregated_;
+  std::unique_ptr<PrefixIndex> prefix_index_;
 
   mutable std::mutex batchers_mu_;
   std::map<const PoolWorker*, std::unique_ptr<DecodeBatcher>> batchers_;

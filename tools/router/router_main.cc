@@ -7,6 +7,14 @@
 //   router --aggregated=127.0.0.1:50051 --token_ids='1,2,3|4,5' --stats
 //   router --prefill=... --decode=... --load_requests=200 --load_rate=50
 //          --load_prompt_len=16-64
+//   router --aggregated=127.0.0.1:50051,127.0.0.1:50052 --route_by_prefix
+//          --kv_events_endpoints=127.0.0.1:50051=tcp://127.0.0.1:5557,...
+//          --kv_events_replay_endpoints=127.0.0.1:50051=tcp://127.0.0.1:5558
+//
+// Prefix routing: each prompt goes to the worker (aggregated, or prefill)
+// whose prefix cache holds the longest prefix of it, learned from the
+// workers' KV events (start them with --kv_events_endpoint=tcp://*:PORT and
+// --kv_events_replay_endpoint=tcp://*:PORT2); ties go to the least loaded.
 //
 // Several prompts: separate them with '|' in --prompt / --token_ids, or put
 // one per line in --prompts_file. They run concurrently (so their decode
@@ -87,6 +95,18 @@ ABSL_FLAG(int, wait_s, 0,
           "Wait up to this many seconds for every worker to serve before "
           "starting (0: don't wait).");
 ABSL_FLAG(int, timeout_s, 60, "Deadline of each prefill/import/decode RPC.");
+ABSL_FLAG(bool, route_by_prefix, false,
+          "Send each prompt to the worker whose KV cache holds its longest "
+          "prefix (from the workers' KV events), ties to the least loaded.");
+ABSL_FLAG(std::string, kv_events_endpoints, "",
+          "With --route_by_prefix: worker=endpoint,... where worker is the "
+          "address given in --aggregated/--prefill and endpoint its "
+          "--kv_events_endpoint as the router reaches it "
+          "(tcp://host:port).");
+ABSL_FLAG(std::string, kv_events_replay_endpoints, "",
+          "Optional, worker=endpoint,...: each worker's "
+          "--kv_events_replay_endpoint, for missed batches and a router that "
+          "starts after the workers.");
 ABSL_FLAG(std::string, api, "step",
           "Which API drives the workers: step (pdworker.v1.Worker: the "
           "router schedules every decode step) or request "
@@ -395,6 +415,18 @@ int Run() {
   options.prefill_timeout = timeout;
   options.import_timeout = timeout;
   options.decode_step_timeout = timeout;
+  options.route_by_prefix = absl::GetFlag(FLAGS_route_by_prefix);
+  for (const bool replay : {false, true}) {
+    const std::string flag = absl::GetFlag(
+        replay ? FLAGS_kv_events_replay_endpoints : FLAGS_kv_events_endpoints);
+    if (absl::Status parsed =
+            ParseKvEventEndpoints(flag, replay, &options.kv_events);
+        !parsed.ok()) {
+      std::cerr << "router: --kv_events" << (replay ? "_replay" : "")
+                << "_endpoints: " << parsed.message() << "\n";
+      return kBadFlags;
+    }
+  }
   absl::StatusOr<std::unique_ptr<Router>> router = Router::Create(options);
   if (!router.ok()) {
     std::cerr << "router: " << router.status().message() << "\n";

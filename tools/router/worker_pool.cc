@@ -200,7 +200,8 @@ absl::StatusOr<v1::WorkerStatus> WorkerPool::Status(int index) {
   return state_->entries[index].status;
 }
 
-absl::StatusOr<PoolWorker*> WorkerPool::PickLeastLoaded(int expected_tokens) {
+absl::StatusOr<PoolWorker*> WorkerPool::PickLeastLoaded(
+    int expected_tokens, absl::Span<const int32_t> preference) {
   State& state = *state_;
   std::unique_lock<std::mutex> lock(state.mu);
   WaitFreshOnce(lock);
@@ -208,6 +209,7 @@ absl::StatusOr<PoolWorker*> WorkerPool::PickLeastLoaded(int expected_tokens) {
   // The index of the best worker, or -1.
   auto choose = [&](std::vector<std::string>* skipped) {
     int best = -1;
+    int32_t best_preference = 0;
     int64_t best_free = 0;
     int best_sequences = 0;
     for (int i = 0; i < static_cast<int>(state.entries.size()); ++i) {
@@ -224,9 +226,14 @@ absl::StatusOr<PoolWorker*> WorkerPool::PickLeastLoaded(int expected_tokens) {
       const int64_t free_blocks =
           int64_t{status.kv_blocks_free()} - entry.placed_blocks;
       const int sequences = status.num_sequences() + entry.placed_sequences;
-      if (best < 0 || free_blocks > best_free ||
-          (free_blocks == best_free && sequences < best_sequences)) {
+      const int32_t pref =
+          i < static_cast<int>(preference.size()) ? preference[i] : 0;
+      if (best < 0 || pref > best_preference ||
+          (pref == best_preference &&
+           (free_blocks > best_free ||
+            (free_blocks == best_free && sequences < best_sequences)))) {
         best = i;
+        best_preference = pref;
         best_free = free_blocks;
         best_sequences = sequences;
       }

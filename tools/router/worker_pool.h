@@ -30,6 +30,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "proto/vllm_engine.grpc.pb.h"
 #include "proto/worker.grpc.pb.h"
 
@@ -88,7 +89,12 @@ class WorkerPool {
   // each worker's reason. Records the placement: `expected_tokens` is the KV
   // the request will hold there (prompt, plus generated tokens on a decode
   // worker), counted as whole blocks. Thread-safe.
-  absl::StatusOr<PoolWorker*> PickLeastLoaded(int expected_tokens = 0);
+  //
+  // With `preference` (one value per worker, e.g. the tokens of the prompt
+  // each one has cached), the serving worker with the highest preference
+  // wins and the rules above only break ties.
+  absl::StatusOr<PoolWorker*> PickLeastLoaded(
+      int expected_tokens = 0, absl::Span<const int32_t> preference = {});
 
   // `index`'s cached status (waiting for the first answer; the error when
   // its GetStatus failed). Thread-safe.
