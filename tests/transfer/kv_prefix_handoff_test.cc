@@ -4,8 +4,9 @@
 // first_token), the bytes moved and the cached tokens are reported, and the
 // tokens equal one aggregated worker's. The prefill and decode workers use
 // different block sizes (16 and 8), so the pull starts inside a source
-// block. A handle of other weights is refused before anything is reused,
-// and a failed import leaves every block free (shared ones included).
+// block. A handle of other weights is refused before anything is reused, a
+// handle whose token ids are not its lease's is refused by the source, and
+// a failed import leaves every block free (shared ones included).
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
@@ -390,6 +391,47 @@ TEST_F(KvPrefixHandoffTest, FailedImportLeavesEveryBlockFree) {
     ASSERT_EQ(kv.ref_count(block), 0) << "block " << block;
   }
   decode_.reset();
+}
+
+// A handle whose prompt_token_ids are not its lease's tokens (altered, or
+// spliced from another handle) would make the decode worker cache the
+// lease's K/V under other tokens' hashes: the source refuses the pull
+// before sending anything, the decode worker's cache and blocks are as
+// before, and the lease stays pullable by the true handle.
+TEST_F(KvPrefixHandoffTest, HandleWithOtherTokenIdsIsRefused) {
+  const std::vector<int32_t> system = Tokens(kSystemLen, 31);
+  const std::vector<int32_t> first = Concat(system, Tokens(12, 32));
+  std::vector<int32_t> tail = Tokens(12, 33);
+  tail[0] = (first[kSystemLen] + 1) % 256;
+  const std::vector<int32_t> second = Concat(system, tail);
+
+  const v1::SequenceOutput a = Hold("a", first, v1::SamplingParams());
+  ASSERT_TRUE(Import(*decode_->stub, "a", a.kv_handle()).ok());
+  Decode(*decode_, "a", a.token_id(), 1, v1::SamplingParams());
+  ExpectNothingHeld(*decode_, "decode after the first import");
+  const int32_t cached_blocks = decode_->Status().kv_blocks_cached();
+
+  const v1::SequenceOutput b = Hold("b", second, v1::SamplingParams());
+  for (const int position : {3, kSystemLen + 5}) {
+    SCOPED_TRACE(position);
+    v1::KvHandle altered = b.kv_handle();
+    altered.set_prompt_token_ids(
+        position, (altered.prompt_token_ids(position) + 1) % 256);
+    const grpc::Status s = Import(*decode_->stub, "b", altered);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+        << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("prompt_token_ids"));
+    EXPECT_THAT(s.error_message(), HasSubstr("first difference at token " +
+                                             std::to_string(position)));
+    ExpectNothingHeld(*decode_, "decode after the refused import");
+    EXPECT_EQ(decode_->Status().kv_blocks_cached(), cached_blocks);
+  }
+
+  v1::ImportKvResponse imported;
+  ASSERT_TRUE(Import(*decode_->stub, "b", b.kv_handle(), &imported).ok());
+  EXPECT_EQ(imported.cached_tokens(),
+            ExpectedCached(kSystemLen, kSystemLen + 12, kDecodeBlock));
+  Decode(*decode_, "b", b.token_id(), 1, v1::SamplingParams());
 }
 
 // A decode worker running other weights (same config.json, so the same KV

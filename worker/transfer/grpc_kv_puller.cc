@@ -75,6 +75,8 @@ v1::PullKvRequest PullRequestFor(const KvPullParams& p,
   request.set_num_tokens(p.handle->num_tokens());
   request.set_source_epoch(p.handle->source_epoch());
   request.set_first_token(p.first_token);
+  request.mutable_prompt_token_ids()->Add(p.token_ids.begin(),
+                                          p.token_ids.end());
   return request;
 }
 
@@ -103,7 +105,9 @@ absl::Status ClassifyPullEnd(const KvPullParams& p,
       if (absl::StrContains(finished.error_message(), "fingerprint") ||
           absl::StrContains(finished.error_message(), "KV layout")) {
         *outcome = KvTransferOutcome::kModelMismatch;
-      } else if (absl::StrContains(finished.error_message(), "num_tokens")) {
+      } else if (absl::StrContains(finished.error_message(), "num_tokens") ||
+                 absl::StrContains(finished.error_message(),
+                                   "prompt_token_ids")) {
         *outcome = KvTransferOutcome::kHandleMismatch;
       } else {
         *outcome = KvTransferOutcome::kAlreadyPulled;

@@ -14,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "metrics/worker_metrics.h"
 #include "proto/worker.pb.h"
 #include "worker/kv_cache/kv_cache_manager.h"
@@ -43,6 +44,9 @@ struct KvPullParams {
   // Tokens [first_token, handle->num_tokens) are pulled; the ones before
   // are in `destination` already (prefix cache hit). 0: all.
   int32_t first_token = 0;
+  // The ids the puller will cache the blocks under (the handle's
+  // prompt_token_ids; empty: none): sent for the source to check.
+  absl::Span<const int32_t> token_ids;
   Stream* stream = nullptr;  // for the copies into the cache
   // The import's own deadline (the ImportKv caller's) and the bound on the
   // pull (no progress from a hung source lasts longer than this).

@@ -192,6 +192,7 @@ absl::StatusOr<KvImportResult> KvImporter::RunJob(
     params.view = &view_;
     params.destination = &kv;
     params.first_token = cached;
+    params.token_ids = token_ids;
     params.stream = stream->get();
     params.call_deadline = request.deadline;
     params.pull_deadline =

@@ -11,7 +11,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
 #include "glog/logging.h"
+#include "worker/kv_cache/kv_cache_manager.h"
 #include "worker/runtime/stream.h"
 #include "worker/server/parsed_call.h"
 #include "worker/server/status_mapping.h"
@@ -67,6 +69,24 @@ class NcclSender {
 
 namespace {
 
+// The first position where a puller's token ids disagree with the lease's
+// (a different count counts as position min(sizes)); -1 when they agree or
+// either side does not know them (no ids sent; prefix caching off here, or
+// ids unknown at that position).
+int32_t FirstDifference(absl::Span<const int32_t> ids, const SequenceKv& kv) {
+  if (ids.empty()) return -1;
+  if (static_cast<int32_t>(ids.size()) != kv.num_tokens) {
+    return std::min(static_cast<int32_t>(ids.size()), kv.num_tokens);
+  }
+  if (static_cast<int32_t>(kv.token_ids.size()) != kv.num_tokens) return -1;
+  for (int32_t i = 0; i < kv.num_tokens; ++i) {
+    if (kv.token_ids[i] != kUnknownTokenId && kv.token_ids[i] != ids[i]) {
+      return i;
+    }
+  }
+  return -1;
+}
+
 // One PullKv stream. Walks (layer, K then V, token runs) and writes one
 // chunk at a time; gRPC deletes it in OnDone, which ends the pull.
 class PullReactor final : public MessageWriter {
@@ -104,9 +124,11 @@ class PullReactor final : public MessageWriter {
 
   // Starts the pull, or finishes at once with the reason it is refused.
   // `expected_tokens`: the puller's handle's num_tokens (0: not checked);
-  // tokens from `first_token` on are sent (the puller has the rest).
+  // tokens from `first_token` on are sent (the puller has the rest);
+  // `token_ids`: the handle's prompt ids (empty: not checked).
   void Start(const absl::Status& compatible, const std::string& lease_id,
-             int32_t expected_tokens, int32_t first_token) {
+             int32_t expected_tokens, int32_t first_token,
+             absl::Span<const int32_t> token_ids) {
     if (!compatible.ok()) {
       outcome_ = KvTransferOutcome::kModelMismatch;
       Finish(ToGrpcStatus(compatible));
@@ -128,6 +150,18 @@ class PullReactor final : public MessageWriter {
           "the KV handle's num_tokens is ", expected_tokens, " but lease ",
           lease_id, " holds ", grant->kv.num_tokens,
           " tokens: the handle was altered or belongs to another lease"))));
+      return;
+    }
+    if (const int32_t differs = FirstDifference(token_ids, grant->kv);
+        differs >= 0) {
+      // The puller would cache our K/V under other tokens' hashes.
+      leases_.EndPull(lease_id, /*sent_all=*/false);
+      outcome_ = KvTransferOutcome::kHandleMismatch;
+      Finish(ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
+          "the KV handle's prompt_token_ids (", token_ids.size(),
+          ") are not the tokens lease ", lease_id, " holds (",
+          grant->kv.num_tokens, "; first difference at token ", differs,
+          "): the handle was altered or belongs to another lease"))));
       return;
     }
     if (first_token < 0 || first_token >= grant->kv.num_tokens) {
@@ -420,7 +454,9 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvTransferService::PullKv(
                      std::chrono::steady_clock::now() + left);
   }
   reactor->Start(allowed, request->lease_id(), request->num_tokens(),
-                 request->first_token());
+                 request->first_token(),
+                 absl::MakeConstSpan(request->prompt_token_ids().data(),
+                                     request->prompt_token_ids_size()));
   return reactor;
 }
 
