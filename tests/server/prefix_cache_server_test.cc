@@ -81,6 +81,34 @@ TEST(PrefixCacheServerTest, ForwardReportsCachedTokensAndFlushClears) {
   EXPECT_EQ(w->Status().kv_blocks_cached(), 22 / kBs);
 }
 
+TEST(PrefixCacheServerTest, AChunkedPromptFindsItsWholeCachedPrefix) {
+  // 100 tokens through a 64-token step budget: two chunks. The lookup
+  // covers the whole prompt: 24 blocks (99 / 4), not the first chunk's 15.
+  ModelRunnerOptions options = SmallRunnerOptions();
+  options.prefix_caching = PrefixCaching::kOn;
+  auto w = StartWorker(options);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  const std::vector<int32_t> prompt = Prompt(100, 5);
+  const v1::SequenceOutput a = Start(*w->stub, "a", prompt);
+  EXPECT_EQ(a.cached_tokens(), 0);
+  const v1::SequenceOutput b = Start(*w->stub, "b", prompt);
+  EXPECT_EQ(b.cached_tokens(), 99 / kBs * kBs);
+  EXPECT_EQ(b.num_tokens(), 100);
+  EXPECT_EQ(b.token_id(), a.token_id());
+  EXPECT_EQ(b.logprob(), a.logprob());
+  // The next step continues b as if it had computed everything.
+  v1::ForwardResponse next_a, next_b;
+  ASSERT_TRUE(
+      Forward(*w->stub, Request({Input("a", {a.token_id()}, false)}), &next_a)
+          .ok());
+  ASSERT_TRUE(
+      Forward(*w->stub, Request({Input("b", {b.token_id()}, false)}), &next_b)
+          .ok());
+  EXPECT_EQ(next_b.sequences(0).token_id(), next_a.sequences(0).token_id());
+  EXPECT_EQ(next_b.sequences(0).logprob(), next_a.sequences(0).logprob());
+  EXPECT_EQ(next_b.sequences(0).num_tokens(), 101);
+}
+
 TEST(PrefixCacheServerTest, FlushCacheIsRefusedWhenCachingIsOff) {
   ModelRunnerOptions options = SmallRunnerOptions();
   options.prefix_caching = PrefixCaching::kOff;

@@ -693,13 +693,29 @@ bool Engine::LaunchPieces(absl::Span<const Piece> pieces, absl::Status* error) {
     if (p.call != nullptr) {
       // A sequence's first piece creates it as the request asked; later
       // chunks continue it.
-      const Entry& e = *p.call;
-      num_tokens_[k] = p.num_tokens;
+      Entry& e = *p.call;
       const SequenceStep& src = e.forward->spec.sequences[p.sequence];
-      const size_t offset = src.token_ids.size() - e.remaining[p.sequence];
+      const int s = p.sequence;
+      if (e.length_before[s] < 0 && e.remaining[s] > p.num_tokens &&
+          src.creation != SequenceCreation::kMustExist &&
+          runner_.kv_cache().prefix_caching() == PrefixCaching::kOn &&
+          runner_.kv_cache().Find(src.sequence_id) == nullptr) {
+        // A prompt chunked over several steps: its cached prefix is looked
+        // up over the whole prompt, not only the first chunk (whose cap
+        // would stop it early). On error the step's own checks answer.
+        absl::StatusOr<int32_t> cached =
+            runner_.StartSequence(src.sequence_id, src.token_ids);
+        if (cached.ok()) {
+          e.length_before[s] = 0;
+          e.remaining[s] -= *cached;
+          e.cached_tokens[s] += *cached;
+        }
+      }
+      num_tokens_[k] = std::min(p.num_tokens, e.remaining[s]);
+      const size_t offset = src.token_ids.size() - e.remaining[s];
       dst.sequence_id = src.sequence_id;
       dst.token_ids.assign(src.token_ids.begin() + offset,
-                           src.token_ids.begin() + offset + p.num_tokens);
+                           src.token_ids.begin() + offset + num_tokens_[k]);
       dst.sampling = src.sampling;
       dst.creation = e.length_before[p.sequence] < 0
                          ? src.creation
