@@ -48,6 +48,7 @@
 #include "metrics/table_logger.h"
 #include "metrics/worker_metrics.h"
 #include "worker/kv_events/kv_event_publisher.h"
+#include "worker/kv_events/kv_events_config.h"
 #include "worker/kv_events/vllm_event_batch.h"
 #include "worker/runner/model_runner.h"
 #include "worker/runtime/device_factory.h"
@@ -155,6 +156,12 @@ ABSL_FLAG(std::string, kv_events_layout, "map",
           "KV event msgpack layout: map (vLLM >= 0.26, tagged maps) or array "
           "(older positional structs).");
 ABSL_FLAG(int, kv_events_buffer_steps, 10000, "Event batches kept for replay.");
+ABSL_FLAG(std::string, kv_events_config, "",
+          "vLLM's --kv-events-config JSON (enable_kv_cache_events, publisher, "
+          "endpoint, replay_endpoint, topic, buffer_steps, hwm, "
+          "max_queue_size), as llm-d's charts pass it to vLLM; instead of "
+          "the --kv_events_* flags (--kv_events_layout still applies). Also "
+          "accepted as --kv-events-config.");
 ABSL_FLAG(std::string, kv_lease_renew_margin, "5s",
           "Decode side: while an import is queued or pulling, renew its "
           "source lease (RenewKv) when it would expire within this, so a "
@@ -405,8 +412,32 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
     }
   }
   c.server.importer.num_threads = absl::GetFlag(FLAGS_kv_import_threads);
-  if (const std::string endpoint = absl::GetFlag(FLAGS_kv_events_endpoint);
-      !endpoint.empty()) {
+  if (const std::string json = absl::GetFlag(FLAGS_kv_events_config);
+      !json.empty()) {
+    if (!absl::GetFlag(FLAGS_kv_events_endpoint).empty() ||
+        !absl::GetFlag(FLAGS_kv_events_replay_endpoint).empty()) {
+      return FlagError("kv_events_config",
+                       "give it or --kv_events_endpoint, not both");
+    }
+    absl::StatusOr<KvEventLayout> layout =
+        ParseKvEventLayout(absl::GetFlag(FLAGS_kv_events_layout));
+    if (!layout.ok()) {
+      return FlagError("kv_events_layout", layout.status().message());
+    }
+    VllmEventBatchFormat format;
+    format.layout = *layout;
+    absl::StatusOr<std::optional<KvEventPublisherOptions>> events =
+        ParseKvEventsConfig(json, format);
+    if (!events.ok()) return events.status();
+    if (events->has_value() && !absl::GetFlag(FLAGS_enable_prefix_caching)) {
+      return FlagError("kv_events_config",
+                       "needs --enable_prefix_caching (no prefix cache, no "
+                       "KV cache events)");
+    }
+    c.server.kv_events_zmq = std::move(*events);
+  } else if (const std::string endpoint =
+                 absl::GetFlag(FLAGS_kv_events_endpoint);
+             !endpoint.empty()) {
     KvEventPublisherOptions events;
     events.endpoint = endpoint;
     events.replay_endpoint = absl::GetFlag(FLAGS_kv_events_replay_endpoint);
@@ -592,7 +623,7 @@ std::vector<FlagGroup> FlagGroups() {
         "kv_peer_tls_server_name"}},
       {"KV cache events (prefix caching)",
        {"kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic",
-        "kv_events_layout", "kv_events_buffer_steps"}},
+        "kv_events_layout", "kv_events_buffer_steps", "kv_events_config"}},
       {"Metrics and logs", {"metrics_port", "stats_log_interval"}},
   };
 }

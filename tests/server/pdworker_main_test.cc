@@ -241,6 +241,15 @@ TEST(PdworkerMainTest, BadConfigurationFailsAtStartupNamingTheFlag) {
        "--grpc_min_client_ping_interval"},
       {{"--sequence_idle_timeout=forever"}, "'forever' is not a duration"},
       {{"--max-num-seqs=-3"}, "--max_num_seqs"},  // dashed spelling too
+      {{"--kv_events_endpoint=tcp://*:0", "--kv_events_layout=tree"},
+       "--kv_events_layout"},
+      {{"--kv_events_replay_endpoint=tcp://*:0"}, "--kv_events_endpoint"},
+      {{"--no-enable-prefix-caching", "--kv_events_endpoint=tcp://*:0"},
+       "needs --enable_prefix_caching"},
+      {{"--kv-events-config={\"endpoint\":\"tcp://*:0\",\"bogus\":1}"},
+       "bogus"},
+      {{"--kv_events_config={}", "--kv_events_endpoint=tcp://*:0"},
+       "not both"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     SCOPED_TRACE(cases[i].message);

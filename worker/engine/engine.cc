@@ -162,7 +162,7 @@ absl::Status UnknownSequenceError(
 
 Engine::Engine(ModelRunner& runner, const EngineOptions& options,
                WorkerMetrics* metrics, KvLeaseTable* leases,
-               KvEventSink* kv_events)
+               KvEventListener* kv_events)
     : runner_(runner),
       options_(options),
       metrics_(metrics),

@@ -63,7 +63,6 @@
 #include "worker/engine/step_calls.h"
 #include "worker/engine/step_planner.h"
 #include "worker/kv_cache/kv_cache_manager.h"
-#include "worker/kv_events/kv_event_sink.h"
 #include "worker/runner/model_runner.h"
 #include "worker/transfer/kv_lease_table.h"
 
@@ -121,7 +120,7 @@ class Engine {
   // loop iteration that had some; it must outlive the engine.
   Engine(ModelRunner& runner, const EngineOptions& options,
          WorkerMetrics* metrics, KvLeaseTable* leases = nullptr,
-         KvEventSink* kv_events = nullptr);
+         KvEventListener* kv_events = nullptr);
   // Stop(), then joins.
   ~Engine();
 
@@ -239,7 +238,7 @@ class Engine {
   const EngineOptions options_;
   WorkerMetrics* const metrics_;
   KvLeaseTable* const leases_;
-  KvEventSink* const kv_events_;
+  KvEventListener* const kv_events_;
   std::vector<KvCacheEvent> kv_event_batch_;  // PublishKvEvents' scratch
   // Read-only facts from the runner, for Submit on other threads.
   const int32_t vocab_size_;

@@ -11,6 +11,8 @@
 #include <variant>
 #include <vector>
 
+#include "absl/types/span.h"
+
 namespace pdworker {
 
 // A block hash as routers see it: the first 8 bytes, big-endian, of the
@@ -39,6 +41,16 @@ struct AllBlocksClearedEvent {};
 
 using KvCacheEvent =
     std::variant<BlockStoredEvent, BlockRemovedEvent, AllBlocksClearedEvent>;
+
+// Where the engine hands each loop iteration's events, as one batch
+// (worker/kv_events' KvEventSink: vLLM's ZMQ wire and SMG's gRPC stream).
+// An interface so that the engine does not depend on the wire libraries.
+class KvEventListener {
+ public:
+  virtual ~KvEventListener() = default;
+  // Called on the engine thread; must not block.
+  virtual void Publish(absl::Span<const KvCacheEvent> events) = 0;
+};
 
 }  // namespace pdworker
 

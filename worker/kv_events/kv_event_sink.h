@@ -14,7 +14,7 @@
 
 namespace pdworker {
 
-class KvEventSink {
+class KvEventSink final : public KvEventListener {
  public:
   // Either (or both) may be null.
   KvEventSink(std::unique_ptr<KvEventPublisher> zmq,
@@ -22,7 +22,7 @@ class KvEventSink {
 
   // The events of one engine step, in order; nothing is sent for none (as
   // vLLM publishes a batch only for a step that has events).
-  void Publish(absl::Span<const KvCacheEvent> events);
+  void Publish(absl::Span<const KvCacheEvent> events) override;
 
   KvEventPublisher* zmq() const { return zmq_.get(); }
   // What VllmEngineService::SubscribeKvEvents hands its calls to.
