@@ -28,9 +28,6 @@ using ::testing::ElementsAreArray;
 struct Case {
   std::string mode;
   StepOverlap overlap;
-  // With prefix caching a preempted request's recompute may find its own
-  // freed blocks still cached.
-  PrefixCaching caching = PrefixCaching::kOff;
 };
 
 class EnginePreemptionTest : public ::testing::TestWithParam<Case> {};
@@ -41,7 +38,6 @@ TEST_P(EnginePreemptionTest, AKvCacheForAFractionOfTheLoadCompletesEverything) {
   // 32 blocks of 4 tokens = 128 tokens, for 8 requests of 20 + 30 tokens
   // (13 blocks each, 104 in all).
   options.kv_cache_bytes = 32 * 1024;
-  options.prefix_caching = GetParam().caching;
   EngineOptions engine_options;
   engine_options.overlap = GetParam().overlap;
   auto t = engine_testing::StartEngine(dir, options, engine_options);
@@ -149,15 +145,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"FULL_AND_PIECEWISE", StepOverlap::kOff},
                       Case{"FULL_AND_PIECEWISE", StepOverlap::kOn},
                       Case{"FULL_DECODE_ONLY", StepOverlap::kOn},
-                      Case{"PIECEWISE", StepOverlap::kOn},
-                      Case{"NONE", StepOverlap::kOn, PrefixCaching::kOn},
-                      Case{"FULL_AND_PIECEWISE", StepOverlap::kOn,
-                           PrefixCaching::kOn}),
+                      Case{"PIECEWISE", StepOverlap::kOn}),
     [](const ::testing::TestParamInfo<Case>& info) {
       return absl::StrCat(
           info.param.mode,
-          info.param.overlap == StepOverlap::kOn ? "_overlap" : "_no_overlap",
-          info.param.caching == PrefixCaching::kOn ? "_prefix_caching" : "");
+          info.param.overlap == StepOverlap::kOn ? "_overlap" : "_no_overlap");
     });
 
 }  // namespace

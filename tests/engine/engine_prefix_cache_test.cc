@@ -129,6 +129,45 @@ TEST_P(EnginePrefixCacheTest, ConcurrentRequestsShareAPrefix) {
   EXPECT_EQ(engine_->engine->snapshot().kv.used_blocks, 0);
 }
 
+// engine_preemption_test's load with prefix caching on: a KV cache for a
+// fraction of the load (32 blocks of 4 tokens for 8 requests of 20 + 30
+// tokens), so running requests preempt others by recompute, whose
+// recompute may find its own freed blocks still cached. Every request still
+// gets the tokens it gets alone. (Here rather than in
+// engine_preemption_test: that one also runs under TSan, whose CI budget
+// this would exceed.)
+TEST(EnginePrefixCachePreemptionTest, EveryRequestCompletesUnchanged) {
+  const std::string dir = engine_testing::ModelDir();
+  CpuDevice device;
+  auto reference =
+      ModelRunner::Create(device, dir, engine_testing::SmallOptions("NONE"));
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  for (const std::string mode : {"NONE", "FULL_AND_PIECEWISE"}) {
+    ModelRunnerOptions options = engine_testing::SmallOptions(mode);
+    options.kv_cache_bytes = 32 * 1024;
+    options.prefix_caching = PrefixCaching::kOn;
+    auto t = engine_testing::StartEngine(dir, options, EngineOptions{});
+    std::vector<std::unique_ptr<PendingGeneration>> pending;
+    for (int i = 0; i < 8; ++i) {
+      pending.push_back(std::make_unique<PendingGeneration>(
+          *t->engine, Spec(absl::StrCat("r", i), Prompt(20, 400 + i), 30)));
+    }
+    for (int i = 0; i < 8; ++i) {
+      const Generation g = pending[i]->Wait();
+      ASSERT_TRUE(g.status.ok()) << mode << " " << i << ": " << g.status;
+      absl::StatusOr<Sampled> alone =
+          ReferenceGeneration(**reference, "ref", Prompt(20, 400 + i), 30);
+      ASSERT_TRUE(alone.ok()) << alone.status();
+      EXPECT_THAT(g.tokens, ElementsAreArray(alone->tokens)) << mode << i;
+      EXPECT_THAT(g.logprobs, ElementsAreArray(alone->logprobs)) << mode << i;
+    }
+    const EngineSnapshot s = t->engine->snapshot();
+    EXPECT_GT(s.preemptions, 0) << mode;
+    EXPECT_EQ(s.kv.used_blocks, 0) << mode;
+    EXPECT_EQ(s.finished_requests, 8) << mode;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     ModesAndOverlap, EnginePrefixCacheTest,
     ::testing::Values(Case{"NONE", StepOverlap::kOff},
