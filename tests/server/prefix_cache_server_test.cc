@@ -71,14 +71,18 @@ TEST(PrefixCacheServerTest, ForwardReportsCachedTokensAndFlushClears) {
   const grpc::Status flush = Flush(*w->stub, &flushed);
   ASSERT_TRUE(flush.ok()) << flush.error_message();
   EXPECT_EQ(flushed.cleared_blocks(), 22 / kBs);
-  EXPECT_EQ(w->Status().kv_blocks_cached(), 0);
+  // GetStatus reads the engine's snapshot, republished right after the
+  // flush ran (the reply may overtake it).
+  EXPECT_TRUE(server_testing::WaitFor(
+      [&] { return w->Status().kv_blocks_cached() == 0; }));
   // Nothing cached: computed in full, same sample.
   const v1::SequenceOutput c = Start(*w->stub, "c", prompt);
   EXPECT_EQ(c.cached_tokens(), 0);
   EXPECT_EQ(c.token_id(), a.token_id());
   EXPECT_EQ(c.logprob(), a.logprob());
   // c's blocks are cached again; a and b's stay unshared.
-  EXPECT_EQ(w->Status().kv_blocks_cached(), 22 / kBs);
+  EXPECT_TRUE(server_testing::WaitFor(
+      [&] { return w->Status().kv_blocks_cached() == 22 / kBs; }));
 }
 
 TEST(PrefixCacheServerTest, AChunkedPromptFindsItsWholeCachedPrefix) {

@@ -264,6 +264,9 @@ bool Engine::WaitForWork() {
     RetireSteps(0);
     CompleteFinishedCalls();
     for (std::function<void()>& task : tasks) task();
+    // What they changed (freed lease blocks, a flushed prefix cache) shows
+    // in GetStatus now, not at the next step.
+    PublishSnapshot();
   }
   return true;
 }
