@@ -249,7 +249,9 @@ TEST(PrefixRoutingTest, RoutesToTheLongestCachedPrefixTiesByLoad) {
   EXPECT_EQ(r.cached_tokens, 32);
 
   // FlushCache on w1: the index drops its hashes (AllBlocksCleared), and
-  // the next A request is routed by load (w1 still), predicting nothing.
+  // the next A request is routed by load alone, predicting nothing. (Which
+  // worker load picks depends on whether the pool's 50 ms status cache
+  // refreshed since the placements above, so it is not asserted.)
   {
     grpc::ClientContext context;
     server_testing::SetGenerousDeadline(&context);
@@ -261,7 +263,6 @@ TEST(PrefixRoutingTest, RoutesToTheLongestCachedPrefixTiesByLoad) {
   }
   ASSERT_TRUE(WaitUntil([&] { return index.NumBlocks(a1) == 0; }));
   r = generate(Join(a, Prompt(6, 20)));
-  EXPECT_EQ(r.prefill_address, a1);
   EXPECT_EQ(r.predicted_cached_tokens, 0);
   EXPECT_EQ(r.cached_tokens, 0);
 

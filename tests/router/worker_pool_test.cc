@@ -110,6 +110,24 @@ TEST_F(WorkerPoolTest, PicksTheWorkerWithMostFreeBlocks) {
   EXPECT_EQ((*picked)->address, Address(*a_));
 }
 
+TEST_F(WorkerPoolTest, APreferredPickCountsOnlyTheBlocksPastItsCachedPrefix) {
+  // One status round: the placements alone tell the workers apart.
+  auto pool = Pool({Address(*a_), Address(*b_)}, Cached());
+  ASSERT_NE(pool, nullptr);
+  // 40 tokens, 32 of them cached on a: a allocates 2 blocks, not 10.
+  const std::vector<int32_t> cached_on_a = {32, 0};
+  auto picked = pool->PickLeastLoaded(/*expected_tokens=*/40, cached_on_a);
+  ASSERT_TRUE(picked.ok()) << picked.status();
+  EXPECT_EQ((*picked)->address, Address(*a_));
+  picked = pool->PickLeastLoaded(/*expected_tokens=*/16);  // 4 blocks
+  ASSERT_TRUE(picked.ok()) << picked.status();
+  EXPECT_EQ((*picked)->address, Address(*b_));
+  // a is 2 blocks down, b 4: a (had the cached prefix counted, b).
+  picked = pool->PickLeastLoaded(/*expected_tokens=*/4);
+  ASSERT_TRUE(picked.ok()) << picked.status();
+  EXPECT_EQ((*picked)->address, Address(*a_));
+}
+
 TEST_F(WorkerPoolTest, EqualFreeBlocksPicksFewerSequences) {
   auto pool = Pool({Address(*a_), Address(*b_)}, Uncached());
   ASSERT_NE(pool, nullptr);

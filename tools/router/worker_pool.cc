@@ -259,9 +259,12 @@ absl::StatusOr<PoolWorker*> WorkerPool::PickLeastLoaded(
   }
   Entry& chosen = state.entries[best];
   const int block_size = std::max(1, chosen.status->kv_block_size());
+  const int32_t cached =
+      best < static_cast<int>(preference.size()) ? preference[best] : 0;
   chosen.placed_sequences += 1;
   chosen.placed_blocks +=
-      (std::max(0, expected_tokens) + block_size - 1) / block_size;
+      (std::max(0, expected_tokens) + block_size - 1) / block_size -
+      std::max(0, cached) / block_size;
   return workers_[best].get();
 }
 

@@ -90,9 +90,10 @@ class WorkerPool {
   // the request will hold there (prompt, plus generated tokens on a decode
   // worker), counted as whole blocks. Thread-safe.
   //
-  // With `preference` (one value per worker, e.g. the tokens of the prompt
-  // each one has cached), the serving worker with the highest preference
-  // wins and the rules above only break ties.
+  // With `preference` (one value per worker: the tokens of the prompt each
+  // one has cached), the serving worker with the highest preference wins and
+  // the rules above only break ties; the placement then counts only the
+  // blocks past the chosen worker's cached prefix (shared, not allocated).
   absl::StatusOr<PoolWorker*> PickLeastLoaded(
       int expected_tokens = 0, absl::Span<const int32_t> preference = {});
 
