@@ -1103,6 +1103,49 @@ class ValuesHandlingTest(unittest.TestCase):
         self.assertNotIn("PdworkerSequencesExpired", names)
         self.assertIn("PdworkerKvLeaseExpiries", names)
 
+    def test_user_facing_alert_thresholds_come_from_the_values(self):
+        docs, _, _ = render([write_values("user-rules.yaml", {"prometheusRule": {
+            "enabled": True, "rules": {
+                "timeToFirstTokenHigh": {"maxSeconds": {"prefill": 0.75, "both": 3},
+                                         "for": "2m", "severity": "critical"},
+                "requestsWaitingGrowing": {"maxWaiting": 25},
+                "preemptionStorm": {"maxPerSecond": 0.5, "severity": "info"}}}})])
+        (rule,) = by_kind(docs, "PrometheusRule")
+        rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
+        # One TTFT rule per role: the values' roles merged with the defaults.
+        ttft = {r["labels"]["role"]: r for r in rules
+                if r["alert"] == "PdworkerTimeToFirstTokenHigh"}
+        self.assertEqual(sorted(ttft), ["both", "decode", "prefill"])
+        for role, threshold in (("prefill", "0.75"), ("decode", "1"), ("both", "3")):
+            with self.subTest(role):
+                r = ttft[role]
+                self.assertRegex(r["expr"], r"> " + re.escape(threshold) + r"\s*$")
+                self.assertIn(f'pdworker_worker_info{{role="{role}"}}', r["expr"])
+                self.assertEqual((r["for"], r["labels"]["severity"]), ("2m", "critical"))
+                self.assertIn(f"(threshold: {threshold}s)", r["annotations"]["description"])
+                self.assertIn(f"the {role} workers of", r["annotations"]["description"])
+        by_name = {r["alert"]: r for r in rules}
+        waiting = by_name["PdworkerRequestsWaitingGrowing"]
+        self.assertRegex(waiting["expr"], r"> 25\s*$")
+        self.assertIn("(threshold: 25)", " ".join(waiting["annotations"]["description"].split()))
+        self.assertEqual((waiting["for"], waiting["labels"]["severity"]), ("5m", "warning"))
+        storm = by_name["PdworkerPreemptionStorm"]
+        self.assertRegex(storm["expr"], r"> 0\.5\s*$")
+        self.assertEqual(storm["labels"]["severity"], "info")
+        self.assertIn("(threshold: 0.5)", storm["annotations"]["description"])
+        # Alert templates reach Prometheus unrendered.
+        self.assertIn("{{ $value | humanizeDuration }}", ttft["both"]["annotations"]["summary"])
+
+        docs, _, _ = render([write_values("user-rules-off.yaml", {"prometheusRule": {
+            "enabled": True, "rules": {"timeToFirstTokenHigh": {"enabled": False},
+                                       "requestsWaitingGrowing": {"enabled": False},
+                                       "preemptionStorm": {"enabled": False}}}})])
+        (rule,) = by_kind(docs, "PrometheusRule")
+        names = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
+        self.assertFalse(names & {"PdworkerTimeToFirstTokenHigh", "PdworkerRequestsWaitingGrowing",
+                                  "PdworkerPreemptionStorm"})
+        self.assertIn("PdworkerGraphHitRateLow", names)
+
     def test_zero_sequence_idle_timeout_means_never(self):
         docs, notes, values = render([write_values("idle-never.yaml", {
             "worker": {"sequenceIdleTimeout": "0s"}})])
@@ -1200,6 +1243,16 @@ class ValuesHandlingTest(unittest.TestCase):
                                                "maxExpiries", -1),
             "fractional expiry count": ("prometheusRule", "rules", "kvLeaseExpiries", "maxExpiries", 0.5),
             "transfer failure ratio above 1": ("prometheusRule", "rules", "kvTransferFailuresHigh", "maxRatio", 5),
+            "zero TTFT threshold": ("prometheusRule", "rules", "timeToFirstTokenHigh", "maxSeconds",
+                                    {"prefill": 0}),
+            "TTFT threshold of an unknown role": ("prometheusRule", "rules", "timeToFirstTokenHigh",
+                                                  "maxSeconds", {"mixed": 1}),
+            "TTFT threshold as a duration": ("prometheusRule", "rules", "timeToFirstTokenHigh",
+                                             "maxSeconds", {"decode": "1s"}),
+            "fractional waiting count": ("prometheusRule", "rules", "requestsWaitingGrowing",
+                                         "maxWaiting", 2.5),
+            "negative preemption rate": ("prometheusRule", "rules", "preemptionStorm",
+                                         "maxPerSecond", -1),
         }
         for what, path in cases.items():
             bad = copy.deepcopy(values)
