@@ -95,10 +95,14 @@ absl::string_view KvTransferOutcomeName(KvTransferOutcome outcome) {
   switch (outcome) {
     case KvTransferOutcome::kOk:
       return "ok";
-    case KvTransferOutcome::kSourceUnavailable:
-      return "source_unavailable";
+    case KvTransferOutcome::kSourceUnreachable:
+      return "source_unreachable";
+    case KvTransferOutcome::kTransportError:
+      return "transport_error";
     case KvTransferOutcome::kDeadline:
       return "deadline";
+    case KvTransferOutcome::kLeaseExpired:
+      return "lease_expired";
     case KvTransferOutcome::kLeaseNotFound:
       return "lease_not_found";
     case KvTransferOutcome::kAlreadyPulled:
@@ -348,6 +352,7 @@ WorkerMetrics::WorkerMetrics(const WorkerInfo& info,
            .Register(r)
            .Add({});
 
+  RegisterRequestFamilies(options);
   registry_->AddCollectable(table_);
 }
 

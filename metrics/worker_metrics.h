@@ -17,6 +17,7 @@
 #define PDWORKER_METRICS_WORKER_METRICS_H_
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -48,9 +49,72 @@ struct WorkerInfo {
   std::string device;
 };
 
+// The KV cache's configuration, exported as pdworker_cache_config_info
+// (vLLM's cache_config_info).
+struct CacheConfigInfo {
+  int32_t block_size = 0;  // tokens per block
+  int32_t num_blocks = 0;
+  int64_t kv_cache_bytes = 0;  // all layers, K and V
+  bool prefix_caching = false;
+};
+
+// Whether the few vLLM-named load gauges (vllm:num_requests_running,
+// vllm:num_requests_waiting, vllm:kv_cache_usage_perc, vllm:gpu_cache_usage_
+// perc, vllm:cache_config_info) are exported beside ours, for the endpoint
+// pickers, routers and autoscaler examples that query those names.
+enum class VllmAliases { kOff, kOn };
+
 struct WorkerMetricsOptions {
   // Cap on exported statistics-table label sets (see GraphStatsCollector).
   int max_table_rows = kDefaultMaxTableRows;
+  VllmAliases vllm_aliases = VllmAliases::kOff;
+  // The aliases' model_name label (vLLM's served model name).
+  std::string served_model_name;
+  CacheConfigInfo cache;
+};
+
+// An engine-owned request's milestones (steady clock; epoch: not reached).
+struct RequestTimeline {
+  using Clock = std::chrono::steady_clock;
+  // Its RPC arrived (before a decode leg's KV import).
+  Clock::time_point arrival{};
+  // It first entered a running batch (a decode leg: once its KV was here).
+  Clock::time_point scheduled{};
+  // Its first output token was read back (a decode leg: the prefill
+  // worker's token, emitted when the request starts).
+  Clock::time_point first_token{};
+  Clock::time_point last_token{};  // its latest output token was read back
+};
+
+// How an engine-owned request ended (the `reason` label of
+// pdworker_requests_finished_total): vLLM's finish reasons, plus errors.
+enum class RequestEnd : uint8_t {
+  kStop,    // EOS or a stop token id
+  kLength,  // max_tokens or the length limit
+  kAbort,   // Abort, client cancellation, deadline
+  kError,   // a device error, the worker stopping, an internal error
+};
+inline constexpr int kNumRequestEnds = 4;
+// "stop", "length", "abort", "error".
+absl::string_view RequestEndName(RequestEnd end);
+
+// What the engine holds and owes, for the load gauges (set after every
+// engine loop iteration).
+struct EngineLoad {
+  int64_t running_requests = 0;  // engine-owned, in the running batch
+  int64_t waiting_requests = 0;  // submitted or preempted, not running
+  // Step-level (Forward) sequences holding KV.
+  int64_t step_level_sequences = 0;
+  // Forward and Release calls queued or running.
+  int64_t queued_calls = 0;
+  // Prompt tokens accepted and not computed yet: waiting requests' prompts
+  // (a preempted one's prompt and outputs), running requests' unprefilled
+  // rest, queued Forward calls' unrun tokens.
+  int64_t waiting_prompt_tokens = 0;
+  int64_t used_blocks = 0;
+  int64_t free_blocks = 0;
+  int64_t used_tokens = 0;  // tokens held by live sequences
+  int64_t preemptions = 0;  // since start (a counter's total)
 };
 
 // KV handoff (DESIGN "P/D KV handoff"): how the bytes travelled, and which
@@ -72,20 +136,26 @@ absl::string_view KvTransferDirectionName(KvTransferDirection direction);
 // (the `reason` label of pdworker_kv_transfer_failures_total).
 enum class KvTransferOutcome : uint8_t {
   kOk,
-  kSourceUnavailable,  // the source could not be reached, died or stalled
-  kDeadline,           // the caller's (ImportKv) deadline passed
-  kLeaseNotFound,      // unknown or expired lease
-  kAlreadyPulled,      // the lease was pulled (or is being pulled) already
-  kModelMismatch,      // another model's fingerprint or KV layout
-  kMalformedStream,    // chunks out of order, wrong sizes, stream cut short
-  kCancelled,          // send side: the puller went away mid-stream
-  kHandleMismatch,     // the handle's num_tokens is not its lease's
-  kInternal,           // anything else (a device copy failed, ...)
+  // Receive side: nothing came from the source (refused, unresolvable, or
+  // silent until --kv_pull_timeout): the prefill worker is down or cut off.
+  kSourceUnreachable,
+  // Receive side: the transfer started and then broke (the source died or
+  // stalled mid-stream, the NCCL receive failed).
+  kTransportError,
+  kDeadline,         // the caller's (ImportKv) deadline passed
+  kLeaseExpired,     // the lease's TTL passed before the pull
+  kLeaseNotFound,    // unknown lease (never issued, released, long gone)
+  kAlreadyPulled,    // the lease was pulled (or is being pulled) already
+  kModelMismatch,    // another model's fingerprint or KV layout
+  kMalformedStream,  // chunks out of order, wrong sizes, stream cut short
+  kCancelled,        // send side: the puller went away mid-stream
+  kHandleMismatch,   // the handle's num_tokens is not its lease's
+  kInternal,         // anything else (a device copy failed, ...)
 };
-inline constexpr int kNumKvTransferOutcomes = 10;
-// "ok", "source_unavailable", "deadline", "lease_not_found",
-// "already_pulled", "model_mismatch", "malformed_stream", "cancelled",
-// "handle_mismatch", "internal".
+inline constexpr int kNumKvTransferOutcomes = 12;
+// "ok", "source_unreachable", "transport_error", "deadline",
+// "lease_expired", "lease_not_found", "already_pulled", "model_mismatch",
+// "malformed_stream", "cancelled", "handle_mismatch", "internal".
 absl::string_view KvTransferOutcomeName(KvTransferOutcome outcome);
 
 // gRPC code name ("OK", "INVALID_ARGUMENT", ...); "UNKNOWN" for values
@@ -124,6 +194,25 @@ class WorkerMetrics {
 
   // Forward calls waiting in the engine queue.
   void SetQueueDepth(int64_t depth);
+
+  // --- Engine-owned requests (request_metrics.cc) ---
+
+  // A request's first `num_tokens` output tokens (usually 1): time to first
+  // token, queue time, prefill time, the token counters (`prefilled_tokens`:
+  // its prompt, 0 when imported).
+  void ObserveFirstToken(const RequestTimeline& timeline,
+                         int32_t prefilled_tokens, int32_t num_tokens);
+  // `num_tokens` more output tokens, read `seconds_since_previous` after the
+  // request's previous ones (one inter-token latency sample per update).
+  void ObserveNextTokens(double seconds_since_previous, int32_t num_tokens);
+  // A request ended `now`: end-to-end latency, decode time (first to last
+  // token), and the finished counter by reason.
+  void ObserveRequestEnd(const RequestTimeline& timeline, RequestEnd end,
+                         RequestTimeline::Clock::time_point now);
+  // The load gauges (and the preemption counter, advanced by the difference
+  // to the previous call: one caller, the engine thread). Also sets the KV
+  // block gauges and the queue depth.
+  void SetEngineLoad(const EngineLoad& load);
 
   // The prefix cache's totals since start (KvCacheStats: tokens looked up
   // and found, blocks evicted) and the blocks cached now. The counters
@@ -177,6 +266,30 @@ class WorkerMetrics {
   int64_t prefix_queries_seen_ = 0, prefix_hits_seen_ = 0,
           prefix_evictions_seen_ = 0;
   prometheus::Gauge* queue_depth_ = nullptr;
+  // Requests and load (request_metrics.cc).
+  void RegisterRequestFamilies(const WorkerMetricsOptions& options);
+  prometheus::Histogram* time_to_first_token_ = nullptr;
+  prometheus::Histogram* inter_token_latency_ = nullptr;
+  prometheus::Histogram* e2e_latency_ = nullptr;
+  prometheus::Histogram* queue_time_ = nullptr;
+  prometheus::Histogram* prefill_time_ = nullptr;
+  prometheus::Histogram* decode_time_ = nullptr;
+  prometheus::Counter* prompt_tokens_ = nullptr;
+  prometheus::Counter* generation_tokens_ = nullptr;
+  std::array<prometheus::Counter*, kNumRequestEnds> requests_finished_{};
+  prometheus::Counter* preemptions_ = nullptr;
+  int64_t preemptions_seen_ = 0;
+  prometheus::Gauge* requests_running_ = nullptr;
+  prometheus::Gauge* requests_waiting_ = nullptr;
+  prometheus::Gauge* step_level_sequences_ = nullptr;
+  prometheus::Gauge* waiting_prompt_tokens_ = nullptr;
+  prometheus::Gauge* kv_used_tokens_ = nullptr;
+  prometheus::Gauge* kv_capacity_tokens_ = nullptr;
+  // --metrics_vllm_aliases (null without).
+  prometheus::Gauge* vllm_running_ = nullptr;
+  prometheus::Gauge* vllm_waiting_ = nullptr;
+  prometheus::Gauge* vllm_kv_usage_ = nullptr;
+  prometheus::Gauge* vllm_gpu_kv_usage_ = nullptr;
   // Indexed by RuntimeMode; the kNone entries stay null (nothing captured).
   std::array<prometheus::Gauge*, kNumRuntimeModes> graphs_{};
   std::array<prometheus::Gauge*, kNumRuntimeModes> capture_seconds_{};

@@ -81,6 +81,13 @@ ABSL_FLAG(std::string, host, "0.0.0.0",
 ABSL_FLAG(int, port, 50051, "gRPC port; 0 = let the kernel pick one.");
 ABSL_FLAG(int, metrics_port, 9090,
           "Prometheus /metrics port; 0 = pick one, -1 = no metrics server.");
+ABSL_FLAG(bool, metrics_vllm_aliases, false,
+          "Also export vllm:num_requests_running, vllm:num_requests_waiting, "
+          "vllm:kv_cache_usage_perc, vllm:gpu_cache_usage_perc and "
+          "vllm:cache_config_info (labels model_name, engine) computed from "
+          "pdworker's own values, for endpoint pickers (llm-d, Gateway API "
+          "Inference Extension), production-stack's router and KEDA "
+          "examples that query vLLM's names.");
 ABSL_FLAG(std::string, device, "auto",
           "auto | cpu | cuda. auto: CUDA device 0 when the binary has the "
           "CUDA backend and a GPU is usable, else the CPU backend.");
@@ -197,6 +204,7 @@ struct WorkerConfig {
   CpuStreamExecution cpu_stream = CpuStreamExecution::kThreaded;
   WorkerServerOptions server;
   std::string metrics_address;  // empty: no metrics server
+  VllmAliases metrics_vllm_aliases = VllmAliases::kOff;
   absl::Duration stats_log_interval;
 };
 
@@ -323,6 +331,9 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
   if (metrics_port >= 0) {
     c.metrics_address = absl::StrCat(bind_host, ":", metrics_port);
   }
+  c.metrics_vllm_aliases = absl::GetFlag(FLAGS_metrics_vllm_aliases)
+                               ? VllmAliases::kOn
+                               : VllmAliases::kOff;
 
   ServerTls& tls = c.server.tls;
   absl::StatusOr<std::string> pem =
@@ -525,7 +536,17 @@ absl::Status RunWorker(const WorkerConfig& c, const sigset_t& stop_signals) {
   info.model = c.model_dir;
   info.model_fingerprint = r.model_fingerprint();
   info.device = (*device)->name();
-  WorkerMetrics metrics(info, &r.graph_stats(), header);
+  WorkerMetricsOptions metrics_options;
+  metrics_options.vllm_aliases = c.metrics_vllm_aliases;
+  metrics_options.served_model_name = c.server.served_model_name.empty()
+                                          ? c.model_dir
+                                          : c.server.served_model_name;
+  metrics_options.cache.block_size = r.kv_cache().block_size();
+  metrics_options.cache.num_blocks = r.kv_cache().Stats().total_blocks;
+  metrics_options.cache.kv_cache_bytes = r.kv_cache_bytes();
+  metrics_options.cache.prefix_caching =
+      c.runner.prefix_caching == PrefixCaching::kOn;
+  WorkerMetrics metrics(info, &r.graph_stats(), header, metrics_options);
   std::unique_ptr<MetricsServer> metrics_server;
   if (!c.metrics_address.empty()) {
     absl::StatusOr<std::unique_ptr<MetricsServer>> started =
@@ -624,7 +645,8 @@ std::vector<FlagGroup> FlagGroups() {
       {"KV cache events (prefix caching)",
        {"kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic",
         "kv_events_layout", "kv_events_buffer_steps", "kv_events_config"}},
-      {"Metrics and logs", {"metrics_port", "stats_log_interval"}},
+      {"Metrics and logs",
+       {"metrics_port", "metrics_vllm_aliases", "stats_log_interval"}},
   };
 }
 

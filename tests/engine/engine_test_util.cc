@@ -14,6 +14,7 @@
 #include "dispatcher/compilation_config.h"
 #include "glog/logging.h"
 #include "nlohmann/json.hpp"
+#include "prometheus/text_serializer.h"
 #include "tools/make_tiny_model/tiny_model.h"
 
 namespace pdworker::engine_testing {
@@ -80,14 +81,30 @@ std::unique_ptr<TestEngine> StartEngine(const std::string& model_dir,
   auto runner = ModelRunner::Create(*t->device, model_dir, options);
   CHECK(runner.ok()) << runner.status();
   t->runner = *std::move(runner);
+  WorkerMetricsOptions metrics_options;
+  metrics_options.cache.block_size = t->runner->kv_cache().block_size();
+  metrics_options.cache.num_blocks = t->runner->kv_cache().Stats().total_blocks;
+  WorkerInfo info;
+  info.role = "both";
+  t->metrics = std::make_unique<WorkerMetrics>(
+      info, &t->runner->graph_stats(),
+      GraphStatsHeader{t->runner->resolved_mode(),
+                       t->runner->dispatcher().capture_sizes()},
+      metrics_options);
   t->engine =
-      std::make_unique<Engine>(*t->runner, engine_options, /*metrics=*/nullptr);
+      std::make_unique<Engine>(*t->runner, engine_options, t->metrics.get());
   const absl::Status captured =
       t->engine->RunExclusive([](ModelRunner& r) -> absl::Status {
         return r.CaptureGraphs().status();
       });
   CHECK(captured.ok()) << captured;
   return t;
+}
+
+std::string TestEngine::MetricsText() const {
+  const std::vector<prometheus::MetricFamily> families =
+      metrics->registry()->Collect();
+  return prometheus::TextSerializer().Serialize(families);
 }
 
 PendingGeneration::PendingGeneration(Engine& engine, RequestSpec spec,

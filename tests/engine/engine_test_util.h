@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "metrics/worker_metrics.h"
 #include "worker/engine/engine.h"
 #include "worker/runner/model_runner.h"
 #include "worker/runtime/cpu_device.h"
@@ -43,10 +44,15 @@ std::vector<std::string> AllModes();
 struct TestEngine {
   std::unique_ptr<CpuDevice> device;
   std::unique_ptr<ModelRunner> runner;
+  std::unique_ptr<WorkerMetrics> metrics;  // what the engine exports
   std::unique_ptr<Engine> engine;
+
+  // The Prometheus text of `metrics`.
+  std::string MetricsText() const;
 };
-// A runner with its graphs captured and an engine around it. The device's
-// stream runs on its own thread unless `execution` says otherwise.
+// A runner with its graphs captured and an engine around it, exporting to
+// its own WorkerMetrics. The device's stream runs on its own thread unless
+// `execution` says otherwise.
 std::unique_ptr<TestEngine> StartEngine(
     const std::string& model_dir, const ModelRunnerOptions& options,
     const EngineOptions& engine_options,

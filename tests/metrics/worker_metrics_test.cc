@@ -3,11 +3,14 @@
 // the inputs.
 #include "metrics/worker_metrics.h"
 
+#include <chrono>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "dispatcher/cudagraph_dispatcher.h"
 #include "dispatcher/cudagraph_mode.h"
 #include "dispatcher/graph_stats.h"
@@ -418,7 +421,7 @@ TEST(WorkerMetricsTest, KvTransfersAndLeases) {
   metrics.ObserveKvTransfer(KvTransport::kGrpc, KvTransferDirection::kReceive,
                             KvTransferOutcome::kOk, 1000, 0.01);
   metrics.ObserveKvTransfer(KvTransport::kGrpc, KvTransferDirection::kReceive,
-                            KvTransferOutcome::kSourceUnavailable, 200, 0.5);
+                            KvTransferOutcome::kSourceUnreachable, 200, 0.5);
   metrics.ObserveKvTransfer(KvTransport::kNccl, KvTransferDirection::kSend,
                             KvTransferOutcome::kOk, 4096, 0.002);
   metrics.IncrementKvLeaseExpiries();
@@ -437,10 +440,16 @@ TEST(WorkerMetricsTest, KvTransfersAndLeases) {
                                   "\"send\",transport=\"cuda_ipc\"} 0"));
   const std::vector<std::string> failures =
       Samples(text, "pdworker_kv_transfer_failures_total");
-  EXPECT_EQ(failures.size(), 54u);  // x 9 reasons
+  EXPECT_EQ(failures.size(), 66u);  // x 11 reasons
   EXPECT_THAT(failures, Contains("pdworker_kv_transfer_failures_total{"
                                  "direction=\"receive\",reason=\"source_"
-                                 "unavailable\",transport=\"grpc\"} 1"));
+                                 "unreachable\",transport=\"grpc\"} 1"));
+  EXPECT_THAT(failures, Contains("pdworker_kv_transfer_failures_total{"
+                                 "direction=\"receive\",reason=\"transport_"
+                                 "error\",transport=\"grpc\"} 0"));
+  EXPECT_THAT(failures, Contains("pdworker_kv_transfer_failures_total{"
+                                 "direction=\"receive\",reason=\"lease_"
+                                 "expired\",transport=\"grpc\"} 0"));
   EXPECT_THAT(failures, Contains("pdworker_kv_transfer_failures_total{"
                                  "direction=\"receive\",reason=\"lease_not_"
                                  "found\",transport=\"grpc\"} 0"));
@@ -492,6 +501,183 @@ TEST(WorkerMetricsTest, RegistryOutlivesMetricsAndGraphStats) {
   EXPECT_THAT(Samples(text, "pdworker_executor_queue_depth"),
               UnorderedElementsAre("pdworker_executor_queue_depth 2"));
 }
+
+namespace request_metrics {
+
+using Clock = RequestTimeline::Clock;
+
+Clock::time_point At(Clock::time_point t0, int ms) {
+  return t0 + std::chrono::milliseconds(ms);
+}
+
+// One histogram's _count and _sum samples.
+std::vector<std::string> CountAndSum(const std::string& text,
+                                     const std::string& name) {
+  std::vector<std::string> lines = Samples(text, name + "_count");
+  for (std::string& line : Samples(text, name + "_sum")) {
+    lines.push_back(std::move(line));
+  }
+  return lines;
+}
+
+TEST(WorkerMetricsTest, RequestLatenciesComeFromTheTimeline) {
+  WorkerMetrics metrics(DecodeInfo(), nullptr, Header());
+  const Clock::time_point t0 = Clock::now();
+  RequestTimeline timeline;
+  timeline.arrival = t0;
+  timeline.scheduled = At(t0, 10);
+  timeline.first_token = At(t0, 30);
+  metrics.ObserveFirstToken(timeline, /*prefilled_tokens=*/20,
+                            /*num_tokens=*/1);
+  timeline.last_token = At(t0, 130);
+  metrics.ObserveNextTokens(0.05, 2);
+  metrics.ObserveNextTokens(0.05, 1);
+  metrics.ObserveRequestEnd(timeline, RequestEnd::kStop, At(t0, 200));
+  // A request aborted while it waited: an end, no token.
+  RequestTimeline waited;
+  waited.arrival = t0;
+  metrics.ObserveRequestEnd(waited, RequestEnd::kAbort, At(t0, 300));
+
+  const std::string text = Text(metrics);
+  EXPECT_THAT(CountAndSum(text, "pdworker_request_time_to_first_token_seconds"),
+              UnorderedElementsAre(
+                  "pdworker_request_time_to_first_token_seconds_count 1",
+                  "pdworker_request_time_to_first_token_seconds_sum 0.03"));
+  EXPECT_THAT(
+      CountAndSum(text, "pdworker_request_queue_time_seconds"),
+      UnorderedElementsAre("pdworker_request_queue_time_seconds_count 1",
+                           "pdworker_request_queue_time_seconds_sum 0.01"));
+  EXPECT_THAT(
+      CountAndSum(text, "pdworker_request_prefill_time_seconds"),
+      UnorderedElementsAre("pdworker_request_prefill_time_seconds_count 1",
+                           "pdworker_request_prefill_time_seconds_sum 0.02"));
+  EXPECT_THAT(CountAndSum(text, "pdworker_request_inter_token_latency_seconds"),
+              UnorderedElementsAre(
+                  "pdworker_request_inter_token_latency_seconds_count 2",
+                  "pdworker_request_inter_token_latency_seconds_sum 0.1"));
+  EXPECT_THAT(
+      CountAndSum(text, "pdworker_request_decode_time_seconds"),
+      UnorderedElementsAre("pdworker_request_decode_time_seconds_count 1",
+                           "pdworker_request_decode_time_seconds_sum 0.1"));
+  EXPECT_THAT(
+      CountAndSum(text, "pdworker_request_e2e_latency_seconds"),
+      UnorderedElementsAre("pdworker_request_e2e_latency_seconds_count 2",
+                           "pdworker_request_e2e_latency_seconds_sum 0.5"));
+  EXPECT_THAT(Samples(text, "pdworker_prompt_tokens_total"),
+              UnorderedElementsAre("pdworker_prompt_tokens_total 20"));
+  EXPECT_THAT(Samples(text, "pdworker_generation_tokens_total"),
+              UnorderedElementsAre("pdworker_generation_tokens_total 4"));
+  EXPECT_THAT(Samples(text, "pdworker_requests_finished_total"),
+              UnorderedElementsAre(
+                  "pdworker_requests_finished_total{reason=\"stop\"} 1",
+                  "pdworker_requests_finished_total{reason=\"length\"} 0",
+                  "pdworker_requests_finished_total{reason=\"abort\"} 1",
+                  "pdworker_requests_finished_total{reason=\"error\"} 0"));
+}
+
+TEST(WorkerMetricsTest, ADecodeLegsFirstTokenHasNoPrefill) {
+  WorkerMetrics metrics(DecodeInfo(), nullptr, Header());
+  const Clock::time_point t0 = Clock::now();
+  // Arrived, imported its KV for 40 ms, started and emitted the prefill
+  // worker's token at once.
+  RequestTimeline timeline;
+  timeline.arrival = t0;
+  timeline.scheduled = At(t0, 40);
+  timeline.first_token = At(t0, 40);
+  metrics.ObserveFirstToken(timeline, /*prefilled_tokens=*/0, 1);
+  const std::string text = Text(metrics);
+  EXPECT_THAT(Samples(text, "pdworker_request_time_to_first_token_seconds_sum"),
+              UnorderedElementsAre(
+                  "pdworker_request_time_to_first_token_seconds_sum 0.04"));
+  EXPECT_THAT(
+      Samples(text, "pdworker_request_prefill_time_seconds_sum"),
+      UnorderedElementsAre("pdworker_request_prefill_time_seconds_sum 0"));
+  EXPECT_THAT(Samples(text, "pdworker_prompt_tokens_total"),
+              UnorderedElementsAre("pdworker_prompt_tokens_total 0"));
+}
+
+EngineLoad Load() {
+  EngineLoad load;
+  load.running_requests = 3;
+  load.waiting_requests = 2;
+  load.step_level_sequences = 4;
+  load.queued_calls = 5;
+  load.waiting_prompt_tokens = 700;
+  load.used_blocks = 30;
+  load.free_blocks = 10;
+  load.used_tokens = 111;
+  load.preemptions = 5;
+  return load;
+}
+
+TEST(WorkerMetricsTest, EngineLoadSetsTheGaugesAndAdvancesPreemptions) {
+  WorkerMetricsOptions options;
+  options.cache = {/*block_size=*/16, /*num_blocks=*/40,
+                   /*kv_cache_bytes=*/655360, /*prefix_caching=*/true};
+  WorkerMetrics metrics(DecodeInfo(), nullptr, Header(), options);
+  metrics.SetEngineLoad(Load());
+  EngineLoad later = Load();
+  later.preemptions = 3;  // never backwards
+  metrics.SetEngineLoad(later);
+  later.preemptions = 8;
+  metrics.SetEngineLoad(later);
+  const std::string text = Text(metrics);
+  for (const auto& [name, value] : std::vector<std::pair<std::string, int>>{
+           {"pdworker_requests_running", 3},
+           {"pdworker_requests_waiting", 2},
+           {"pdworker_step_level_sequences", 4},
+           {"pdworker_executor_queue_depth", 5},
+           {"pdworker_waiting_prompt_tokens", 700},
+           {"pdworker_kv_cache_used_tokens", 111},
+           {"pdworker_kv_cache_capacity_tokens", 640},
+           {"pdworker_request_preemptions_total", 8}}) {
+    EXPECT_THAT(Samples(text, name),
+                UnorderedElementsAre(absl::StrCat(name, " ", value)));
+  }
+  EXPECT_THAT(Samples(text, "pdworker_kv_cache_usage_ratio"),
+              UnorderedElementsAre("pdworker_kv_cache_usage_ratio 0.75"));
+  EXPECT_THAT(Samples(text, "pdworker_cache_config_info"),
+              UnorderedElementsAre(
+                  "pdworker_cache_config_info{block_size=\"16\","
+                  "enable_prefix_caching=\"True\",kv_cache_bytes=\"655360\","
+                  "num_gpu_blocks=\"40\"} 1"));
+  // No vLLM names unless asked for.
+  EXPECT_EQ(text.find("vllm:"), std::string::npos);
+}
+
+TEST(WorkerMetricsTest, VllmAliasesCarryTheSameValues) {
+  WorkerMetricsOptions options;
+  options.vllm_aliases = VllmAliases::kOn;
+  options.served_model_name = "tiny";
+  options.cache = {16, 40, 655360, false};
+  WorkerMetrics metrics(DecodeInfo(), nullptr, Header(), options);
+  metrics.SetEngineLoad(Load());
+  const std::string text = Text(metrics);
+  // Running: 3 requests + 4 step-level sequences; waiting: 2 requests + 5
+  // queued calls; usage 30 / 40.
+  EXPECT_THAT(Samples(text, "vllm:num_requests_running"),
+              UnorderedElementsAre("vllm:num_requests_running{engine=\"0\","
+                                   "model_name=\"tiny\"} 7"));
+  EXPECT_THAT(Samples(text, "vllm:num_requests_waiting"),
+              UnorderedElementsAre("vllm:num_requests_waiting{engine=\"0\","
+                                   "model_name=\"tiny\"} 7"));
+  EXPECT_THAT(Samples(text, "vllm:kv_cache_usage_perc"),
+              UnorderedElementsAre("vllm:kv_cache_usage_perc{engine=\"0\","
+                                   "model_name=\"tiny\"} 0.75"));
+  EXPECT_THAT(Samples(text, "vllm:gpu_cache_usage_perc"),
+              UnorderedElementsAre("vllm:gpu_cache_usage_perc{engine=\"0\","
+                                   "model_name=\"tiny\"} 0.75"));
+  EXPECT_THAT(
+      Samples(text, "vllm:cache_config_info"),
+      UnorderedElementsAre("vllm:cache_config_info{block_size=\"16\","
+                           "enable_prefix_caching=\"False\",engine=\"0\","
+                           "num_gpu_blocks=\"40\"} 1"));
+  // Typed gauges: an endpoint picker reads untyped families as 0.
+  EXPECT_NE(text.find("# TYPE vllm:num_requests_waiting gauge"),
+            std::string::npos);
+}
+
+}  // namespace request_metrics
 
 }  // namespace
 }  // namespace pdworker

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -92,6 +93,8 @@ TEST(KvLeaseTableTest, PullAfterReleaseKvIsNotFound) {
   absl::Status late = table.BeginPull(a.lease_id).status();
   EXPECT_EQ(late.code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(late.message(), HasSubstr("released (ReleaseKv)"));
+  // Counted as lease_not_found, not lease_expired.
+  EXPECT_FALSE(SaysLeaseExpired(late.message()));
   EXPECT_EQ(table.Release(a.lease_id).status().code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(table.size(), 0);
@@ -127,6 +130,10 @@ TEST(KvLeaseTableTest, ExpiryFreesButNeverUnderAReader) {
   absl::Status late = table.BeginPull(idle.lease_id).status();
   EXPECT_EQ(late.code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(late.message(), HasSubstr("expired"));
+  // The handoff metrics tell an expiry from an unknown lease by this.
+  EXPECT_TRUE(SaysLeaseExpired(late.message()));
+  EXPECT_FALSE(SaysLeaseExpired(
+      table.BeginPull(std::string(32, '0')).status().message()));
   // The reader finishes after the expiry: freed then.
   table.EndPull(busy.lease_id, /*sent_all=*/true);
   EXPECT_THAT(freed.Take(), ElementsAre(ElementsAre(1), ElementsAre(2)));

@@ -96,6 +96,7 @@ struct Engine::Request {
   std::vector<int32_t> new_tokens;
   std::vector<float> new_logprobs;
   std::vector<TokenLogprobs> new_token_logprobs;
+  RequestTimeline times;  // for its latency metrics
 
   int32_t total() const {
     return static_cast<int32_t>(tokens.size()) + num_pending;
@@ -351,6 +352,7 @@ void Engine::AdmitIncomingRequests() {
       r->stop.max_output_tokens = 1;
     }
     r->tokens = call->spec.prompt;
+    r->times.arrival = call->arrival;
     r->call = std::move(call);
     ++progress_;
     if (!imported.has_value()) {
@@ -366,6 +368,7 @@ void Engine::AdmitIncomingRequests() {
     r->kv_id = prompt.kv_sequence_id;
     r->num_computed = r->stop.num_prompt_tokens;
     r->state = Request::State::kRunning;
+    r->times.scheduled = std::chrono::steady_clock::now();
     running_.push_back(r);
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -619,9 +622,14 @@ bool Engine::LaunchStep() {
   for (const int i : plan_.admitted) admitted.push_back(waiting_[i]);
   for (const std::shared_ptr<Request>& r : preempted) Preempt(r);
   if (!admitted.empty()) {
+    const auto now = std::chrono::steady_clock::now();
     for (const std::shared_ptr<Request>& r : admitted) {
       waiting_.erase(std::find(waiting_.begin(), waiting_.end(), r));
       r->state = Request::State::kRunning;
+      // A preempted request's queue time ended at its first admission.
+      if (r->times.scheduled == std::chrono::steady_clock::time_point{}) {
+        r->times.scheduled = now;
+      }
       running_.push_back(r);
     }
     ++progress_;
@@ -961,6 +969,18 @@ void Engine::FinishRequest(Request& r, std::optional<FinishReason> reason,
   r.state = Request::State::kDone;
   ++finished_requests_;
   ++progress_;
+  if (metrics_ != nullptr) {
+    const auto now = ObserveNewTokens(r);
+    RequestEnd end = RequestEnd::kError;
+    if (reason.has_value()) {
+      end = *reason == FinishReason::kStop     ? RequestEnd::kStop
+            : *reason == FinishReason::kLength ? RequestEnd::kLength
+                                               : RequestEnd::kAbort;
+    } else if (absl::IsCancelled(status) || absl::IsDeadlineExceeded(status)) {
+      end = RequestEnd::kAbort;  // its client went away or gave up
+    }
+    metrics_->ObserveRequestEnd(r.times, end, now);
+  }
   RequestUpdate update;
   update.new_token_ids = r.new_tokens;
   update.new_logprobs = r.new_logprobs;
@@ -987,8 +1007,27 @@ void Engine::FinishRequest(Request& r, std::optional<FinishReason> reason,
   r.new_token_logprobs.clear();
 }
 
+std::chrono::steady_clock::time_point Engine::ObserveNewTokens(Request& r) {
+  const auto now = std::chrono::steady_clock::now();
+  if (r.new_tokens.empty()) return now;
+  const int32_t n = static_cast<int32_t>(r.new_tokens.size());
+  if (r.times.first_token == std::chrono::steady_clock::time_point{}) {
+    r.times.first_token = now;
+    // A decode leg's prompt was prefilled by the prefill worker.
+    const int32_t prefilled =
+        r.call->spec.imported.has_value() ? 0 : r.stop.num_prompt_tokens;
+    metrics_->ObserveFirstToken(r.times, prefilled, n);
+  } else {
+    metrics_->ObserveNextTokens(
+        std::chrono::duration<double>(now - r.times.last_token).count(), n);
+  }
+  r.times.last_token = now;
+  return now;
+}
+
 void Engine::SendUpdate(Request& r) {
   if (r.new_tokens.empty()) return;
+  if (metrics_ != nullptr) ObserveNewTokens(r);
   RequestUpdate update;
   update.new_token_ids = r.new_tokens;
   update.new_logprobs = r.new_logprobs;
@@ -1163,10 +1202,21 @@ void Engine::PublishKvEvents() {
 void Engine::PublishSnapshot() {
   const KvCacheStats kv = runner_.kv_cache().Stats();
   int64_t queued, waiting;
+  // Prompt tokens accepted and not computed yet (pdworker_waiting_prompt_
+  // tokens): what a prefill autoscaler scales on.
+  int64_t waiting_prompt_tokens = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     queued = queued_;
     waiting = requests_waiting_;
+    if (metrics_ != nullptr) {
+      for (const std::unique_ptr<EngineRequest>& r : incoming_requests_) {
+        waiting_prompt_tokens += static_cast<int64_t>(r->spec.prompt.size());
+      }
+      for (const std::unique_ptr<Entry>& e : incoming_) {
+        for (const int32_t left : e->remaining) waiting_prompt_tokens += left;
+      }
+    }
   }
   {
     std::lock_guard<std::mutex> lock(snapshot_mu_);
@@ -1184,12 +1234,33 @@ void Engine::PublishSnapshot() {
     snapshot_.device_error = device_error_;
     snapshot_.last_step_at = last_step_at_;
   }
-  if (metrics_ != nullptr) {
-    metrics_->SetKvBlocks(kv.used_blocks, kv.free_blocks);
-    metrics_->SetPrefixCache(kv.query_tokens, kv.hit_tokens, kv.evictions,
-                             kv.cached_blocks);
-    metrics_->SetQueueDepth(queued);
+  if (metrics_ == nullptr) return;
+  EngineLoad load;
+  load.running_requests = static_cast<int64_t>(running_.size());
+  load.waiting_requests = waiting;
+  load.queued_calls = queued;
+  int64_t request_sequences = 0;
+  for (const std::shared_ptr<Request>& r : running_) {
+    if (runner_.kv_cache().Find(r->kv_id) != nullptr) ++request_sequences;
+    waiting_prompt_tokens +=
+        std::max(0, r->stop.num_prompt_tokens - r->num_computed);
   }
+  for (const std::shared_ptr<Request>& r : waiting_) {
+    waiting_prompt_tokens += r->total() - r->num_computed;
+  }
+  for (const std::unique_ptr<Entry>& e : pending_) {
+    for (const int32_t left : e->remaining) waiting_prompt_tokens += left;
+  }
+  load.step_level_sequences =
+      std::max<int64_t>(0, kv.num_sequences - request_sequences);
+  load.waiting_prompt_tokens = waiting_prompt_tokens;
+  load.used_blocks = kv.used_blocks;
+  load.free_blocks = kv.free_blocks;
+  load.used_tokens = kv.used_tokens;
+  load.preemptions = preemptions_;
+  metrics_->SetEngineLoad(load);
+  metrics_->SetPrefixCache(kv.query_tokens, kv.hit_tokens, kv.evictions,
+                           kv.cached_blocks);
 }
 
 // ---------------------------------------------------------------------------
@@ -1316,6 +1387,9 @@ absl::Status Engine::ValidateRequest(const RequestSpec& spec) const {
 }
 
 void Engine::Submit(std::unique_ptr<EngineRequest> request) {
+  if (request->arrival == std::chrono::steady_clock::time_point{}) {
+    request->arrival = std::chrono::steady_clock::now();
+  }
   absl::Status refused = ValidateRequest(request->spec);
   if (refused.ok()) {
     std::lock_guard<std::mutex> lock(mu_);

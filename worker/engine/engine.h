@@ -213,6 +213,9 @@ class Engine {
                      absl::Status status = absl::OkStatus(),
                      std::optional<int32_t> matched_token_id = std::nullopt);
   void SendUpdate(Request& request);
+  // Metrics of the tokens `request` is about to stream (time to first
+  // token, or inter-token latency); returns now.
+  std::chrono::steady_clock::time_point ObserveNewTokens(Request& request);
   // Static checks of a request against the model and the KV cache size.
   absl::Status ValidateRequest(const RequestSpec& spec) const;
 

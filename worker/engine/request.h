@@ -6,6 +6,7 @@
 #ifndef PDWORKER_WORKER_ENGINE_REQUEST_H_
 #define PDWORKER_WORKER_ENGINE_REQUEST_H_
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -101,6 +102,9 @@ struct RequestUpdate {
 
 struct EngineRequest {
   RequestSpec spec;
+  // When its RPC arrived, the start of its latency metrics (a decode leg's
+  // KV import counts in its time to first token). Epoch: when Submit runs.
+  std::chrono::steady_clock::time_point arrival{};
   // Deadline and cancellation (a disconnected client aborts its request).
   std::shared_ptr<CallControl> control;
   // Called on the engine thread (or from Submit when refused). Must not

@@ -521,6 +521,7 @@ KvCacheStats KvCacheManager::Stats() const {
   s.free_blocks = pool_.num_free();
   s.used_blocks = pool_.num_used();
   s.num_sequences = static_cast<int32_t>(sequences_.size());
+  for (const auto& [id, seq] : sequences_) s.used_tokens += seq.num_tokens;
   s.detached_blocks = detached_blocks_;
   s.cached_blocks = pool_.num_cached();
   s.evictions = pool_.num_evictions();

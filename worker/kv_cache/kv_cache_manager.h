@@ -103,6 +103,10 @@ struct KvCacheStats {
   int32_t used_blocks = 0;
   int32_t num_sequences = 0;
   int32_t detached_blocks = 0;  // held by leases and imports (in used_blocks)
+  // Tokens of live sequences (their K/V written or being written); the
+  // rest of used_blocks' slots are partly filled tail blocks and detached
+  // blocks.
+  int64_t used_tokens = 0;
   // Prefix caching (zero when off).
   int32_t cached_blocks = 0;  // blocks with a hash, held or free
   int64_t evictions = 0;      // cached blocks reused for other tokens

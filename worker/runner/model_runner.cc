@@ -683,6 +683,10 @@ absl::Status ModelRunner::Attach(absl::string_view sequence_id, SequenceKv& kv,
 
 void ModelRunner::FreeDetached(SequenceKv& kv) { kv_->FreeDetached(kv); }
 
+int64_t ModelRunner::kv_cache_bytes() const {
+  return static_cast<int64_t>(forward_->kv_cache_bytes());
+}
+
 KvCacheView ModelRunner::kv_cache_view() const {
   KvCacheView view;
   view.layout.num_layers = static_cast<int32_t>(config_.num_hidden_layers);

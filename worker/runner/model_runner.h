@@ -229,6 +229,8 @@ class ModelRunner {
   }
   const GraphStats& graph_stats() const { return stats_; }
   const KvCacheManager& kv_cache() const { return *kv_; }
+  // Device bytes of the KV cache (all layers, K and V).
+  int64_t kv_cache_bytes() const;
   const LlamaForward& forward() const { return *forward_; }
   int max_model_len() const { return max_model_len_; }
   // Graphs captured so far (FULL + every PIECEWISE piece's).

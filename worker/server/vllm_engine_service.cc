@@ -106,7 +106,8 @@ class GenerateReactor final : public MessageWriter {
                   std::chrono::system_clock::time_point deadline)
       : engine_(*context.engine),
         handle_template_(context.handle_template),
-        control_(std::make_shared<CallControl>()) {
+        control_(std::make_shared<CallControl>()),
+        arrival_(std::chrono::steady_clock::now()) {
     // The engine honours it: an expired request is aborted, its KV freed.
     control_->deadline = deadline;
     absl::StatusOr<GenerateCall> call =
@@ -212,6 +213,9 @@ class GenerateReactor final : public MessageWriter {
     hold_ = spec.handoff == KvHandoff::kHoldForDecode;
     auto engine_request = std::make_unique<EngineRequest>();
     engine_request->spec = std::move(spec);
+    // The RPC's arrival, so a decode leg's time to first token includes
+    // its KV import.
+    engine_request->arrival = arrival_;
     engine_request->control = control_;
     engine_request->on_update = [this](const RequestUpdate& u) { OnUpdate(u); };
     engine_.Submit(std::move(engine_request));
@@ -317,6 +321,7 @@ class GenerateReactor final : public MessageWriter {
   Engine& engine_;
   const v1::KvHandle* const handle_template_;
   const std::shared_ptr<CallControl> control_;
+  const std::chrono::steady_clock::time_point arrival_;
   bool stream_ = false;
   bool hold_ = false;  // a prefill leg
   int32_t num_top_ = -1;

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "proto/worker.grpc.pb.h"
 #include "worker/server/status_mapping.h"
+#include "worker/transfer/kv_lease_table.h"
 #include "worker/transfer/kv_transfer_service.h"
 
 namespace pdworker {
@@ -98,7 +99,9 @@ absl::Status ClassifyPullEnd(const KvPullParams& p,
                    p.handle->lease_id(), ") after ", bytes, " bytes: ");
   switch (finished.error_code()) {
     case grpc::StatusCode::NOT_FOUND:
-      *outcome = KvTransferOutcome::kLeaseNotFound;
+      *outcome = SaysLeaseExpired(finished.error_message())
+                     ? KvTransferOutcome::kLeaseExpired
+                     : KvTransferOutcome::kLeaseNotFound;
       break;
     case grpc::StatusCode::FAILED_PRECONDITION:
       // The source's refusals (see KvTransferService / CheckCompatible).
@@ -122,11 +125,17 @@ absl::Status ClassifyPullEnd(const KvPullParams& p,
         return absl::DeadlineExceededError(
             absl::StrCat(what, "the ImportKv deadline passed"));
       }
-      *outcome = KvTransferOutcome::kSourceUnavailable;
+      *outcome = bytes == 0 ? KvTransferOutcome::kSourceUnreachable
+                            : KvTransferOutcome::kTransportError;
       return absl::UnavailableError(
           absl::StrCat(what, "no answer within the pull timeout"));
     default:
-      *outcome = KvTransferOutcome::kSourceUnavailable;
+      // Nothing came: the source is down or cut off; something came and
+      // the stream broke: a transport error.
+      *outcome =
+          bytes == 0 && finished.error_code() == grpc::StatusCode::UNAVAILABLE
+              ? KvTransferOutcome::kSourceUnreachable
+              : KvTransferOutcome::kTransportError;
       return absl::UnavailableError(
           absl::StrCat(what, "source failed (", finished.error_code(),
                        "): ", finished.error_message()));

@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "glog/logging.h"
@@ -60,6 +61,12 @@ KvLeaseInfo KvLeaseTable::Add(absl::string_view sequence_id, SequenceKv kv) {
   // The sweeper sleeps until the earliest expiry it knew of; this one can
   // only be later (same TTL for all), so it need not be woken.
   return info;
+}
+
+bool SaysLeaseExpired(absl::string_view message) {
+  // GoneLocked's and BeginPull's "KV lease <id> expired".
+  return absl::StartsWith(message, "KV lease ") &&
+         absl::EndsWith(message, " expired");
 }
 
 absl::Status KvLeaseTable::GoneLocked(absl::string_view lease_id) const {

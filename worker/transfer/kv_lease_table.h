@@ -55,6 +55,11 @@ struct KvPullGrant {
   SequenceKv kv;
 };
 
+// Whether a NOT_FOUND message from BeginPull (as a source's PullKv passes
+// it on) says the lease expired, rather than that it is unknown or was
+// released.
+bool SaysLeaseExpired(absl::string_view message);
+
 class KvLeaseTable {
  public:
   // Gives blocks back to the pool; must not block on this table. Called

@@ -136,9 +136,11 @@ class PullReactor final : public MessageWriter {
     }
     absl::StatusOr<KvPullGrant> grant = leases_.BeginPull(lease_id);
     if (!grant.ok()) {
-      outcome_ = grant.status().code() == absl::StatusCode::kNotFound
-                     ? KvTransferOutcome::kLeaseNotFound
-                     : KvTransferOutcome::kAlreadyPulled;
+      outcome_ = grant.status().code() != absl::StatusCode::kNotFound
+                     ? KvTransferOutcome::kAlreadyPulled
+                 : SaysLeaseExpired(grant.status().message())
+                     ? KvTransferOutcome::kLeaseExpired
+                     : KvTransferOutcome::kLeaseNotFound;
       Finish(ToGrpcStatus(grant.status()));
       return;
     }

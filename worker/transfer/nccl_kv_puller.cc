@@ -60,7 +60,7 @@ absl::Status PullKvOverNccl(PeerChannels& channels, Device& device,
     return finish(absl::UnimplementedError(finished.error_message()));
   }
   if (!received.ok()) {
-    outcome = KvTransferOutcome::kSourceUnavailable;
+    outcome = KvTransferOutcome::kTransportError;
     return finish(absl::UnavailableError(
         absl::StrCat("NCCL pull from ", p.handle->source_address(), ": ",
                      received.message())));
