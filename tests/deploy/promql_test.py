@@ -46,8 +46,7 @@ evaluated by a real Prometheus server against two real pdworker workers.
      (promtool_rules_test);
    - the rules as Prometheus's rule manager evaluates them: health "ok";
      the chart's PdworkerTimeToFirstTokenHigh with the test values' low
-     thresholds is firing for both roles (/api/v1/rules, /api/v1/alerts),
-     the same rule as written is not.
+     thresholds is firing for both roles (/api/v1/rules, /api/v1/alerts).
 4. `promtool check rules` on the rules file and `promtool check metrics` on
    each worker's /metrics.
 5. Every panel drawn from Prometheus's range queries into a PNG
@@ -546,7 +545,10 @@ class Cluster:
                        for i in range(GENERATE_REQUESTS + 1)]
             with concurrent.futures.ThreadPoolExecutor(GENERATE_REQUESTS) as pool:
                 ids = [f"g{n}.{i}" for i in range(GENERATE_REQUESTS)]
+                began = time.monotonic()
                 kv = list(pool.map(prefill_leg, ids, prompts))
+                # Every lease must still be live when its decode leg imports.
+                prefill_s = time.monotonic() - began
                 self.generate["prefill_legs"] += len(kv)
                 self.generate["prefill_prompt_tokens"] += PROMPT_TOKENS * len(kv)
                 stop = threading.Event()
@@ -557,6 +559,8 @@ class Cluster:
                 finally:
                     stop.set()
                     watcher.join()
+                sys.stderr.write(f"Generate round {n}: prefill legs {prefill_s:.2f} s, decode "
+                                 f"legs {time.monotonic() - began - prefill_s:.2f} s\n")
             self.generate["decode_finished"] += len(tokens)
             self.generate["decode_tokens"] += sum(tokens)
             self.kv_transfers += GENERATE_REQUESTS
@@ -885,7 +889,9 @@ class PromqlTest(unittest.TestCase):
     def test_chart_alert_fires_on_real_prometheus(self):
         # The chart's PdworkerTimeToFirstTokenHigh with the test values'
         # thresholds (below any request's TTFT, `for: 0s`) fires for both
-        # roles; alerts.yaml's own rule (2 s for prefill) does not.
+        # roles. (Whether alerts.yaml's own rule, 2 s for prefill, is
+        # pending depends on the machine's speed; promtool_rules_test covers
+        # its not firing.)
         name = "PdworkerTimeToFirstTokenHigh"
         chart = {r["labels"]["role"]: r for g in self.cluster.chart_rules["groups"]
                  for r in g["rules"] if r["alert"] == name}
@@ -913,7 +919,6 @@ class PromqlTest(unittest.TestCase):
                     alert["annotations"])
                 self.assertIn(f"(threshold: {chart[role]['expr'].split()[-1]}s)",
                               " ".join(alert["annotations"]["description"].split()))
-        self.assertEqual(rules[("pdworker", "prefill")]["state"], "inactive")
         alerts = self.cluster.api("/api/v1/alerts")["alerts"]
         self.assertEqual({a["labels"]["role"] for a in alerts
                           if a["labels"]["alertname"] == name and a["state"] == "firing"},
