@@ -23,7 +23,12 @@ TEST(NlohmannJsonTest, ParsesAndRejects) {
   auto j = nlohmann::json::parse(R"({"cudagraph_mode":"FULL","sizes":[1,2]})");
   EXPECT_EQ(j["cudagraph_mode"].get<std::string>(), "FULL");
   EXPECT_EQ(j["sizes"].size(), 2u);
-  EXPECT_THROW(nlohmann::json::parse("{bad"), nlohmann::json::parse_error);
+  EXPECT_THROW(
+      {
+        const nlohmann::json bad = nlohmann::json::parse("{bad");
+        (void)bad;
+      },
+      nlohmann::json::parse_error);
   EXPECT_TRUE(nlohmann::json::parse("{bad", nullptr, /*allow_exceptions=*/false)
                   .is_discarded());
 }

@@ -55,7 +55,11 @@ TEST(RollingUpdateTest, DrainingOneWorkerPerRoleFailsNoRequest) {
   std::unique_ptr<router_testing::PdCluster> cluster =
       router_testing::StartPdCluster();
   ASSERT_NE(cluster, nullptr);
-  auto& [prefill, decode, aggregated, pd_router, agg_router] = *cluster;
+  // References, not a structured binding: lambdas below capture them.
+  auto& prefill = cluster->prefill;
+  auto& decode = cluster->decode;
+  auto& pd_router = cluster->pd_router;
+  auto& agg_router = cluster->aggregated_router;
 
   const std::vector<GenerationRequest> requests = MakeRequests();
   std::vector<absl::StatusOr<GenerationResult>> pd(
@@ -114,7 +118,7 @@ TEST(RollingUpdateTest, DrainingOneWorkerPerRoleFailsNoRequest) {
   }));
   ExpectIdle(*prefill[1], "prefill 1");
   ExpectIdle(*decode[1], "decode 1");
-  ExpectIdle(*aggregated, "aggregated");
+  ExpectIdle(*cluster->aggregated, "aggregated");
 }
 
 }  // namespace

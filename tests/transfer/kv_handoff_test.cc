@@ -275,8 +275,10 @@ TEST_F(KvHandoffTest, SecondPullIsRefused) {
 // ReleaseKv then frees the lease. (A pull that is still running, or that
 // ended early, is covered by the lease table's unit test.)
 TEST_F(KvHandoffTest, ImportOfALeasePulledElsewhereIsRefused) {
-  const auto [token, handle] =
+  // Not a structured binding: a lambda below captures `handle`.
+  const auto prefilled =
       Prefill(*prefill_, "d", Prompt(6, 5), v1::SamplingParams());
+  const auto& handle = prefilled.second;
   v1::KvTransfer::Stub transfer(prefill_->channel);
   v1::PullKvRequest request;
   request.set_lease_id(handle.lease_id());
