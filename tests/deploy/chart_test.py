@@ -884,10 +884,10 @@ class CombinationsTest(unittest.TestCase):
             queries = {d["metadata"]["labels"]["app.kubernetes.io/component"]:
                        d["spec"]["triggers"][0]["metadata"]["query"]
                        for d in by_kind(docs, "ScaledObject")}
-            # The defaults per role: prefill on queued calls, decode and
-            # aggregated workers on KV cache usage.
+            # The defaults per role: prefill on waiting prompt tokens, decode
+            # and aggregated workers on KV cache usage.
             for role, q in queries.items():
-                metric = ("pdworker_executor_queue_depth" if role == "prefill"
+                metric = ("pdworker_waiting_prompt_tokens" if role == "prefill"
                           else "pdworker_kv_cache_usage_ratio")
                 self.assertIn(metric, q, role)
         check_monitor(self, docs, deployments, values)
