@@ -51,7 +51,7 @@ absl::StatusOr<CompilationConfig> ParseCompilationConfig(
   Json root;
   try {
     root = Json::parse(json_text.begin(), json_text.end());
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {  // syntax, or a number out of range
     return absl::InvalidArgumentError(
         absl::StrCat(kPrefix, " is not valid JSON: ", e.what()));
   }

@@ -50,6 +50,10 @@ TEST(CompilationConfigTest, ErrorsNameTheField) {
   };
   const Case cases[] = {
       {R"({"cudagraph_mode": )", {"compilation_config is not valid JSON"}},
+      // A number a double cannot hold (found by compilation_config_fuzz:
+      // the parser's out_of_range exception was not caught).
+      {R"({"max_cudagraph_capture_size": 1e999})",
+       {"compilation_config is not valid JSON", "number overflow"}},
       {R"([1, 2])", {"must be a JSON object", "array"}},
       {R"({"cudagraph_mode": 3})",
        {"compilation_config.cudagraph_mode must be a string", "number"}},

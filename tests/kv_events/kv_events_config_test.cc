@@ -57,6 +57,9 @@ TEST(KvEventsConfigTest, RefusalsNameTheKey) {
               testing::HasSubstr("--kv-events-config"));
   EXPECT_THAT(ParseKvEventsConfig("{").status().message(),
               testing::HasSubstr("not valid JSON"));
+  // A number a double cannot hold: refused, not an uncaught exception.
+  EXPECT_THAT(ParseKvEventsConfig(R"({"hwm": 1e999})").status().message(),
+              testing::HasSubstr("number overflow"));
 }
 
 }  // namespace

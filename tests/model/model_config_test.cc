@@ -535,6 +535,20 @@ TEST(ModelConfigTest, NotJsonOrNotObject) {
   EXPECT_THAT(std::string(list.status().message()), HasSubstr("object"));
 }
 
+// A number JSON can spell but a double cannot hold is refused like any
+// other bad text (found by tests/fuzz/model_config_fuzz: the parser's
+// out_of_range exception was not caught and ended the process).
+TEST(ModelConfigTest, NumberOverflowIsRefusedNotThrown) {
+  auto config = ParseModelConfig(R"({"rms_norm_eps": 1e999})");
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(config.status().message()),
+              HasSubstr("config.json: not valid JSON"));
+  auto generation = ParseGenerationConfig(R"({"eos_token_id": [2, 1e8009]})");
+  EXPECT_EQ(generation.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(generation.status().message()),
+              HasSubstr("number overflow"));
+}
+
 TEST(ModelConfigTest, LoadsFromDirectory) {
   const std::string dir = model_testing::MakeUniqueTempDir("config");
   {

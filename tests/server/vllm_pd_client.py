@@ -129,6 +129,14 @@ def main():
         spec, "b6", 1, False, ok["kv_json"]))
     broken["hint_to_prefill"] = collect(prefill, request(
         spec, "b7", 1, False, json.dumps({"do_remote_decode": True})))
+    # A number JSON can spell but a double cannot hold (found by
+    # tests/fuzz/kv_handle_fuzz: the parser's out_of_range exception ended
+    # the worker process), to either role.
+    huge = '{"do_remote_decode": true, "first_token": {"logprob": 1e999}}'
+    broken["number_overflow_to_decode"] = collect(decode, request(
+        spec, "b9", 4, True, huge))
+    broken["number_overflow_to_prefill"] = collect(prefill, request(
+        spec, "b10", 1, False, huge))
     # The good handle still works after all that (its lease was untouched).
     broken["good"] = collect(decode, request(spec, "b8", 4, True,
                                              ok["kv_json"]))

@@ -139,6 +139,13 @@ TEST(VllmPdTest, SequentialRelayEqualsAggregatedAndLeavesNothing) {
   EXPECT_THAT(b["handle_to_prefill"]["message"].get<std::string>(),
               HasSubstr("prefill worker"));
   EXPECT_EQ(b["hint_to_prefill"]["code"], "OK");
+  for (const char* to :
+       {"number_overflow_to_decode", "number_overflow_to_prefill"}) {
+    EXPECT_EQ(b[to]["code"], "INVALID_ARGUMENT") << to;
+    EXPECT_THAT(b[to]["message"].get<std::string>(),
+                HasSubstr("number overflow"))
+        << to;
+  }
   ASSERT_EQ(b["good"]["code"], "OK") << b["good"]["message"];
   EXPECT_EQ(b["good"]["tokens"].size(), 4u);
 

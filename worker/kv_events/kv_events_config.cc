@@ -31,7 +31,8 @@ absl::StatusOr<std::optional<KvEventPublisherOptions>> ParseKvEventsConfig(
   nlohmann::json root;
   try {
     root = nlohmann::json::parse(json.begin(), json.end());
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (
+      const nlohmann::json::exception& e) {  // syntax, or a number out of range
     return absl::InvalidArgumentError(
         absl::StrCat("--kv-events-config is not valid JSON: ", e.what()));
   }

@@ -447,7 +447,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text) {
   Json root;
   try {
     root = Json::parse(json_text);
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {  // syntax, or a number out of range
     return absl::InvalidArgumentError(
         absl::StrCat(kPrefix, "not valid JSON: ", e.what()));
   }
@@ -565,7 +565,7 @@ absl::StatusOr<GenerationConfig> ParseGenerationConfig(
   Json root;
   try {
     root = Json::parse(json_text);
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {  // syntax, or a number out of range
     return absl::InvalidArgumentError(
         absl::StrCat(kFile, "not valid JSON: ", e.what()));
   }

@@ -49,7 +49,8 @@ absl::Status CheckPrefillHints(const std::string& json) {
   nlohmann::json root;
   try {
     root = nlohmann::json::parse(json);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (
+      const nlohmann::json::exception& e) {  // syntax, or a number out of range
     return absl::InvalidArgumentError(
         absl::StrCat("kv_transfer_params_json: not valid JSON: ", e.what()));
   }

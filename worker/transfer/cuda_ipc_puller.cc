@@ -71,16 +71,24 @@ absl::Status PullKvOverCudaIpc(PeerChannels& channels,
   };
 
   // 1. Where the lease lives.
-  v1::KvTransfer::Stub stub(channels.Get(p.handle->source_address()));
   grpc::ClientContext context;
   context.set_deadline(std::min(p.call_deadline, p.pull_deadline));
   const v1::PullKvRequest request = PullRequestFor(p, "cuda_ipc");
-  std::unique_ptr<grpc::ClientReader<v1::KvChunk>> reader =
-      stub.PullKv(&context, request);
+  KvChunkReader reader(*channels.Get(p.handle->source_address()), &context,
+                       request);
   v1::KvChunk chunk;
   bool got = false;
-  while (reader->Read(&chunk)) got = got || chunk.has_cuda_ipc();
-  const grpc::Status finished = reader->Finish();
+  KvChunkReader::Next next;
+  while ((next = reader.Read(&chunk)) == KvChunkReader::Next::kChunk) {
+    got = got || chunk.has_cuda_ipc();
+  }
+  const grpc::Status finished = reader.Finish();
+  if (next == KvChunkReader::Next::kMalformed) {
+    outcome = KvTransferOutcome::kMalformedStream;
+    return finish(absl::InternalError(
+        absl::StrCat("malformed KV stream from ", p.handle->source_address(),
+                     ": a message that is not a KvChunk")));
+  }
   if (finished.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
     outcome = KvTransferOutcome::kInternal;  // no IPC there: fall back
     return finish(absl::UnimplementedError(finished.error_message()));

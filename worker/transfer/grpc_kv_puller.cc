@@ -1,6 +1,12 @@
 #include "worker/transfer/grpc_kv_puller.h"
 
+// The stubs' own reader factory and method descriptor: a PullKv reader of
+// raw messages (see KvChunkReader).
+#include <grpcpp/impl/codegen/proto_utils.h>
+#include <grpcpp/impl/codegen/sync_stream.h>
+
 #include <memory>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -65,6 +71,35 @@ absl::Status ApplyChunk(const KvPullParams& p, const v1::KvChunk& chunk,
 }
 
 }  // namespace
+
+KvChunkReader::KvChunkReader(grpc::Channel& channel,
+                             grpc::ClientContext* context,
+                             const v1::PullKvRequest& request)
+    : context_(context),
+      reader_(grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
+          &channel,
+          grpc::internal::RpcMethod(
+              "/pdworker.v1.KvTransfer/PullKv",
+              grpc::internal::RpcMethod::SERVER_STREAMING),
+          context, request)) {}
+
+KvChunkReader::Next KvChunkReader::Read(v1::KvChunk* chunk) {
+  grpc::ByteBuffer bytes;
+  if (!reader_->Read(&bytes)) return Next::kEnd;
+  std::vector<grpc::Slice> slices;
+  bool parsed = false;
+  if (bytes.Dump(&slices).ok()) {
+    std::string joined;
+    joined.reserve(bytes.Length());
+    for (const grpc::Slice& s : slices) {
+      joined.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+    parsed = chunk->ParseFromString(joined);
+  }
+  if (parsed) return Next::kChunk;
+  context_->TryCancel();  // Finish() returns CANCELLED now
+  return Next::kMalformed;
+}
 
 v1::PullKvRequest PullRequestFor(const KvPullParams& p,
                                  absl::string_view transport) {
@@ -148,7 +183,6 @@ absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& p,
                             KvPullStats* stats) {
   const auto start = std::chrono::steady_clock::now();
   const std::string& source = p.handle->source_address();
-  v1::KvTransfer::Stub stub(channels.Get(source));
   grpc::ClientContext context;
   context.set_deadline(std::min(p.call_deadline, p.pull_deadline));
   const v1::PullKvRequest request = PullRequestFor(p, "grpc");
@@ -158,10 +192,18 @@ absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& p,
   cursor.next_token = p.first_token;
   absl::Status applied = absl::OkStatus();
   KvTransferOutcome outcome = KvTransferOutcome::kOk;
-  std::unique_ptr<grpc::ClientReader<v1::KvChunk>> reader =
-      stub.PullKv(&context, request);
+  KvChunkReader reader(*channels.Get(source), &context, request);
   v1::KvChunk chunk;
-  while (reader->Read(&chunk)) {
+  for (;;) {
+    const KvChunkReader::Next next = reader.Read(&chunk);
+    if (next == KvChunkReader::Next::kEnd) break;
+    if (next == KvChunkReader::Next::kMalformed) {
+      outcome = KvTransferOutcome::kMalformedStream;
+      applied = absl::InternalError(absl::StrCat(
+          "malformed KV stream from ", source,
+          ": a message that is not a KvChunk, after ", bytes, " bytes"));
+      break;
+    }
     bytes += static_cast<int64_t>(chunk.data().size());
     applied = ApplyChunk(p, chunk, cursor, &outcome);
     if (!applied.ok()) {
@@ -169,7 +211,7 @@ absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& p,
       break;
     }
   }
-  const grpc::Status finished = reader->Finish();
+  const grpc::Status finished = reader.Finish();
   absl::Status result = applied;
   if (result.ok()) {
     result =

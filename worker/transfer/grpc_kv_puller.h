@@ -7,6 +7,7 @@
 #define PDWORKER_WORKER_TRANSFER_GRPC_KV_PULLER_H_
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/support/sync_stream.h>
 
 #include <chrono>
 #include <cstdint>
@@ -61,6 +62,29 @@ struct KvPullParams {
 // null) gets the bytes received and the outcome (for metrics) either way.
 absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& params,
                             KvPullStats* stats);
+
+// A PullKv stream, every transport's puller side. Messages are read raw and
+// parsed here: gRPC's typed reader reports a message that does not parse
+// as the end of the stream, and Finish() then waits behind the source's
+// unread messages until the deadline (tests/fuzz/kv_stream_fuzz found a
+// source's garbage holding an import for the whole pull timeout). A
+// malformed message must fail the pull at once.
+class KvChunkReader {
+ public:
+  // Starts the call; `context` (deadline set) must outlive the reader.
+  KvChunkReader(grpc::Channel& channel, grpc::ClientContext* context,
+                const v1::PullKvRequest& request);
+
+  enum class Next { kChunk, kEnd, kMalformed };
+  // kMalformed: the message was not a KvChunk; the call is cancelled.
+  Next Read(v1::KvChunk* chunk);
+  // The source's status (after kEnd), or CANCELLED (after a cancel).
+  grpc::Status Finish() { return reader_->Finish(); }
+
+ private:
+  grpc::ClientContext* context_;
+  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader_;
+};
 
 // The PullKv request for `params` over `transport` ("grpc", "cuda_ipc",
 // "nccl").

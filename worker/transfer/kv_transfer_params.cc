@@ -71,7 +71,7 @@ absl::StatusOr<KvTransferParams> ParseKvTransferParamsJson(
   Json root;
   try {
     root = Json::parse(json);
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {  // syntax, or a number out of range
     return absl::InvalidArgumentError(
         absl::StrCat("kv_transfer_params_json: not valid JSON: ", e.what()));
   }
