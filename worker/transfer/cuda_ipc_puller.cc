@@ -21,7 +21,8 @@ absl::StatusOr<KvCacheView> ViewOfExport(const v1::CudaIpcExport& e,
         e.value_offsets_size(), " layer offsets, expected ", layers));
   }
   if (e.block_size() <= 0 || e.num_tokens() != num_tokens ||
-      e.blocks_size() != (num_tokens + e.block_size() - 1) / e.block_size()) {
+      e.blocks_size() !=
+          (int64_t{num_tokens} + e.block_size() - 1) / e.block_size()) {
     return absl::InvalidArgumentError(
         "CUDA IPC export's block table does not match its token count");
   }
