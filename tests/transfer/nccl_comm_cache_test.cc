@@ -2,7 +2,9 @@
 // one communicator per peer, made once and reused; transfers over a pair
 // serialized; a failed one dropped and remade; dropped when the peer goes
 // away or restarts and at shutdown; an abort (a deadline, a drop, the
-// shutdown) unblocking the holder and whoever waits for the pair.
+// shutdown) unblocking the holder and whoever waits for the pair. Last, the
+// NCCL transport's pack / send / receive / unpack path (NcclSendKv,
+// NcclRecvKv) between two caches over the fake, twice over one pair.
 //
 // Nothing here asserts a duration: waits are bounded by far deadlines, and
 // a test that finishes shows the abort unblocked them.
@@ -25,6 +27,8 @@
 #include "gtest/gtest.h"
 #include "worker/runtime/cpu_device.h"
 #include "worker/runtime/stream.h"
+#include "worker/transfer/kv_cache_view.h"
+#include "worker/transfer/nccl_transfer.h"
 
 namespace pdworker {
 namespace {
@@ -485,6 +489,108 @@ TEST_F(NcclCommCacheTest, MakesRoomByDroppingTheLeastRecentlyUsedIdleOne) {
   EXPECT_EQ(cache.Open("puller", 1, "u").status().code(),
             absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(cache.size(), 2);
+}
+
+// --- The KV path over the fake: two caches, two transfers, one pair. ---
+
+constexpr int kLayers = 2;
+constexpr size_t kTokenBytes = 2 * 4 * sizeof(float);  // 2 KV heads x 4
+
+struct Cache {
+  DeviceMemory memory;
+  KvCacheView view;
+};
+
+Cache MakeCache(Device& device, int num_blocks, int block_size) {
+  Cache c;
+  const size_t part_bytes = num_blocks * block_size * kTokenBytes;
+  c.memory = *device.Allocate(part_bytes * 2 * kLayers);
+  std::memset(c.memory.data(), 0, c.memory.size_bytes());
+  c.view.layout = {kLayers, 2, 4, "float32"};
+  c.view.block_size = block_size;
+  c.view.token_bytes = kTokenBytes;
+  c.view.allocation = c.memory.buffer();
+  for (int l = 0; l < kLayers; ++l) {
+    c.view.keys.push_back(
+        c.memory.buffer().Slice(2 * l * part_bytes, part_bytes));
+    c.view.values.push_back(
+        c.memory.buffer().Slice((2 * l + 1) * part_bytes, part_bytes));
+  }
+  return c;
+}
+
+// Tokens [first, seq.num_tokens) of every (layer, part), in that order.
+std::vector<uint8_t> ReadFrom(Stream& stream, const KvCacheView& view,
+                              const SequenceKv& seq, int32_t first) {
+  const int32_t n = seq.num_tokens - first;
+  std::vector<uint8_t> out(n * kTokenBytes * 2 * kLayers);
+  size_t at = 0;
+  for (int l = 0; l < kLayers; ++l) {
+    for (KvCachePart part : {KvCachePart::kKey, KvCachePart::kValue}) {
+      EXPECT_TRUE(
+          ReadKvTokens(stream, view, seq, {l, part, first, n}, out.data() + at)
+              .ok());
+      at += n * kTokenBytes;
+    }
+  }
+  return out;
+}
+
+TEST_F(NcclCommCacheTest, TwoKvTransfersOverOnePair) {
+  NcclCommCache source_comms(nccl_, 2);
+  NcclCommCache puller_comms(nccl_, 2);
+  Cache src = MakeCache(device_, 8, 4);
+  Cache dst = MakeCache(device_, 4, 8);
+  SequenceKv lease;
+  lease.blocks = {5, 1, 7, 2};
+  lease.num_tokens = 13;
+  SequenceKv reserved;
+  reserved.blocks = {3, 0};
+  reserved.num_tokens = 13;
+  for (const int first_token : {0, 5}) {
+    SCOPED_TRACE(first_token);
+    std::vector<uint8_t> pattern(13 * kTokenBytes);
+    for (int l = 0; l < kLayers; ++l) {
+      for (KvCachePart part : {KvCachePart::kKey, KvCachePart::kValue}) {
+        for (size_t i = 0; i < pattern.size(); ++i) {
+          pattern[i] =
+              static_cast<uint8_t>(i * 7 + l * 31 + first_token +
+                                   (part == KvCachePart::kKey ? 0 : 9));
+        }
+        ASSERT_TRUE(WriteKvTokens(*stream_, src.view, lease, {l, part, 0, 13},
+                                  pattern.data())
+                        .ok());
+      }
+    }
+    // The puller's side of PullKvOverNccl, and the source's of PullKv.
+    absl::StatusOr<NcclCommCache::Lease> pull =
+        puller_comms.Acquire("prefill:1", "epoch", Far());
+    ASSERT_TRUE(pull.ok());
+    EXPECT_EQ(pull->joined(), first_token != 0);
+    absl::StatusOr<NcclCommCache::Lease> serve =
+        source_comms.Open("decode-process", pull->generation(),
+                          pull->joined() ? "" : pull->unique_id());
+    ASSERT_TRUE(serve.ok()) << serve.status();
+    NcclKvParams send;
+    send.device = &device_;
+    send.view = &src.view;
+    send.seq = &lease;
+    send.num_tokens = 13;
+    send.first_token = first_token;
+    send.deadline = Far();
+    auto sent = std::async(std::launch::async,
+                           [&] { return NcclSendKv(send, *serve); });
+    NcclKvParams receive = send;
+    receive.view = &dst.view;
+    receive.seq = &reserved;
+    ASSERT_TRUE(NcclRecvKv(receive, *pull).ok());
+    ASSERT_TRUE(sent.get().ok());
+    EXPECT_EQ(ReadFrom(*stream_, dst.view, reserved, first_token),
+              ReadFrom(*stream_, src.view, lease, first_token));
+  }
+  EXPECT_EQ(nccl_.joins(), 2);  // one per side, for both transfers
+  EXPECT_EQ(source_comms.size(), 1);
+  EXPECT_EQ(puller_comms.size(), 1);
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "glog/logging.h"
+#include "worker/transfer/nccl_transfer.h"
 
 namespace pdworker {
 namespace {
@@ -184,12 +185,17 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
                                              options.max_receive_message_bytes);
   const KvCacheView view = runner.kv_cache_view();
   const std::string fingerprint = runner.model_fingerprint();
-  s->importer_ = std::make_unique<KvImporter>(*s->engine_, runner.device(),
-                                              view, fingerprint, *s->peers_,
-                                              options.importer, metrics);
+  if (options.nccl_max_peers > 0 && NcclTransportAvailable(runner.device())) {
+    s->nccl_factory_ = NewNcclCommFactory();
+    s->nccl_comms_ = std::make_unique<NcclCommCache>(*s->nccl_factory_,
+                                                     options.nccl_max_peers);
+  }
+  s->importer_ = std::make_unique<KvImporter>(
+      *s->engine_, runner.device(), view, fingerprint, *s->peers_,
+      options.importer, metrics, s->nccl_comms_.get());
   s->transfer_service_ = std::make_unique<KvTransferService>(
       *s->leases_, runner.device(), view, fingerprint, options.transfer,
-      metrics);
+      metrics, s->nccl_comms_.get());
 
   // Process-wide gRPC switches; both must precede the builder.
   grpc::EnableDefaultHealthCheckService(true);
@@ -342,6 +348,9 @@ void WorkerServer::Shutdown() {
   // Engine first: whatever is still queued fails with UNAVAILABLE, so no
   // reactor waits on it while the server shuts down.
   engine_->Stop();
+  // NCCL transfers still running (the drain is over) give up now rather
+  // than at their deadlines, and the kept communicators are freed.
+  if (nccl_comms_ != nullptr) nccl_comms_->Shutdown();
   // SubscribeKvEvents streams never end by themselves: end them (UNAVAILABLE)
   // so the server's shutdown does not wait on them.
   if (kv_events_ != nullptr && kv_events_->stream() != nullptr) {

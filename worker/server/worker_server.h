@@ -31,6 +31,7 @@
 #include "worker/transfer/kv_importer.h"
 #include "worker/transfer/kv_lease_table.h"
 #include "worker/transfer/kv_transfer_service.h"
+#include "worker/transfer/nccl_comm_cache.h"
 #include "worker/transfer/peer_channels.h"
 
 namespace pdworker {
@@ -105,6 +106,12 @@ struct WorkerServerOptions {
   std::chrono::milliseconds drain_linger{3000};
   KvImporterOptions importer;
   KvTransferServiceOptions transfer;
+  // NCCL communicators kept at once, one per (source, puller) pair this
+  // worker is part of, each taking up to kNcclCommDeviceBytes of device
+  // memory (worker/transfer/nccl_transfer.h); beyond, the least recently
+  // used idle one is dropped, or the pull uses the gRPC stream. 0: no NCCL
+  // transport. Only used on CUDA with NCCL built in.
+  int nccl_max_peers = 8;
   // How KV pulls connect to peers. Not enabled: derived from `tls` (a TLS
   // worker talks TLS: root = the client CA, else the system's roots; client
   // certificate = the server's). server_name_override applies either way.
@@ -181,6 +188,10 @@ class WorkerServer {
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<KvLeaseTable> leases_;
   std::unique_ptr<PeerChannels> peers_;
+  // Null without the NCCL transport; outlives the importer and the
+  // transfer service, which hold its leases.
+  std::unique_ptr<NcclCommFactory> nccl_factory_;
+  std::unique_ptr<NcclCommCache> nccl_comms_;
   std::unique_ptr<KvImporter> importer_;
   std::unique_ptr<KvTransferService> transfer_service_;
   std::unique_ptr<WorkerService> service_;

@@ -13,9 +13,9 @@
 #include "proto/worker.grpc.pb.h"
 #include "worker/transfer/cuda_ipc_puller.h"
 #include "worker/transfer/grpc_kv_puller.h"
+#include "worker/transfer/kv_lease_table.h"
 #include "worker/transfer/kv_transfer_service.h"
 #include "worker/transfer/nccl_kv_puller.h"
-#include "worker/transfer/nccl_transfer.h"
 
 namespace pdworker {
 
@@ -39,7 +39,8 @@ absl::Status ValidateKvHandle(const v1::KvHandle& handle,
 
 KvImporter::KvImporter(Engine& engine, Device& device, KvCacheView view,
                        std::string model_fingerprint, PeerChannels& peers,
-                       const KvImporterOptions& options, WorkerMetrics* metrics)
+                       const KvImporterOptions& options, WorkerMetrics* metrics,
+                       NcclCommCache* nccl_comms)
     : engine_(engine),
       device_(device),
       view_(std::move(view)),
@@ -47,7 +48,9 @@ KvImporter::KvImporter(Engine& engine, Device& device, KvCacheView view,
       peers_(peers),
       options_(options),
       metrics_(metrics),
-      host_id_(HostId()) {
+      host_id_(HostId()),
+      nccl_comms_(nccl_comms),
+      nccl_puller_id_(RandomHexId()) {
   CHECK_GT(options.num_threads, 0);
   for (int i = 0; i < options.num_threads; ++i) {
     threads_.emplace_back([this] { Work(); });
@@ -264,10 +267,10 @@ absl::Status KvImporter::Pull(const KvPullParams& params, KvTransport* used,
                  << " failed locally, falling back to the gRPC stream: "
                  << status;
     *stats = KvPullStats();
-  } else if (Offers(handle, KvTransport::kNccl) &&
-             NcclTransportAvailable(device_)) {
+  } else if (Offers(handle, KvTransport::kNccl) && nccl_comms_ != nullptr) {
     *used = KvTransport::kNccl;
-    absl::Status status = PullKvOverNccl(peers_, device_, params, stats);
+    absl::Status status = PullKvOverNccl(peers_, device_, *nccl_comms_,
+                                         nccl_puller_id_, params, stats);
     record(KvTransport::kNccl, status);
     if (status.ok() || stats->outcome != KvTransferOutcome::kInternal) {
       return status;

@@ -43,6 +43,7 @@
 #include "worker/transfer/cuda_ipc.h"
 #include "worker/transfer/grpc_kv_puller.h"
 #include "worker/transfer/kv_cache_view.h"
+#include "worker/transfer/nccl_comm_cache.h"
 #include "worker/transfer/peer_channels.h"
 
 namespace pdworker {
@@ -77,10 +78,12 @@ class KvImporter {
  public:
   using Done = std::function<void(const absl::StatusOr<KvImportResult>&)>;
 
-  // Everything must outlive the importer; `metrics` may be null.
+  // Everything must outlive the importer; `metrics` may be null;
+  // `nccl_comms` (null: no NCCL pulls) keeps a communicator per source.
   KvImporter(Engine& engine, Device& device, KvCacheView view,
              std::string model_fingerprint, PeerChannels& peers,
-             const KvImporterOptions& options, WorkerMetrics* metrics);
+             const KvImporterOptions& options, WorkerMetrics* metrics,
+             NcclCommCache* nccl_comms);
   // Fails queued imports with UNAVAILABLE, lets running pulls finish (each
   // is bounded by pull_timeout) and joins.
   ~KvImporter();
@@ -105,8 +108,9 @@ class KvImporter {
   void Work();
   absl::StatusOr<KvImportResult> RunJob(const KvImportRequest& request);
   // Step 2 of RunJob: the best transport the handle allows (CUDA IPC on the
-  // same host between CUDA workers, falling back to the gRPC stream when the
-  // mapping fails locally), recording metrics.
+  // same host between CUDA workers, else NCCL when both have it; either
+  // falls back to the gRPC stream when it could not start), recording
+  // metrics.
   absl::Status Pull(const KvPullParams& params, KvTransport* used,
                     KvPullStats* stats);
   void ReleaseLease(const v1::KvHandle& handle);
@@ -133,6 +137,9 @@ class KvImporter {
   WorkerMetrics* const metrics_;
   const std::string host_id_;
   CudaIpcMappings ipc_mappings_;
+  NcclCommCache* const nccl_comms_;  // null: no NCCL pulls
+  // PullKvRequest.nccl_puller_id: random, new at every start.
+  const std::string nccl_puller_id_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

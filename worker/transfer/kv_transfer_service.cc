@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -25,7 +26,8 @@ namespace pdworker {
 // Runs NCCL sends one after another on its own thread: joining a
 // communicator and sending block for up to the puller's deadline, which no
 // gRPC callback thread may do. Jobs still queued at destruction run first
-// (each is bounded by its deadline), so every pull gets its answer.
+// (each is bounded by its deadline, and aborted early once the
+// communicator cache shuts down), so every pull gets its answer.
 class NcclSender {
  public:
   NcclSender() : thread_([this] { Run(); }) {}
@@ -114,10 +116,12 @@ class PullReactor final : public MessageWriter {
 
   // Serve the lease as one CUDA IPC export instead of its bytes.
   void UseCudaIpc(const std::string& handle) { ipc_handle_ = handle; }
-  // Serve the lease over NCCL (rank 1 of `unique_id`), sends on `sender`.
-  void UseNccl(const std::string& unique_id, NcclSender* sender,
+  // Serve the lease over NCCL through `comm` (rank 1), sending on `sender`;
+  // `kept`: the communicator outlives this pull (the ready chunk says so).
+  void UseNccl(NcclCommCache::Lease comm, bool kept, NcclSender* sender,
                std::chrono::steady_clock::time_point deadline) {
-    nccl_id_ = unique_id;
+    nccl_comm_.emplace(std::move(comm));
+    nccl_kept_ = kept;
     nccl_sender_ = sender;
     nccl_deadline_ = deadline;
   }
@@ -189,9 +193,10 @@ class PullReactor final : public MessageWriter {
       WriteIpcExport();
       return;
     }
-    if (!nccl_id_.empty()) {
+    if (nccl_comm_.has_value()) {
       nccl_ready_sent_ = true;
       chunk_.set_nccl_ready(true);
+      chunk_.set_nccl_comm_kept(nccl_kept_);
       StartWriteMessage(chunk_);
       return;
     }
@@ -208,6 +213,7 @@ class PullReactor final : public MessageWriter {
       return;
     }
     if (!ok) {  // the puller went away (cancelled, deadline, connection)
+      if (nccl_comm_.has_value()) nccl_comm_->Drop();
       outcome_ = KvTransferOutcome::kCancelled;
       FinishPull(absl::CancelledError("the puller went away mid-stream"));
       return;
@@ -302,9 +308,11 @@ class PullReactor final : public MessageWriter {
     params.seq = &grant_.kv;
     params.first_token = first_token_;
     params.num_tokens = grant_.kv.num_tokens;
-    params.unique_id = nccl_id_;
     params.deadline = nccl_deadline_;
-    const absl::Status sent = NcclSendKv(params);
+    const absl::Status sent = NcclSendKv(params, *nccl_comm_);
+    // Released before the stream ends: the puller's next pull over the pair
+    // starts after our end of stream and finds it free.
+    nccl_comm_.reset();
     if (sent.ok()) {
       sent_all_ = true;
       bytes_ = view_.BytesFor(grant_.kv.num_tokens - first_token_);
@@ -344,7 +352,8 @@ class PullReactor final : public MessageWriter {
   KvTransferOutcome outcome_ = KvTransferOutcome::kOk;
   std::string ipc_handle_;  // non-empty: serve a CUDA IPC export
   bool ipc_export_sent_ = false;
-  std::string nccl_id_;  // non-empty: serve over NCCL
+  std::optional<NcclCommCache::Lease> nccl_comm_;  // set: serve over NCCL
+  bool nccl_kept_ = false;
   NcclSender* nccl_sender_ = nullptr;
   std::chrono::steady_clock::time_point nccl_deadline_;
   bool nccl_ready_sent_ = false;
@@ -389,17 +398,17 @@ KvTransferService::KvTransferService(KvLeaseTable& leases, Device& device,
                                      KvCacheView view,
                                      std::string model_fingerprint,
                                      const KvTransferServiceOptions& options,
-                                     WorkerMetrics* metrics)
+                                     WorkerMetrics* metrics,
+                                     NcclCommCache* nccl_comms)
     : leases_(leases),
       device_(device),
       view_(std::move(view)),
       fingerprint_(std::move(model_fingerprint)),
       options_(options),
       metrics_(metrics),
+      nccl_comms_(nccl_comms),
       epoch_(RandomHexId()) {
-  if (NcclTransportAvailable(device)) {
-    nccl_sender_ = std::make_unique<NcclSender>();
-  }
+  if (nccl_comms_ != nullptr) nccl_sender_ = std::make_unique<NcclSender>();
   if (device.kind() == DeviceKind::kCuda && !view_.allocation.empty()) {
     absl::StatusOr<std::string> handle = ExportCudaIpcHandle(view_.allocation);
     if (handle.ok()) {
@@ -447,12 +456,25 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvTransferService::PullKv(
     return reactor;
   }
   if (transport == "cuda_ipc") reactor->UseCudaIpc(ipc_handle_);
-  if (transport == "nccl") {
+  if (allowed.ok() && transport == "nccl") {
+    // Before the lease is granted: a puller told to make a new communicator
+    // (ABORTED) or to use the stream (RESOURCE_EXHAUSTED) can still pull.
+    absl::StatusOr<NcclCommCache::Lease> comm = nccl_comms_->Open(
+        request->nccl_puller_id(), request->nccl_comm_generation(),
+        request->nccl_unique_id());
+    if (!comm.ok()) {
+      reactor->Refuse(comm.status().code() == absl::StatusCode::kNotFound
+                          ? absl::AbortedError(comm.status().message())
+                          : comm.status());
+      return reactor;
+    }
     // The puller's deadline bounds the join and the send; none: a minute.
     const auto now = std::chrono::system_clock::now();
     const auto left = std::min<std::chrono::system_clock::duration>(
         context->deadline() - now, std::chrono::seconds(60));
-    reactor->UseNccl(request->nccl_unique_id(), nccl_sender_.get(),
+    reactor->UseNccl(*std::move(comm),
+                     /*kept=*/!request->nccl_puller_id().empty(),
+                     nccl_sender_.get(),
                      std::chrono::steady_clock::now() + left);
   }
   reactor->Start(allowed, request->lease_id(), request->num_tokens(),

@@ -22,6 +22,7 @@
 #include "worker/runtime/device.h"
 #include "worker/transfer/kv_cache_view.h"
 #include "worker/transfer/kv_lease_table.h"
+#include "worker/transfer/nccl_comm_cache.h"
 
 namespace pdworker {
 
@@ -42,11 +43,13 @@ using RawKvTransferService = v1::KvTransfer::WithRawCallbackMethod_PullKv<
 
 class KvTransferService final : public RawKvTransferService {
  public:
-  // All references must outlive the service; `metrics` may be null.
+  // All references must outlive the service; `metrics` may be null;
+  // `nccl_comms` (null: no NCCL transport) keeps the communicators of
+  // pulls over NCCL, one per puller.
   KvTransferService(KvLeaseTable& leases, Device& device, KvCacheView view,
                     std::string model_fingerprint,
                     const KvTransferServiceOptions& options,
-                    WorkerMetrics* metrics);
+                    WorkerMetrics* metrics, NcclCommCache* nccl_comms);
   ~KvTransferService() override;
 
   // PullKvRequest -> stream of KvChunk; ReleaseKvRequest ->
@@ -65,7 +68,7 @@ class KvTransferService final : public RawKvTransferService {
   // Whether pullers on this host may map our KV (CUDA device and the
   // allocation exported); KvHandle.transports lists "cuda_ipc" then.
   bool offers_cuda_ipc() const { return !ipc_handle_.empty(); }
-  // Whether this worker serves pulls over NCCL (CUDA device, NCCL built).
+  // Whether this worker serves pulls over NCCL (a communicator cache).
   bool offers_nccl() const { return nccl_sender_ != nullptr; }
   // This process's KvHandle.source_epoch: 32 random hex digits, new at
   // every start.
@@ -80,6 +83,7 @@ class KvTransferService final : public RawKvTransferService {
   WorkerMetrics* const metrics_;
   // The KV allocation's cudaIpcMemHandle_t bytes; empty: no CUDA IPC.
   std::string ipc_handle_;
+  NcclCommCache* const nccl_comms_;          // null: no NCCL
   std::unique_ptr<NcclSender> nccl_sender_;  // null: no NCCL
   const std::string epoch_;
 };
