@@ -54,6 +54,7 @@
 #include "worker/runtime/device_factory.h"
 #include "worker/server/tls_material.h"
 #include "worker/server/worker_server.h"
+#include "worker/transfer/nccl_transfer.h"
 
 ABSL_FLAG(std::string, role, "both", "Worker role: prefill, decode or both.");
 ABSL_FLAG(std::string, model, "",
@@ -147,6 +148,12 @@ ABSL_FLAG(std::string, kv_pull_timeout, "10s",
           "Decode side: bound on one KV pull; a prefill worker that dies or "
           "hangs mid-pull fails the import with UNAVAILABLE within it.");
 ABSL_FLAG(int, kv_import_threads, 4, "Decode side: concurrent KV pulls.");
+ABSL_FLAG(int, nccl_max_peers, 8,
+          "CUDA with NCCL: NCCL communicators kept at once, one per peer "
+          "worker this worker pulls KV from or serves it to (made on the "
+          "pair's first NCCL pull, reused after). Each takes up to 80 MiB "
+          "of device memory, which must be free at startup after the model "
+          "and --kv_cache_bytes are allocated. 0 = no NCCL transport.");
 ABSL_FLAG(std::string, kv_events_endpoint, "",
           "Publish KV cache events (prefix caching's BlockStored, "
           "BlockRemoved, AllBlocksCleared) in vLLM's format on a ZMQ PUB "
@@ -423,6 +430,12 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
     }
   }
   c.server.importer.num_threads = absl::GetFlag(FLAGS_kv_import_threads);
+  c.server.nccl_max_peers = absl::GetFlag(FLAGS_nccl_max_peers);
+  if (c.server.nccl_max_peers < 0) {
+    return FlagError("nccl_max_peers",
+                     absl::StrCat("must be >= 0 (0 = no NCCL transport), got ",
+                                  c.server.nccl_max_peers));
+  }
   if (const std::string json = absl::GetFlag(FLAGS_kv_events_config);
       !json.empty()) {
     if (!absl::GetFlag(FLAGS_kv_events_endpoint).empty() ||
@@ -502,6 +515,34 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
   return c;
 }
 
+// With the NCCL transport offered, the communicators it keeps (created on
+// demand while serving) must find their device memory free: the KV pool is
+// sized by --kv_cache_bytes, not from free memory, so this checks, once the
+// weights and the pool are allocated, that --nccl_max_peers of them fit.
+absl::Status CheckNcclBudget(Device& device, int max_peers) {
+  if (max_peers == 0 || !NcclTransportAvailable(device)) {
+    return absl::OkStatus();
+  }
+  const size_t needed = static_cast<size_t>(max_peers) * kNcclCommDeviceBytes;
+  absl::StatusOr<MemoryStats> memory = device.GetMemoryStats();
+  if (!memory.ok()) return memory.status();
+  if (memory->free_bytes < needed) {
+    return FlagError(
+        "nccl_max_peers",
+        absl::StrCat(max_peers, " NCCL communicators need up to ", needed >> 20,
+                     " MiB of device memory (", kNcclCommDeviceBytes >> 20,
+                     " MiB each) but ", memory->free_bytes >> 20,
+                     " MiB are free on ", device.name(),
+                     " after the model and --kv_cache_bytes: lower "
+                     "--kv_cache_bytes or --nccl_max_peers (0 = no NCCL "
+                     "transport)"));
+  }
+  LOG(INFO) << "NCCL KV transport: up to " << max_peers << " communicators, "
+            << (needed >> 20) << " MiB of the " << (memory->free_bytes >> 20)
+            << " MiB free kept for them";
+  return absl::OkStatus();
+}
+
 // Loads, captures, serves until SIGTERM/SIGINT (already blocked in every
 // thread by main), then drains.
 absl::Status RunWorker(const WorkerConfig& c, const sigset_t& stop_signals) {
@@ -526,6 +567,10 @@ absl::Status RunWorker(const WorkerConfig& c, const sigset_t& stop_signals) {
       ModelRunner::Create(**device, c.model_dir, c.runner);
   if (!runner.ok()) return runner.status();
   ModelRunner& r = **runner;
+  if (absl::Status s = CheckNcclBudget(**device, c.server.nccl_max_peers);
+      !s.ok()) {
+    return s;
+  }
 
   const GraphStatsHeader header{r.resolved_mode(),
                                 r.dispatcher().capture_sizes()};
@@ -641,7 +686,7 @@ std::vector<FlagGroup> FlagGroups() {
       {"KV handoff (prefill/decode)",
        {"advertise_address", "kv_lease_ttl", "kv_pull_timeout",
         "kv_import_threads", "kv_lease_renew_margin", "kv_peer_ca",
-        "kv_peer_tls_server_name"}},
+        "kv_peer_tls_server_name", "nccl_max_peers"}},
       {"KV cache events (prefix caching)",
        {"kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic",
         "kv_events_layout", "kv_events_buffer_steps", "kv_events_config"}},

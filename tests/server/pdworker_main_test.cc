@@ -241,6 +241,7 @@ TEST(PdworkerMainTest, BadConfigurationFailsAtStartupNamingTheFlag) {
        "--grpc_min_client_ping_interval"},
       {{"--sequence_idle_timeout=forever"}, "'forever' is not a duration"},
       {{"--max-num-seqs=-3"}, "--max_num_seqs"},  // dashed spelling too
+      {{"--nccl_max_peers=-1"}, "--nccl_max_peers"},
       {{"--kv_events_endpoint=tcp://*:0", "--kv_events_layout=tree"},
        "--kv_events_layout"},
       {{"--kv_events_replay_endpoint=tcp://*:0"}, "--kv_events_endpoint"},
@@ -248,8 +249,7 @@ TEST(PdworkerMainTest, BadConfigurationFailsAtStartupNamingTheFlag) {
        "needs --enable_prefix_caching"},
       {{"--kv-events-config={\"endpoint\":\"tcp://*:0\",\"bogus\":1}"},
        "bogus"},
-      {{"--kv_events_config={}", "--kv_events_endpoint=tcp://*:0"},
-       "not both"},
+      {{"--kv_events_config={}", "--kv_events_endpoint=tcp://*:0"}, "not both"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     SCOPED_TRACE(cases[i].message);
