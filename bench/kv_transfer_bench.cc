@@ -74,7 +74,14 @@ ABSL_FLAG(int, max_num_batched_tokens, 2048,
           "model-step columns need one-step prefills).");
 ABSL_FLAG(int, chunk_kib, 256,
           "KvTransferServiceOptions.max_chunk_bytes of the prefill worker, "
-          "KiB (chunks hold whole 16-token blocks).");
+          "KiB (token spans: as many tokens as fit; layer runs: whole "
+          "16-token blocks).");
+ABSL_FLAG(std::vector<std::string>, chunk_layouts,
+          std::vector<std::string>({"token_span", "layer_run"}),
+          "The gRPC stream's chunk layouts to measure one after the other: "
+          "the raw PullKv asks for each, and in-process a decode worker per "
+          "layout imports with it (against --decode_target, ImportKv uses "
+          "whatever that worker's --kv_pull_chunks says).");
 ABSL_FLAG(std::string, prefill_target, "",
           "host:port of a running prefill pdworker (with --decode_target and "
           "--aggregated_target); empty: start three workers in-process.");
@@ -158,7 +165,9 @@ struct Worker {
   }
 };
 
-std::unique_ptr<Worker> StartWorker(const std::string& dir, Role role) {
+std::unique_ptr<Worker> StartWorker(
+    const std::string& dir, Role role,
+    v1::KvChunkLayout pull_chunks = v1::KV_CHUNK_LAYOUT_TOKEN_SPAN) {
   auto w = std::make_unique<Worker>();
   ModelRunnerOptions o;
   o.role = role;  // the role's default graph mode and capture sizes
@@ -172,6 +181,7 @@ std::unique_ptr<Worker> StartWorker(const std::string& dir, Role role) {
   w->runner = std::move(*runner);
   WorkerServerOptions server_options;
   server_options.importer.pull_timeout = std::chrono::seconds(60);
+  server_options.importer.stream_chunk_layout = pull_chunks;
   server_options.transfer.max_chunk_bytes =
       static_cast<size_t>(absl::GetFlag(FLAGS_chunk_kib)) << 10;
   auto server = WorkerServer::Start(*w->runner, server_options, nullptr);
@@ -274,6 +284,7 @@ struct Samples {
   // a. P/D
   std::vector<double> pd_prefill, pd_prefill_step, import_wall, import_server,
       transfer, pd_decode, pd_total;
+  std::string chunk_layout;  // the gRPC stream's, for the raw PullKv
   // b. raw PullKv
   std::vector<double> raw_pull;
   int64_t raw_bytes = 0;
@@ -285,10 +296,15 @@ struct Samples {
 class Bench {
  public:
   Bench(Worker& prefill, Worker& decode, Worker& both)
-      : prefill_(prefill), decode_(decode), both_(both) {}
+      : prefill_(prefill), decode_(&decode), both_(both) {}
 
   // Only `transport` is offered to ImportKv from now on ("": all offered).
   void set_transport(const std::string& transport) { transport_ = transport; }
+  // The raw PullKv asks for `layout`; `decode` imports from now on.
+  void set_chunk_layout(v1::KvChunkLayout layout, Worker* decode) {
+    chunk_layout_ = layout;
+    decode_ = decode;
+  }
 
   void Rep(int len, int salt, Samples* out) {
     const std::vector<int32_t> prompt = Prompt(len, salt);
@@ -316,14 +332,14 @@ class Bench {
     grpc::ClientContext import_context;
     const auto t0 = Clock::now();
     const grpc::Status s =
-        decode_.stub->ImportKv(&import_context, import, &imported);
+        decode_->stub->ImportKv(&import_context, import, &imported);
     const double import_ms = Millis(Clock::now() - t0);
     CHECK(s.ok()) << s.error_message();
     CHECK_EQ(imported.num_tokens(), len);
     if (!transport_.empty()) CHECK_EQ(imported.transport(), transport_);
     const v1::ForwardResponse first =
-        Forward(decode_, id, {held.sequences(0).token_id()}, false, false, true,
-                &decode_ms);
+        Forward(*decode_, id, {held.sequences(0).token_id()}, false, false,
+                true, &decode_ms);
     if (out != nullptr) {
       out->kv_bytes = imported.transfer_bytes();
       out->transport = imported.transport();
@@ -336,7 +352,7 @@ class Bench {
       out->pd_total.push_back(prefill_ms + import_ms + decode_ms);
     }
     WaitIdle(prefill_);
-    WaitIdle(decode_);
+    WaitIdle(*decode_);
 
     // b. Raw PullKv: read the chunks, install nothing.
     const v1::ForwardResponse held2 =
@@ -346,6 +362,7 @@ class Bench {
     pull.set_lease_id(raw_handle.lease_id());
     pull.set_model_fingerprint(raw_handle.model_fingerprint());
     *pull.mutable_layout() = raw_handle.layout();
+    pull.set_chunk_layout(chunk_layout_);
     grpc::ClientContext pull_context;
     v1::KvChunk chunk;
     int64_t bytes = 0;
@@ -371,6 +388,9 @@ class Bench {
       out->raw_pull.push_back(pull_ms);
       out->raw_bytes = bytes;
       out->raw_chunks = chunks;
+      out->chunk_layout = chunk_layout_ == v1::KV_CHUNK_LAYOUT_TOKEN_SPAN
+                              ? "token_span"
+                              : "layer_run";
     }
     WaitIdle(prefill_);
 
@@ -398,13 +418,20 @@ class Bench {
 
  private:
   Worker& prefill_;
-  Worker& decode_;
+  Worker* decode_;
   Worker& both_;
+  v1::KvChunkLayout chunk_layout_ = v1::KV_CHUNK_LAYOUT_TOKEN_SPAN;
   std::vector<std::string> offered_transports_;  // KvHandle.transports
   std::string transport_;
 };
 
 double MBps(int64_t bytes, double ms) { return bytes / (ms * 1e3); }
+
+// A row's transport, with the chunk layout where there are chunks.
+std::string Label(const Samples& s) {
+  return s.transport == "grpc" ? absl::StrCat("grpc ", s.chunk_layout)
+                               : s.transport;
+}
 
 int Main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
@@ -420,13 +447,28 @@ int Main(int argc, char** argv) {
   }
   const int reps = absl::GetFlag(FLAGS_reps);
   CHECK_GT(reps, 0);
+  std::vector<v1::KvChunkLayout> chunk_layouts;
+  for (const std::string& name : absl::GetFlag(FLAGS_chunk_layouts)) {
+    CHECK(name == "token_span" || name == "layer_run")
+        << "--chunk_layouts: " << name;
+    chunk_layouts.push_back(name == "token_span"
+                                ? v1::KV_CHUNK_LAYOUT_TOKEN_SPAN
+                                : v1::KV_CHUNK_LAYOUT_LAYER_RUN);
+  }
+  CHECK(!chunk_layouts.empty()) << "--chunk_layouts is empty";
   std::unique_ptr<Worker> prefill, decode, both;
+  // In-process: a decode worker per chunk layout (the first is `decode`).
+  std::vector<std::unique_ptr<Worker>> other_decodes;
   const std::string prefill_target = absl::GetFlag(FLAGS_prefill_target);
   if (prefill_target.empty()) {
     const std::string dir = absl::GetFlag(FLAGS_model_dir);
     WriteModel(dir);
     prefill = StartWorker(dir, Role::kPrefill);
-    decode = StartWorker(dir, Role::kDecode);
+    decode = StartWorker(dir, Role::kDecode, chunk_layouts[0]);
+    for (size_t i = 1; i < chunk_layouts.size(); ++i) {
+      other_decodes.push_back(
+          StartWorker(dir, Role::kDecode, chunk_layouts[i]));
+    }
     both = StartWorker(dir, Role::kBoth);
   } else {
     CHECK(!absl::GetFlag(FLAGS_decode_target).empty() &&
@@ -460,18 +502,26 @@ int Main(int argc, char** argv) {
   int salt = 0;
   for (const std::string& transport : transports) {
     bench.set_transport(transport);
-    for (const int len : lens) {
-      const auto t0 = Clock::now();
-      Samples samples;
-      bench.Rep(len, ++salt, nullptr);  // warm-up
-      for (int r = 0; r < reps; ++r) bench.Rep(len, ++salt, &samples);
-      CHECK_EQ(samples.kv_bytes, token_bytes * len);
-      CHECK_EQ(samples.raw_bytes, samples.kv_bytes);
-      std::fprintf(stderr, "%s prompt %d: %d reps in %.1f s\n",
-                   samples.transport.c_str(), len, reps,
-                   std::chrono::duration<double>(Clock::now() - t0).count());
-      results.push_back(std::move(samples));
-      row_lens.push_back(len);
+    for (size_t c = 0; c < chunk_layouts.size(); ++c) {
+      // Chunks exist only on the gRPC stream: one layout for the others.
+      if (c > 0 && !transport.empty() && transport != "grpc") break;
+      bench.set_chunk_layout(chunk_layouts[c],
+                             c == 0 || other_decodes.empty()
+                                 ? decode.get()
+                                 : other_decodes[c - 1].get());
+      for (const int len : lens) {
+        const auto t0 = Clock::now();
+        Samples samples;
+        bench.Rep(len, ++salt, nullptr);  // warm-up
+        for (int r = 0; r < reps; ++r) bench.Rep(len, ++salt, &samples);
+        CHECK_EQ(samples.kv_bytes, token_bytes * len);
+        CHECK_EQ(samples.raw_bytes, samples.kv_bytes);
+        std::fprintf(stderr, "%s prompt %d: %d reps in %.1f s\n",
+                     Label(samples).c_str(), len, reps,
+                     std::chrono::duration<double>(Clock::now() - t0).count());
+        results.push_back(std::move(samples));
+        row_lens.push_back(len);
+      }
     }
   }
   std::printf(
@@ -503,7 +553,7 @@ int Main(int argc, char** argv) {
     std::printf(
         "| %s | %d | %lld | %.2f | %.2f | %.2f | %.2f | %.0f | %.0f | %.2f | "
         "%.2f | %.2f | %.0f | %.0f | %d |\n",
-        s.transport.c_str(), row_lens[i], static_cast<long long>(s.kv_bytes),
+        Label(s).c_str(), row_lens[i], static_cast<long long>(s.kv_bytes),
         wall.p50, wall.p99, P50(s.import_server), transfer.p50,
         MBps(s.kv_bytes, transfer.p50), MBps(s.kv_bytes, transfer.min),
         P50(install), raw.p50, raw.p99, MBps(s.raw_bytes, raw.p50),
@@ -540,7 +590,7 @@ int Main(int argc, char** argv) {
     std::printf(
         "| %s | %d | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | "
         "%.2f | %.2f | %.3f |\n",
-        s.transport.c_str(), row_lens[i], P50(s.pd_prefill),
+        Label(s).c_str(), row_lens[i], P50(s.pd_prefill),
         P50(s.pd_prefill_step), P50(s.import_wall), P50(s.pd_decode),
         P50(s.pd_total), P50(s.agg_prefill), P50(s.agg_prefill_step),
         P50(s.agg_decode), P50(s.agg_total), P50(s.pd_total) / P50(s.agg_total),

@@ -148,6 +148,16 @@ ABSL_FLAG(std::string, kv_pull_timeout, "10s",
           "Decode side: bound on one KV pull; a prefill worker that dies or "
           "hangs mid-pull fails the import with UNAVAILABLE within it.");
 ABSL_FLAG(int, kv_import_threads, 4, "Decode side: concurrent KV pulls.");
+ABSL_FLAG(int, kv_chunk_bytes, 256 << 10,
+          "Prefill side: payload of one KV chunk on the gRPC stream transport "
+          "(as many tokens of every layer as fit, at least one; layer runs "
+          "for older pullers: whole blocks). At most --max_message_bytes of "
+          "the decode workers less 64 KiB.");
+ABSL_FLAG(std::string, kv_pull_chunks, "token_span",
+          "Decode side: the chunks a pull over the gRPC stream asks for: "
+          "token_span (every layer of a run of tokens per chunk, one device "
+          "copy each way) or layer_run (one layer's K or V per chunk, block "
+          "by block: what older workers do).");
 ABSL_FLAG(int, nccl_max_peers, 8,
           "CUDA with NCCL: NCCL communicators kept at once, one per peer "
           "worker this worker pulls KV from or serves it to (made on the "
@@ -430,6 +440,26 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
     }
   }
   c.server.importer.num_threads = absl::GetFlag(FLAGS_kv_import_threads);
+  const int chunk_bytes = absl::GetFlag(FLAGS_kv_chunk_bytes);
+  const int max_chunk_bytes =
+      absl::GetFlag(FLAGS_max_message_bytes) - (64 << 10);
+  if (chunk_bytes <= 0 || chunk_bytes > max_chunk_bytes) {
+    return FlagError(
+        "kv_chunk_bytes",
+        absl::StrCat("must be in [1, ", max_chunk_bytes,
+                     "] (--max_message_bytes less 64 KiB), got ", chunk_bytes));
+  }
+  c.server.transfer.max_chunk_bytes = static_cast<size_t>(chunk_bytes);
+  if (const std::string chunks = absl::GetFlag(FLAGS_kv_pull_chunks);
+      chunks == "token_span") {
+    c.server.importer.stream_chunk_layout = v1::KV_CHUNK_LAYOUT_TOKEN_SPAN;
+  } else if (chunks == "layer_run") {
+    c.server.importer.stream_chunk_layout = v1::KV_CHUNK_LAYOUT_LAYER_RUN;
+  } else {
+    return FlagError("kv_pull_chunks", absl::StrCat("'", chunks,
+                                                    "' is not token_span or "
+                                                    "layer_run"));
+  }
   c.server.nccl_max_peers = absl::GetFlag(FLAGS_nccl_max_peers);
   if (c.server.nccl_max_peers < 0) {
     return FlagError("nccl_max_peers",
@@ -685,8 +715,9 @@ std::vector<FlagGroup> FlagGroups() {
       {"TLS", {"tls_cert", "tls_key", "tls_client_ca"}},
       {"KV handoff (prefill/decode)",
        {"advertise_address", "kv_lease_ttl", "kv_pull_timeout",
-        "kv_import_threads", "kv_lease_renew_margin", "kv_peer_ca",
-        "kv_peer_tls_server_name", "nccl_max_peers"}},
+        "kv_import_threads", "kv_chunk_bytes", "kv_pull_chunks",
+        "kv_lease_renew_margin", "kv_peer_ca", "kv_peer_tls_server_name",
+        "nccl_max_peers"}},
       {"KV cache events (prefix caching)",
        {"kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic",
         "kv_events_layout", "kv_events_buffer_steps", "kv_events_config"}},

@@ -10,8 +10,9 @@
 //     before first_token (a prefix-cache hit the puller already holds);
 //   - succeeds only for a stream that carried every token it expected.
 //
-// Input: [num_tokens][first_token][block order][status code][message
-// length][message] then messages, each [length: 2 bytes][bytes].
+// Input: [num_tokens][first_token][block order][status code, bit 7: the
+// puller asks for token spans][message length][message] then messages,
+// each [length: 2 bytes][bytes].
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -33,6 +34,7 @@
 #include "worker/server/parsed_call.h"
 #include "worker/transfer/grpc_kv_puller.h"
 #include "worker/transfer/kv_cache_view.h"
+#include "worker/transfer/kv_span_staging.h"
 #include "worker/transfer/peer_channels.h"
 
 namespace pdworker {
@@ -83,6 +85,8 @@ struct Harness {
   DeviceMemory memory;
   KvCacheView view;
   std::unique_ptr<Stream> stream;
+  // Starts at 3 tokens' spans: a source's larger chunks grow it.
+  KvSpanStagingPool span_stagings{device, 3 * 2 * kLayers* kTokenBytes, 1};
 
   Harness() {
     int port = 0;
@@ -168,7 +172,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   destination.num_tokens = num_tokens;
 
   Script script;
-  const auto code = static_cast<grpc::StatusCode>(in.Byte() % 17);
+  // Bit 7: the puller asks for token spans (it has a staging pool); the
+  // source may still send layer runs, as one that predates spans does.
+  const uint8_t code_byte = in.Byte();
+  const bool spans = (code_byte & 0x80) != 0;
+  const auto code = static_cast<grpc::StatusCode>((code_byte & 0x7f) % 17);
   const std::string message = in.Take(in.Byte());
   script.status =
       grpc::Status(code, code == grpc::StatusCode::OK ? "" : message);
@@ -190,6 +198,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   params.destination = &destination;
   params.first_token = first_token;
   params.stream = h->stream.get();
+  if (spans) params.span_stagings = &h->span_stagings;
   const auto now = std::chrono::system_clock::now();
   params.call_deadline = now + std::chrono::seconds(20);
   params.pull_deadline = now + std::chrono::seconds(20);

@@ -195,6 +195,30 @@ void WriteKvStream() {
         stream(8, 0, 4, 14, "Socket closed").substr(0, 200));
   Write("kv_stream_fuzz", "lease_expired",
         stream(4, 0, 4, 5, "lease 0123 expired").substr(0, 25));
+  // Token spans: every layer's K and V of a run of tokens per chunk.
+  auto spans = [](int num_tokens, int first_token, int tokens_per_chunk) {
+    std::string out = Byte(num_tokens - 1) + Byte(first_token) + Byte(3) +
+                      Byte(0x80) + Byte(0);
+    for (int t = first_token; t < num_tokens; t += tokens_per_chunk) {
+      v1::KvChunk chunk;
+      chunk.set_chunk_layout(v1::KV_CHUNK_LAYOUT_TOKEN_SPAN);
+      chunk.set_first_token(t);
+      const int n = std::min(tokens_per_chunk, num_tokens - t);
+      chunk.set_num_tokens(n);
+      chunk.set_data(std::string(n * 64 * 4, static_cast<char>(t)));
+      std::string bytes;
+      CHECK(chunk.SerializeToString(&bytes));
+      out += Byte(bytes.size() & 0xff) + Byte(bytes.size() >> 8) + bytes;
+    }
+    return out;
+  };
+  Write("kv_stream_fuzz", "spans_whole_7_tokens", spans(7, 0, 3));
+  Write("kv_stream_fuzz", "spans_from_token_5_of_9", spans(9, 5, 2));
+  Write("kv_stream_fuzz", "spans_larger_than_the_staging", spans(12, 0, 8));
+  // A puller that asked for spans from a source that sends layer runs.
+  std::string old_source = stream(6, 0, 4, 0, "");
+  old_source[3] = static_cast<char>(0x80);
+  Write("kv_stream_fuzz", "spans_asked_layer_runs_sent", old_source);
 }
 
 // The model fingerprint of rpc_request_fuzz's worker (the gqa tiny model,

@@ -242,6 +242,10 @@ TEST(PdworkerMainTest, BadConfigurationFailsAtStartupNamingTheFlag) {
       {{"--sequence_idle_timeout=forever"}, "'forever' is not a duration"},
       {{"--max-num-seqs=-3"}, "--max_num_seqs"},  // dashed spelling too
       {{"--nccl_max_peers=-1"}, "--nccl_max_peers"},
+      {{"--kv_chunk_bytes=0"}, "--kv_chunk_bytes"},
+      {{"--max_message_bytes=1048576", "--kv_chunk_bytes=1048576"},
+       "--kv_chunk_bytes"},
+      {{"--kv_pull_chunks=blocks"}, "--kv_pull_chunks"},
       {{"--kv_events_endpoint=tcp://*:0", "--kv_events_layout=tree"},
        "--kv_events_layout"},
       {{"--kv_events_replay_endpoint=tcp://*:0"}, "--kv_events_endpoint"},

@@ -5,7 +5,8 @@
 // destination block sizes that differ, runs long enough to take several
 // launches, and rows that are not whole 16-byte units (which fall back to
 // per-block copies). Destination bytes outside the copied slots must keep
-// their poison. Tag "gpu": skips without a usable GPU.
+// their poison. The same for packed token spans (GatherKvSpan /
+// ScatterKvSpan). Tag "gpu": skips without a usable GPU.
 #include <algorithm>
 #include <cstdint>
 #include <memory>
@@ -153,6 +154,100 @@ TEST_P(KvBlockCopyGpuTest, MatchesTheHostAndThePerBlockCopy) {
         << (c == &batched ? "batched" : "per-block") << " copy differs at byte "
         << (mismatch - got.begin()) << " of " << got.size();
   }
+}
+
+// Packed token spans (the gRPC stream's chunks, the NCCL payload) through
+// the same kernel with shifted token indices: spans starting anywhere in a
+// block, gathered into a poisoned buffer ([layer][K, V][token] rows, bytes
+// after the span untouched), then scattered into another cache, whose
+// tokens outside the span keep their poison.
+TEST_P(KvBlockCopyGpuTest, SpansGatherAndScatterLikeTheHost) {
+  const Shape s = GetParam();
+  std::mt19937 rng(7 * s.num_tokens + s.dst_block_size);
+  const int src_blocks = 2 * (s.num_tokens / s.src_block_size + 1);
+  const int dst_blocks = 2 * (s.num_tokens / s.dst_block_size + 1);
+  Cache src = MakeCache(*device_, s, s.src_block_size, src_blocks);
+  Cache dst = MakeCache(*device_, s, s.dst_block_size, dst_blocks);
+  src.host.resize(src.memory.size_bytes());
+  for (uint8_t& b : src.host) b = static_cast<uint8_t>(rng());
+  ASSERT_TRUE(
+      stream_
+          ->CopyToDevice(src.memory.buffer(), src.host.data(), src.host.size())
+          .ok());
+  const SequenceKv from =
+      RandomSequence(s.num_tokens, s.src_block_size, src_blocks, rng);
+  const SequenceKv to =
+      RandomSequence(s.num_tokens, s.dst_block_size, dst_blocks, rng);
+  const size_t src_part =
+      static_cast<size_t>(src_blocks) * s.src_block_size * s.token_bytes;
+  const size_t dst_part =
+      static_cast<size_t>(dst_blocks) * s.dst_block_size * s.token_bytes;
+  const std::vector<uint8_t> poison(dst.memory.size_bytes(), kPoison);
+  ASSERT_TRUE(
+      stream_->CopyToDevice(dst.memory.buffer(), poison.data(), poison.size())
+          .ok());
+  std::vector<uint8_t> want_dst = poison;
+
+  // Spans of odd lengths from an odd start, to the end.
+  const int first = std::min(s.num_tokens - 1, 3 + s.src_block_size / 2);
+  const int span = std::max(1, s.num_tokens / 5 + 1);
+  for (int t0 = first; t0 < s.num_tokens; t0 += span) {
+    const int count = std::min(span, s.num_tokens - t0);
+    SCOPED_TRACE(testing::Message() << "span " << t0 << "+" << count);
+    const size_t bytes =
+        static_cast<size_t>(2 * s.layers) * count * s.token_bytes;
+    DeviceMemory packed = *device_->Allocate(bytes + 256);
+    const std::vector<uint8_t> packed_poison(bytes + 256, kPoison);
+    ASSERT_TRUE(stream_
+                    ->CopyToDevice(packed.buffer(), packed_poison.data(),
+                                   packed_poison.size())
+                    .ok());
+    ASSERT_TRUE(GatherKvSpan(*stream_, src.view, from, t0, count,
+                             packed.buffer().Slice(0, bytes))
+                    .ok());
+    std::vector<uint8_t> want = packed_poison;
+    for (int part = 0; part < 2 * s.layers; ++part) {
+      for (int i = 0; i < count; ++i) {
+        const int t = t0 + i;
+        const size_t from_slot =
+            static_cast<size_t>(from.blocks[t / s.src_block_size]) *
+                s.src_block_size +
+            t % s.src_block_size;
+        const size_t to_slot =
+            static_cast<size_t>(to.blocks[t / s.dst_block_size]) *
+                s.dst_block_size +
+            t % s.dst_block_size;
+        const auto row =
+            src.host.begin() + part * src_part + from_slot * s.token_bytes;
+        std::copy_n(row, s.token_bytes,
+                    want.begin() + (static_cast<size_t>(part) * count + i) *
+                                       s.token_bytes);
+        std::copy_n(
+            row, s.token_bytes,
+            want_dst.begin() + part * dst_part + to_slot * s.token_bytes);
+      }
+    }
+    std::vector<uint8_t> got(want.size());
+    ASSERT_TRUE(
+        stream_->CopyToHost(got.data(), packed.buffer(), got.size()).ok());
+    const auto mismatch =
+        std::mismatch(got.begin(), got.end(), want.begin()).first;
+    ASSERT_TRUE(mismatch == got.end())
+        << "gathered span differs at byte " << (mismatch - got.begin())
+        << " of " << got.size();
+    ASSERT_TRUE(ScatterKvSpan(*stream_, packed.buffer().Slice(0, bytes),
+                              dst.view, to, t0, count)
+                    .ok());
+    ASSERT_TRUE(stream_->Synchronize().ok());
+  }
+  std::vector<uint8_t> got(dst.memory.size_bytes());
+  ASSERT_TRUE(
+      stream_->CopyToHost(got.data(), dst.memory.buffer(), got.size()).ok());
+  const auto mismatch =
+      std::mismatch(got.begin(), got.end(), want_dst.begin()).first;
+  EXPECT_TRUE(mismatch == got.end())
+      << "scattered cache differs at byte " << (mismatch - got.begin())
+      << " of " << got.size();
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -1,10 +1,13 @@
 // Token-level KV copies between paged caches (what every transport does on
-// arrival), from a first token on (a prefix-cache hit), the NCCL transport's
-// packing, and the checks on a CUDA IPC export before it is trusted. On the
-// CPU backend; the CUDA IPC mapping and NCCL itself need GPUs.
+// arrival), from a first token on (a prefix-cache hit), packed token spans
+// (the gRPC stream's chunks and the NCCL payload), and the checks on a CUDA IPC
+// export before it is trusted. On the CPU backend; the CUDA IPC mapping and
+// NCCL itself need GPUs.
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -12,7 +15,7 @@
 #include "worker/runtime/stream.h"
 #include "worker/transfer/cuda_ipc_puller.h"
 #include "worker/transfer/kv_cache_view.h"
-#include "worker/transfer/nccl_transfer.h"
+#include "worker/transfer/kv_span_staging.h"
 
 namespace pdworker {
 namespace {
@@ -179,56 +182,165 @@ TEST_F(KvCopyTest, CopiesFromFirstTokenOnly) {
   }
 }
 
-// The NCCL transport's staging layout, on the CPU: packing tokens [5, 13)
-// fills exactly the payload ([layer][K, V][token], contiguous) after the
-// lead, and unpacking a copy of the payload (what ncclRecv delivers)
-// restores those tokens in a cache of another block size, leaving the
-// tokens before 5 alone.
-TEST_F(KvCopyTest, NcclStagingPacksTheTokensFromFirstToken) {
+// A packed span (a token-span chunk, the NCCL payload) on the CPU: packing
+// tokens [first, first + count) fills exactly view.BytesFor(count) bytes,
+// [layer][K, V][token] back to back, and nothing after them; unpacking a
+// copy (what the wire delivers) into a cache of another block size and
+// another block order restores those tokens and leaves every other token
+// alone. Spans straddle block boundaries on both sides.
+TEST_F(KvCopyTest, SpansPackAndUnpackEveryLayerOfARunOfTokens) {
   Cache src = MakeCache(device_, 8, 4);
   Cache dst = MakeCache(device_, 4, 8);
   const SequenceKv from = Seq({5, 1, 7, 2}, 13);
   const SequenceKv to = Seq({3, 0}, 13);
   Fill(*stream_, src.view, from, 0);
-  for (const int first : {0, 5, 12}) {
-    SCOPED_TRACE(first);
+  const std::vector<uint8_t> source = ReadAll(*stream_, src.view, from);
+  for (const auto& [first, count] : std::vector<std::pair<int, int>>{
+           {0, 13}, {5, 8}, {3, 6}, {12, 1}, {7, 2}}) {
+    SCOPED_TRACE(testing::Message() << first << "+" << count);
     Fill(*stream_, dst.view, to, 50 + first);
     const std::vector<uint8_t> before = ReadAll(*stream_, dst.view, to);
-    const size_t lead = NcclPayloadOffset(src.view, first);
-    const size_t payload = src.view.BytesFor(13 - first);
-    EXPECT_EQ(lead, first * kTokenBytes);
-    DeviceMemory sent = *device_.Allocate(lead + payload);
-    DeviceMemory received = *device_.Allocate(lead + payload);
+    const size_t payload = src.view.BytesFor(count);
+    DeviceMemory sent = *device_.Allocate(payload + 64);
     std::memset(sent.data(), 0xEE, sent.size_bytes());
-    std::memset(received.data(), 0xEE, received.size_bytes());
-    const SequenceKv packed_seq = Seq({0}, 13);
-    ASSERT_TRUE(CopyKvTokens(*stream_, src.view, from,
-                             NcclPackedView(src.view, sent.buffer(), first, 13),
-                             packed_seq, 13, KvCopyMethod::kAuto, first)
+    ASSERT_TRUE(GatherKvSpan(*stream_, src.view, from, first, count,
+                             sent.buffer().Slice(0, payload))
                     .ok());
+    ASSERT_TRUE(stream_->Synchronize().ok());
     const uint8_t* bytes = static_cast<const uint8_t*>(sent.data());
-    EXPECT_EQ(std::vector<uint8_t>(bytes, bytes + lead),
-              std::vector<uint8_t>(lead, 0xEE));
-    EXPECT_EQ(std::vector<uint8_t>(bytes + lead, bytes + lead + payload),
-              ReadFrom(*stream_, src.view, from, first));
-    std::memcpy(static_cast<uint8_t*>(received.data()) + lead, bytes + lead,
-                payload);
+    // [layer][K, V][token]: part p's rows are tokens [first, first + count)
+    // of ReadAll's part p (13 tokens per part).
+    std::vector<uint8_t> expected;
+    for (int part = 0; part < 2 * kLayers; ++part) {
+      const size_t at = (part * 13 + first) * kTokenBytes;
+      expected.insert(expected.end(), source.begin() + at,
+                      source.begin() + at + count * kTokenBytes);
+    }
+    EXPECT_EQ(std::vector<uint8_t>(bytes, bytes + payload), expected);
+    EXPECT_EQ(std::vector<uint8_t>(bytes + payload, bytes + payload + 64),
+              std::vector<uint8_t>(64, 0xEE));
+
+    DeviceMemory received = *device_.Allocate(payload);
+    std::memcpy(received.data(), bytes, payload);
     ASSERT_TRUE(
-        CopyKvTokens(*stream_,
-                     NcclPackedView(src.view, received.buffer(), first, 13),
-                     packed_seq, dst.view, to, 13, KvCopyMethod::kAuto, first)
+        ScatterKvSpan(*stream_, received.buffer(), dst.view, to, first, count)
             .ok());
-    EXPECT_EQ(ReadFrom(*stream_, dst.view, to, first),
-              ReadFrom(*stream_, src.view, from, first));
     const std::vector<uint8_t> after = ReadAll(*stream_, dst.view, to);
     for (int part = 0; part < 2 * kLayers; ++part) {
-      const size_t begin = part * 13 * kTokenBytes;
-      EXPECT_TRUE(std::equal(before.begin() + begin,
-                             before.begin() + begin + first * kTokenBytes,
-                             after.begin() + begin))
-          << "part " << part;
+      for (int t = 0; t < 13; ++t) {
+        const size_t at = (part * 13 + t) * kTokenBytes;
+        const std::vector<uint8_t>& want =
+            t >= first && t < first + count ? source : before;
+        EXPECT_TRUE(std::equal(want.begin() + at,
+                               want.begin() + at + kTokenBytes,
+                               after.begin() + at))
+            << "part " << part << " token " << t;
+      }
     }
   }
+}
+
+// Spans outside the sequence or its block table, and buffers too small,
+// are refused before anything is copied.
+TEST_F(KvCopyTest, SpansRefuseBadRangesAndSmallBuffers) {
+  Cache src = MakeCache(device_, 8, 4);
+  const SequenceKv from = Seq({5, 1, 7, 2}, 13);
+  Fill(*stream_, src.view, from, 0);
+  const std::vector<uint8_t> before = ReadAll(*stream_, src.view, from);
+  DeviceMemory buffer = *device_.Allocate(src.view.BytesFor(13));
+  std::memset(buffer.data(), 0xEE, buffer.size_bytes());
+  const std::vector<uint8_t> poison(buffer.size_bytes(), 0xEE);
+  struct Bad {
+    int first, count;
+    int64_t bytes;
+    SequenceKv seq;
+  };
+  const std::vector<Bad> bad = {
+      {-1, 2, src.view.BytesFor(2), from},
+      {12, 2, src.view.BytesFor(2), from},
+      {0, 0, src.view.BytesFor(1), from},
+      {3, 4, src.view.BytesFor(4) - 1, from},
+      {8, 5, src.view.BytesFor(5), Seq({5, 1}, 13)},  // table too short
+  };
+  for (const Bad& b : bad) {
+    SCOPED_TRACE(testing::Message() << b.first << "+" << b.count);
+    EXPECT_EQ(
+        GatherKvSpan(*stream_, src.view, b.seq, b.first, b.count,
+                     buffer.buffer().Slice(0, static_cast<size_t>(b.bytes)))
+            .code(),
+        absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(
+        ScatterKvSpan(*stream_,
+                      buffer.buffer().Slice(0, static_cast<size_t>(b.bytes)),
+                      src.view, b.seq, b.first, b.count)
+            .code(),
+        absl::StatusCode::kInvalidArgument);
+  }
+  ASSERT_TRUE(stream_->Synchronize().ok());
+  const uint8_t* bytes = static_cast<const uint8_t*>(buffer.data());
+  EXPECT_EQ(std::vector<uint8_t>(bytes, bytes + buffer.size_bytes()), poison);
+  EXPECT_EQ(ReadAll(*stream_, src.view, from), before);
+}
+
+// KvSpanStaging end to end, as a token-span stream uses it: the source
+// gathers span after span into its pinned buffer (each chunk's bytes taken
+// before the next gather), the puller scatters them through a staging that
+// starts too small and grows, and the pool lends idle stagings again.
+TEST_F(KvCopyTest, SpanStagingMovesASequenceChunkByChunk) {
+  Cache src = MakeCache(device_, 8, 4);
+  Cache dst = MakeCache(device_, 4, 8);
+  const SequenceKv from = Seq({5, 1, 7, 2}, 13);
+  const SequenceKv to = Seq({3, 0}, 13);
+  Fill(*stream_, src.view, from, 0);
+  Fill(*stream_, dst.view, to, 77);
+  const std::vector<uint8_t> before = ReadAll(*stream_, dst.view, to);
+
+  KvSpanStagingPool sources(device_, src.view.BytesFor(3), /*max_idle=*/1);
+  KvSpanStagingPool pullers(device_, src.view.BytesFor(1), /*max_idle=*/1);
+  absl::StatusOr<KvSpanStagingPool::Lease> out = sources.Acquire();
+  absl::StatusOr<KvSpanStagingPool::Lease> in = pullers.Acquire();
+  ASSERT_TRUE(out.ok() && in.ok());
+  const int first = 2;
+  for (int t = first; t < 13; t += 3) {
+    const int count = std::min(3, 13 - t);
+    ASSERT_TRUE((*out)->Gather(src.view, from, t, count).ok());
+    absl::StatusOr<const char*> bytes = (*out)->Gathered();
+    ASSERT_TRUE(bytes.ok());
+    const std::string chunk(*bytes, src.view.BytesFor(count));
+    ASSERT_TRUE((*in)->Scatter(chunk, dst.view, to, t, count).ok());
+  }
+  EXPECT_GE((*in)->capacity_bytes(), src.view.BytesFor(3));
+  ASSERT_TRUE((*in)->Synchronize().ok());
+  EXPECT_EQ(ReadFrom(*stream_, dst.view, to, first),
+            ReadFrom(*stream_, src.view, from, first));
+  const std::vector<uint8_t> after = ReadAll(*stream_, dst.view, to);
+  for (int part = 0; part < 2 * kLayers; ++part) {
+    const size_t begin = part * 13 * kTokenBytes;
+    EXPECT_TRUE(std::equal(before.begin() + begin,
+                           before.begin() + begin + first * kTokenBytes,
+                           after.begin() + begin))
+        << "part " << part;
+  }
+
+  // Too large a span for the source's staging, and bytes that are not the
+  // span's size, are refused.
+  EXPECT_EQ((*out)->Gather(src.view, from, 0, 4).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*in)->Scatter(std::string(5, 'x'), dst.view, to, 0, 1).code(),
+            absl::StatusCode::kInvalidArgument);
+
+  // Returned stagings are lent again, up to max_idle of them.
+  const KvSpanStaging* first_out = out->get();
+  out->reset();
+  EXPECT_EQ(sources.idle(), 1);
+  absl::StatusOr<KvSpanStagingPool::Lease> again = sources.Acquire();
+  absl::StatusOr<KvSpanStagingPool::Lease> extra = sources.Acquire();
+  ASSERT_TRUE(again.ok() && extra.ok());
+  EXPECT_EQ(again->get(), first_out);
+  EXPECT_NE(extra->get(), first_out);
+  again->reset();
+  extra->reset();
+  EXPECT_EQ(sources.idle(), 1);
 }
 
 // What a source puts into a CudaIpcExport, from its own view.

@@ -84,6 +84,12 @@ class MessageWriter : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     SerializeMessage(message, &write_buffer_);
     StartWrite(&write_buffer_);
   }
+  // A message the caller serialized itself (e.g. around bytes it did not
+  // want to copy twice).
+  void StartWriteBytes(grpc::ByteBuffer bytes) {
+    write_buffer_.Swap(&bytes);
+    StartWrite(&write_buffer_);
+  }
 
  private:
   grpc::ByteBuffer write_buffer_;

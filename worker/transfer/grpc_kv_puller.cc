@@ -4,12 +4,15 @@
 // raw messages (see KvChunkReader).
 #include <grpcpp/impl/codegen/proto_utils.h>
 #include <grpcpp/impl/codegen/sync_stream.h>
+#include <grpcpp/support/proto_buffer_reader.h>
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "glog/logging.h"
 #include "proto/worker.grpc.pb.h"
 #include "worker/server/status_mapping.h"
 #include "worker/transfer/kv_lease_table.h"
@@ -70,6 +73,37 @@ absl::Status ApplyChunk(const KvPullParams& p, const v1::KvChunk& chunk,
   return absl::OkStatus();
 }
 
+// A KV_CHUNK_LAYOUT_TOKEN_SPAN chunk: the next run of tokens of every
+// layer, uploaded and scattered through `staging`.
+absl::Status ApplySpanChunk(const KvPullParams& p, const v1::KvChunk& chunk,
+                            int32_t& next_token, KvSpanStaging& staging,
+                            KvTransferOutcome* outcome) {
+  *outcome = KvTransferOutcome::kMalformedStream;
+  const int32_t n = p.handle->num_tokens();
+  if (chunk.layer() != 0 || chunk.part() != v1::KvChunk::PART_UNSPECIFIED ||
+      chunk.first_token() != next_token || chunk.num_tokens() <= 0 ||
+      chunk.num_tokens() > n - next_token) {
+    return absl::InternalError(absl::StrCat(
+        "malformed KV stream: got a token span of layer ", chunk.layer(),
+        " part ", chunk.part(), " tokens [", chunk.first_token(), ", +",
+        chunk.num_tokens(), "), expected every layer from token ", next_token,
+        " of ", n));
+  }
+  const int64_t expected = p.view->BytesFor(chunk.num_tokens());
+  if (static_cast<int64_t>(chunk.data().size()) != expected) {
+    return absl::InternalError(absl::StrCat(
+        "malformed KV stream: a token span of ", chunk.num_tokens(),
+        " tokens has ", chunk.data().size(), " bytes, expected ", expected));
+  }
+  *outcome = KvTransferOutcome::kInternal;
+  absl::Status written =
+      staging.Scatter(chunk.data(), *p.view, *p.destination,
+                      chunk.first_token(), chunk.num_tokens());
+  if (!written.ok()) return written;
+  next_token += chunk.num_tokens();
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 KvChunkReader::KvChunkReader(grpc::Channel& channel,
@@ -86,16 +120,10 @@ KvChunkReader::KvChunkReader(grpc::Channel& channel,
 KvChunkReader::Next KvChunkReader::Read(v1::KvChunk* chunk) {
   grpc::ByteBuffer bytes;
   if (!reader_->Read(&bytes)) return Next::kEnd;
-  std::vector<grpc::Slice> slices;
-  bool parsed = false;
-  if (bytes.Dump(&slices).ok()) {
-    std::string joined;
-    joined.reserve(bytes.Length());
-    for (const grpc::Slice& s : slices) {
-      joined.append(reinterpret_cast<const char*>(s.begin()), s.size());
-    }
-    parsed = chunk->ParseFromString(joined);
-  }
+  // Parsed from the received slices in place: a chunk's bytes are copied
+  // once, into chunk->data.
+  grpc::ProtoBufferReader in(&bytes);
+  const bool parsed = chunk->ParseFromZeroCopyStream(&in) && in.status().ok();
   if (parsed) return Next::kChunk;
   context_->TryCancel();  // Finish() returns CANCELLED now
   return Next::kMalformed;
@@ -185,11 +213,26 @@ absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& p,
   const std::string& source = p.handle->source_address();
   grpc::ClientContext context;
   context.set_deadline(std::min(p.call_deadline, p.pull_deadline));
-  const v1::PullKvRequest request = PullRequestFor(p, "grpc");
+  v1::PullKvRequest request = PullRequestFor(p, "grpc");
+  KvSpanStagingPool::Lease staging;
+  if (p.span_stagings != nullptr) {
+    absl::StatusOr<KvSpanStagingPool::Lease> got = p.span_stagings->Acquire();
+    if (got.ok()) {
+      staging = *std::move(got);
+      request.set_chunk_layout(v1::KV_CHUNK_LAYOUT_TOKEN_SPAN);
+    } else {
+      LOG(WARNING) << "KV pull in layer runs (no token-span staging: "
+                   << got.status() << ")";
+    }
+  }
 
   int64_t bytes = 0;
-  Cursor cursor;
+  Cursor cursor;  // layer runs
   cursor.next_token = p.first_token;
+  int32_t span_next = p.first_token;  // token spans
+  // What the first chunk was; a source whose first chunk is a layer run
+  // predates token spans (it ignored chunk_layout). Never mixed.
+  std::optional<v1::KvChunkLayout> layout;
   absl::Status applied = absl::OkStatus();
   KvTransferOutcome outcome = KvTransferOutcome::kOk;
   KvChunkReader reader(*channels.Get(source), &context, request);
@@ -205,22 +248,42 @@ absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& p,
       break;
     }
     bytes += static_cast<int64_t>(chunk.data().size());
-    applied = ApplyChunk(p, chunk, cursor, &outcome);
+    if (!layout.has_value()) layout = chunk.chunk_layout();
+    if (chunk.chunk_layout() != *layout ||
+        (*layout == v1::KV_CHUNK_LAYOUT_TOKEN_SPAN && staging == nullptr) ||
+        (*layout != v1::KV_CHUNK_LAYOUT_TOKEN_SPAN &&
+         *layout != v1::KV_CHUNK_LAYOUT_LAYER_RUN)) {
+      outcome = KvTransferOutcome::kMalformedStream;
+      applied = absl::InternalError(absl::StrCat(
+          "malformed KV stream from ", source, ": a chunk of layout ",
+          chunk.chunk_layout(), " in a stream of layout ", *layout,
+          staging == nullptr ? " (layer runs were asked for)" : ""));
+    } else if (*layout == v1::KV_CHUNK_LAYOUT_TOKEN_SPAN) {
+      applied = ApplySpanChunk(p, chunk, span_next, *staging, &outcome);
+    } else {
+      applied = ApplyChunk(p, chunk, cursor, &outcome);
+    }
     if (!applied.ok()) {
       context.TryCancel();
       break;
     }
   }
   const grpc::Status finished = reader.Finish();
+  // Nothing may still write the reserved blocks when this returns: on an
+  // error the importer frees them.
+  const absl::Status scattered =
+      staging != nullptr ? staging->Synchronize() : absl::OkStatus();
   absl::Status result = applied;
   if (result.ok()) {
-    result =
-        ClassifyPullEnd(p, finished, cursor.layer == p.view->layout.num_layers,
-                        bytes, &outcome);
+    const bool complete = layout == v1::KV_CHUNK_LAYOUT_TOKEN_SPAN
+                              ? span_next == p.handle->num_tokens()
+                              : cursor.layer == p.view->layout.num_layers;
+    result = ClassifyPullEnd(p, finished, complete, bytes, &outcome);
   }
   if (result.ok()) {
     // Ordered before the engine's next step reads these blocks.
-    result = p.stream->Synchronize();
+    result = scattered;
+    if (result.ok()) result = p.stream->Synchronize();
     if (!result.ok()) outcome = KvTransferOutcome::kInternal;
   }
   RecordPullStats(stats, start, bytes, outcome);

@@ -2,7 +2,8 @@
 // Opens PullKv on the prefill worker named by the handle and writes each
 // chunk into the blocks reserved for the import, checking that the chunks
 // tile tokens [first_token, num_tokens) of every layer's K and V exactly
-// once, in order.
+// once, in order: token spans of every layer (one upload and one scatter
+// per chunk, KvSpanStaging) or, from sources that predate them, layer runs.
 #ifndef PDWORKER_WORKER_TRANSFER_GRPC_KV_PULLER_H_
 #define PDWORKER_WORKER_TRANSFER_GRPC_KV_PULLER_H_
 
@@ -21,6 +22,7 @@
 #include "worker/kv_cache/kv_cache_manager.h"
 #include "worker/runtime/stream.h"
 #include "worker/transfer/kv_cache_view.h"
+#include "worker/transfer/kv_span_staging.h"
 #include "worker/transfer/peer_channels.h"
 
 namespace pdworker {
@@ -49,6 +51,10 @@ struct KvPullParams {
   // prompt_token_ids; empty: none): sent for the source to check.
   absl::Span<const int32_t> token_ids;
   Stream* stream = nullptr;  // for the copies into the cache
+  // Token-span chunks' buffers (KvSpanStaging): the gRPC stream asks for
+  // KV_CHUNK_LAYOUT_TOKEN_SPAN when set (and a staging can be had), else
+  // for layer runs, copied block by block on `stream`.
+  KvSpanStagingPool* span_stagings = nullptr;
   // The import's own deadline (the ImportKv caller's) and the bound on the
   // pull (no progress from a hung source lasts longer than this).
   std::chrono::system_clock::time_point call_deadline;

@@ -27,16 +27,18 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = threadIdx.x; i < count * units; i += kThreads) {
     const int token = p.first_token + first + i / units;
     const int unit = i % units;
+    const int src_token = token - p.src_token_shift;
+    const int dst_token = token - p.dst_token_shift;
     const int64_t src_slot =
         static_cast<int64_t>(
-            p.src_blocks[token / p.src_block_size - p.src_first_block]) *
+            p.src_blocks[src_token / p.src_block_size - p.src_first_block]) *
             p.src_block_size +
-        token % p.src_block_size;
+        src_token % p.src_block_size;
     const int64_t dst_slot =
         static_cast<int64_t>(
-            p.dst_blocks[token / p.dst_block_size - p.dst_first_block]) *
+            p.dst_blocks[dst_token / p.dst_block_size - p.dst_first_block]) *
             p.dst_block_size +
-        token % p.dst_block_size;
+        dst_token % p.dst_block_size;
     dst[dst_slot * units + unit] = src[src_slot * units + unit];
   }
 }

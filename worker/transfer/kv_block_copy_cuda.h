@@ -37,6 +37,12 @@ struct KvBlockCopyCudaParams {
   int64_t token_bytes = 0;  // a multiple of 16
   int first_token = 0;      // tokens [first_token, first_token + num_tokens)
   int num_tokens = 0;
+  // Token t of the copy is token t - src_token_shift of the source sequence
+  // and t - dst_token_shift of the destination (0 for cache to cache; a
+  // packed span of tokens [first, ...) is a one-block sequence shifted by
+  // `first`). The block lists start at block (first_token - shift) / size.
+  int src_token_shift = 0;
+  int dst_token_shift = 0;
 };
 
 // Grid (ceil(num_tokens / 16), num_parts), 16-byte loads and stores.

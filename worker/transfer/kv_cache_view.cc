@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "pdw_cuda_config.h"  // PDW_HAVE_CUDA
 
 #if PDW_HAVE_CUDA
@@ -58,9 +59,29 @@ absl::Status ForEachBlockPiece(const KvCacheView& view, const SequenceKv& seq,
   return absl::OkStatus();
 }
 
+// One side of a token copy: token t of the copy is token t - token_shift
+// of `seq` in `view` (shift 0 between caches; a packed span of tokens
+// [first, ...) is a one-block sequence shifted by `first`).
+struct KvCopySide {
+  const KvCacheView* view = nullptr;
+  const SequenceKv* seq = nullptr;
+  int32_t token_shift = 0;
+
+  // The cache slot (block id * block_size + offset) of copy token `token`.
+  size_t Slot(int32_t token) const {
+    const int32_t t = token - token_shift;
+    return static_cast<size_t>(seq->blocks[t / view->block_size]) *
+               view->block_size +
+           t % view->block_size;
+  }
+  // Tokens from copy token `token` to the end of its block.
+  int32_t LeftInBlock(int32_t token) const {
+    return view->block_size - (token - token_shift) % view->block_size;
+  }
+};
+
 #if PDW_HAVE_CUDA
-// The batched CUDA copy (kv_block_copy_cuda.h) of tokens
-// [first_token, num_tokens),
+// The batched CUDA copy (kv_block_copy_cuda.h) of copy tokens [first, end),
 // in launches of at most kKvBlockCopyMaxBlocks blocks per side. False when
 // the views do not fit it (rows not whole 16-byte units, too many layers).
 bool FitsBatchedCopy(const KvCacheView& src, const KvCacheView& dst) {
@@ -81,41 +102,45 @@ bool FitsBatchedCopy(const KvCacheView& src, const KvCacheView& dst) {
   return true;
 }
 
-absl::Status BatchedCopyKvTokens(Stream& stream, const KvCacheView& src,
-                                 const SequenceKv& src_seq,
-                                 const KvCacheView& dst,
-                                 const SequenceKv& dst_seq, int32_t first_token,
-                                 int32_t num_tokens) {
+absl::Status BatchedCopy(Stream& stream, const KvCopySide& src,
+                         const KvCopySide& dst, int32_t first, int32_t end) {
   // Shared by every launch: the part pointers (~4 KB); the block lists are
   // refilled per launch.
   auto p = std::make_unique<KvBlockCopyCudaParams>();
-  p->num_parts = 2 * src.layout.num_layers;
-  for (int layer = 0; layer < src.layout.num_layers; ++layer) {
+  const int num_layers = src.view->layout.num_layers;
+  p->num_parts = 2 * num_layers;
+  for (int layer = 0; layer < num_layers; ++layer) {
     for (const KvCachePart part : {KvCachePart::kKey, KvCachePart::kValue}) {
       const int i = 2 * layer + (part == KvCachePart::kKey ? 0 : 1);
-      p->src[i] = static_cast<const char*>(src.Buffer(layer, part).data());
-      p->dst[i] = static_cast<char*>(dst.Buffer(layer, part).data());
+      p->src[i] =
+          static_cast<const char*>(src.view->Buffer(layer, part).data());
+      p->dst[i] = static_cast<char*>(dst.view->Buffer(layer, part).data());
     }
   }
-  p->src_block_size = src.block_size;
-  p->dst_block_size = dst.block_size;
-  p->token_bytes = static_cast<int64_t>(src.token_bytes);
+  p->src_block_size = src.view->block_size;
+  p->dst_block_size = dst.view->block_size;
+  p->token_bytes = static_cast<int64_t>(src.view->token_bytes);
+  p->src_token_shift = src.token_shift;
+  p->dst_token_shift = dst.token_shift;
   // A launch spans at most kKvBlockCopyMaxBlocks blocks on either side
   // wherever it starts within a block.
   const int32_t per_launch =
-      (kKvBlockCopyMaxBlocks - 1) * std::min(src.block_size, dst.block_size);
-  for (int32_t first = first_token; first < num_tokens; first += per_launch) {
-    const int32_t last = std::min(num_tokens, first + per_launch) - 1;
-    p->first_token = first;
-    p->num_tokens = last - first + 1;
-    p->src_first_block = first / src.block_size;
-    p->dst_first_block = first / dst.block_size;
-    std::copy(src_seq.blocks.begin() + p->src_first_block,
-              src_seq.blocks.begin() + last / src.block_size + 1,
-              p->src_blocks);
-    std::copy(dst_seq.blocks.begin() + p->dst_first_block,
-              dst_seq.blocks.begin() + last / dst.block_size + 1,
-              p->dst_blocks);
+      (kKvBlockCopyMaxBlocks - 1) *
+      std::min(src.view->block_size, dst.view->block_size);
+  for (int32_t from = first; from < end; from += per_launch) {
+    const int32_t last = std::min(end, from + per_launch) - 1;
+    p->first_token = from;
+    p->num_tokens = last - from + 1;
+    const auto fill = [&](const KvCopySide& side, int* first_block,
+                          int32_t* blocks) {
+      const int32_t bs = side.view->block_size;
+      *first_block = (from - side.token_shift) / bs;
+      std::copy(side.seq->blocks.begin() + *first_block,
+                side.seq->blocks.begin() + (last - side.token_shift) / bs + 1,
+                blocks);
+    };
+    fill(src, &p->src_first_block, p->src_blocks);
+    fill(dst, &p->dst_first_block, p->dst_blocks);
     const KvBlockCopyCudaParams* params = p.get();
     absl::Status launched = kernels::LaunchCudaOp(
         stream, "kv_block_copy", [params](const OpContext& ctx) {
@@ -129,6 +154,86 @@ absl::Status BatchedCopyKvTokens(Stream& stream, const KvCacheView& src,
   return absl::OkStatus();
 }
 #endif  // PDW_HAVE_CUDA
+
+// Copies copy tokens [first, end) of every layer's K and V from `src` to
+// `dst` (arguments checked by the callers).
+absl::Status CopyTokens(Stream& stream, const KvCopySide& src,
+                        const KvCopySide& dst, int32_t first, int32_t end,
+                        KvCopyMethod method) {
+#if PDW_HAVE_CUDA
+  if (method == KvCopyMethod::kAuto && stream.kind() == DeviceKind::kCuda &&
+      FitsBatchedCopy(*src.view, *dst.view)) {
+    return BatchedCopy(stream, src, dst, first, end);
+  }
+#else
+  static_cast<void>(method);  // without CUDA every copy is per block
+#endif
+  const size_t token_bytes = src.view->token_bytes;
+  for (int layer = 0; layer < src.view->layout.num_layers; ++layer) {
+    for (const KvCachePart part : {KvCachePart::kKey, KvCachePart::kValue}) {
+      const DeviceBuffer& from = src.view->Buffer(layer, part);
+      const DeviceBuffer& to = dst.view->Buffer(layer, part);
+      int32_t token = first;
+      // Runs contiguous on both sides: bounded by either side's block end.
+      while (token < end) {
+        const int32_t count = std::min(
+            {src.LeftInBlock(token), dst.LeftInBlock(token), end - token});
+        const size_t bytes = static_cast<size_t>(count) * token_bytes;
+        absl::Status copied = stream.CopyOnDevice(
+            to.Slice(dst.Slot(token) * token_bytes, bytes),
+            from.Slice(src.Slot(token) * token_bytes, bytes), bytes);
+        if (!copied.ok()) return copied;
+        token += count;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// A packed span buffer as a cache of one block of `num_tokens` tokens per
+// layer part, part 2 * layer + (K: 0, V: 1) at part * num_tokens *
+// token_bytes: the rows [layer][K, V][token] back to back.
+KvCacheView PackedSpanView(const KvCacheView& like, DeviceBuffer packed,
+                           int32_t num_tokens) {
+  KvCacheView view;
+  view.layout = like.layout;
+  view.block_size = num_tokens;
+  view.token_bytes = like.token_bytes;
+  view.allocation = packed;
+  const size_t part = static_cast<size_t>(num_tokens) * like.token_bytes;
+  for (int l = 0; l < like.layout.num_layers; ++l) {
+    view.keys.push_back(packed.Slice(2 * l * part, part));
+    view.values.push_back(packed.Slice((2 * l + 1) * part, part));
+  }
+  return view;
+}
+
+// Checks the arguments of GatherKvSpan / ScatterKvSpan.
+absl::Status CheckSpan(const KvCacheView& view, const SequenceKv& seq,
+                       int32_t first_token, int32_t num_tokens,
+                       const DeviceBuffer& packed) {
+  if (first_token < 0 || num_tokens <= 0 ||
+      first_token > seq.num_tokens - num_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tokens [", first_token, ", ", int64_t{first_token} + num_tokens,
+        ") outside the sequence's ", seq.num_tokens));
+  }
+  const int64_t blocks =
+      (int64_t{first_token} + num_tokens + view.block_size - 1) /
+      view.block_size;
+  if (static_cast<int64_t>(seq.blocks.size()) < blocks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a block table of ", seq.blocks.size(), " blocks cannot hold ",
+        first_token + num_tokens, " tokens"));
+  }
+  if (static_cast<int64_t>(packed.size_bytes()) < view.BytesFor(num_tokens)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a packed span of ", num_tokens, " tokens needs ",
+                     view.BytesFor(num_tokens), " bytes, the buffer has ",
+                     packed.size_bytes()));
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -188,45 +293,35 @@ absl::Status CopyKvTokens(Stream& stream, const KvCacheView& src,
         "block tables of ", src_seq.blocks.size(), " / ", dst_seq.blocks.size(),
         " blocks cannot hold ", num_tokens, " tokens"));
   }
-#if PDW_HAVE_CUDA
-  if (method == KvCopyMethod::kAuto && stream.kind() == DeviceKind::kCuda &&
-      FitsBatchedCopy(src, dst)) {
-    return BatchedCopyKvTokens(stream, src, src_seq, dst, dst_seq, first_token,
-                               num_tokens);
-  }
-#else
-  static_cast<void>(method);  // without CUDA every copy is per block
-#endif
-  for (int layer = 0; layer < src.layout.num_layers; ++layer) {
-    for (const KvCachePart part : {KvCachePart::kKey, KvCachePart::kValue}) {
-      const DeviceBuffer& from = src.Buffer(layer, part);
-      const DeviceBuffer& to = dst.Buffer(layer, part);
-      int32_t token = first_token;
-      // Runs contiguous on both sides: bounded by either side's block end.
-      while (token < num_tokens) {
-        const int32_t src_within = token % src.block_size;
-        const int32_t dst_within = token % dst.block_size;
-        const int32_t count =
-            std::min({src.block_size - src_within, dst.block_size - dst_within,
-                      num_tokens - token});
-        const size_t src_slot =
-            static_cast<size_t>(src_seq.blocks[token / src.block_size]) *
-                src.block_size +
-            src_within;
-        const size_t dst_slot =
-            static_cast<size_t>(dst_seq.blocks[token / dst.block_size]) *
-                dst.block_size +
-            dst_within;
-        const size_t bytes = static_cast<size_t>(count) * src.token_bytes;
-        absl::Status copied = stream.CopyOnDevice(
-            to.Slice(dst_slot * dst.token_bytes, bytes),
-            from.Slice(src_slot * src.token_bytes, bytes), bytes);
-        if (!copied.ok()) return copied;
-        token += count;
-      }
-    }
-  }
-  return absl::OkStatus();
+  const KvCopySide from{&src, &src_seq, 0};
+  const KvCopySide to{&dst, &dst_seq, 0};
+  return CopyTokens(stream, from, to, first_token, num_tokens, method);
+}
+
+absl::Status GatherKvSpan(Stream& stream, const KvCacheView& view,
+                          const SequenceKv& seq, int32_t first_token,
+                          int32_t num_tokens, DeviceBuffer packed) {
+  PDW_RETURN_IF_ERROR(CheckSpan(view, seq, first_token, num_tokens, packed));
+  const KvCacheView packed_view = PackedSpanView(view, packed, num_tokens);
+  SequenceKv packed_seq;
+  packed_seq.blocks = {0};
+  packed_seq.num_tokens = num_tokens;
+  return CopyTokens(stream, KvCopySide{&view, &seq, 0},
+                    KvCopySide{&packed_view, &packed_seq, first_token},
+                    first_token, first_token + num_tokens, KvCopyMethod::kAuto);
+}
+
+absl::Status ScatterKvSpan(Stream& stream, DeviceBuffer packed,
+                           const KvCacheView& view, const SequenceKv& seq,
+                           int32_t first_token, int32_t num_tokens) {
+  PDW_RETURN_IF_ERROR(CheckSpan(view, seq, first_token, num_tokens, packed));
+  const KvCacheView packed_view = PackedSpanView(view, packed, num_tokens);
+  SequenceKv packed_seq;
+  packed_seq.blocks = {0};
+  packed_seq.num_tokens = num_tokens;
+  return CopyTokens(stream, KvCopySide{&packed_view, &packed_seq, first_token},
+                    KvCopySide{&view, &seq, 0}, first_token,
+                    first_token + num_tokens, KvCopyMethod::kAuto);
 }
 
 }  // namespace pdworker

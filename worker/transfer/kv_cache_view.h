@@ -96,6 +96,22 @@ absl::Status CopyKvTokens(Stream& stream, const KvCacheView& src,
                           KvCopyMethod method = KvCopyMethod::kAuto,
                           int32_t first_token = 0);
 
+// A packed span: tokens [first_token, first_token + num_tokens) of every
+// layer's K and V in one buffer of view.BytesFor(num_tokens) bytes, rows
+// [layer][K, V][token] back to back (what a KV_CHUNK_LAYOUT_TOKEN_SPAN
+// chunk carries). GatherKvSpan packs them from `seq`'s blocks into `packed`
+// (device memory, at least that large), ScatterKvSpan unpacks them into
+// `seq`'s blocks: one kernel launch on CUDA (per kKvBlockCopyMaxBlocks
+// blocks), per-block copies elsewhere, enqueued on `stream`.
+// INVALID_ARGUMENT before anything is copied for tokens outside the
+// sequence or its block table, or a buffer too small.
+absl::Status GatherKvSpan(Stream& stream, const KvCacheView& view,
+                          const SequenceKv& seq, int32_t first_token,
+                          int32_t num_tokens, DeviceBuffer packed);
+absl::Status ScatterKvSpan(Stream& stream, DeviceBuffer packed,
+                           const KvCacheView& view, const SequenceKv& seq,
+                           int32_t first_token, int32_t num_tokens);
+
 // Copies host bytes `src` into a run of `seq`'s blocks on `stream` (the copy
 // is complete, or at least ordered before later work on `stream`, when this
 // returns; call stream.Synchronize() before other streams read it).

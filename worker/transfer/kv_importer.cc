@@ -50,7 +50,12 @@ KvImporter::KvImporter(Engine& engine, Device& device, KvCacheView view,
       metrics_(metrics),
       host_id_(HostId()),
       nccl_comms_(nccl_comms),
-      nccl_puller_id_(RandomHexId()) {
+      nccl_puller_id_(RandomHexId()),
+      span_stagings_(device,
+                     static_cast<size_t>(view_.BytesFor(std::max<int64_t>(
+                         1, static_cast<int64_t>(options.span_staging_bytes) /
+                                std::max<int64_t>(1, view_.BytesFor(1))))),
+                     options.num_threads) {
   CHECK_GT(options.num_threads, 0);
   for (int i = 0; i < options.num_threads; ++i) {
     threads_.emplace_back([this] { Work(); });
@@ -197,6 +202,9 @@ absl::StatusOr<KvImportResult> KvImporter::RunJob(
     params.first_token = cached;
     params.token_ids = token_ids;
     params.stream = stream->get();
+    if (options_.stream_chunk_layout == v1::KV_CHUNK_LAYOUT_TOKEN_SPAN) {
+      params.span_stagings = &span_stagings_;
+    }
     params.call_deadline = request.deadline;
     params.pull_deadline =
         std::chrono::system_clock::now() + options_.pull_timeout;

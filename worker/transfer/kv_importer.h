@@ -43,6 +43,7 @@
 #include "worker/transfer/cuda_ipc.h"
 #include "worker/transfer/grpc_kv_puller.h"
 #include "worker/transfer/kv_cache_view.h"
+#include "worker/transfer/kv_span_staging.h"
 #include "worker/transfer/nccl_comm_cache.h"
 #include "worker/transfer/peer_channels.h"
 
@@ -56,6 +57,13 @@ struct KvImporterOptions {
   // import is queued or running; 0 = never renew. Keep it below the
   // sources' TTL (30 s by default).
   std::chrono::milliseconds renew_margin{5000};
+  // How pulls over the gRPC stream ask for chunks: token spans (one upload
+  // and one scatter per chunk) or layer runs (block by block; what older
+  // pullers get, kept for comparison).
+  v1::KvChunkLayout stream_chunk_layout = v1::KV_CHUNK_LAYOUT_TOKEN_SPAN;
+  // The token-span staging a pull starts with (grown to the source's chunk
+  // size when larger); one per concurrent pull is kept.
+  size_t span_staging_bytes = 256 << 10;
 };
 
 struct KvImportResult {
@@ -140,6 +148,7 @@ class KvImporter {
   NcclCommCache* const nccl_comms_;  // null: no NCCL pulls
   // PullKvRequest.nccl_puller_id: random, new at every start.
   const std::string nccl_puller_id_;
+  KvSpanStagingPool span_stagings_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -1,8 +1,13 @@
 #include "worker/transfer/kv_transfer_service.h"
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/wire_format_lite.h>
+#include <grpc/slice.h>
+
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -89,8 +94,36 @@ int32_t FirstDifference(absl::Span<const int32_t> ids, const SequenceKv& kv) {
   return -1;
 }
 
-// One PullKv stream. Walks (layer, K then V, token runs) and writes one
-// chunk at a time; gRPC deletes it in OnDone, which ends the pull.
+// A KV_CHUNK_LAYOUT_TOKEN_SPAN chunk of tokens [first_token, first_token +
+// num_tokens) carrying `size` bytes of `data`, serialized by hand so that
+// the bytes are copied once, from the pinned staging into the message's
+// slice (protobuf would copy them into the message, then into the slice).
+grpc::ByteBuffer SerializeSpanChunk(int32_t first_token, int32_t num_tokens,
+                                    const char* data, size_t size) {
+  using google::protobuf::internal::WireFormatLite;
+  using google::protobuf::io::CodedOutputStream;
+  v1::KvChunk header;
+  header.set_first_token(first_token);
+  header.set_num_tokens(num_tokens);
+  header.set_chunk_layout(v1::KV_CHUNK_LAYOUT_TOKEN_SPAN);
+  const size_t header_size = header.ByteSizeLong();
+  const uint32_t data_tag = WireFormatLite::MakeTag(
+      v1::KvChunk::kDataFieldNumber, WireFormatLite::WIRETYPE_LENGTH_DELIMITED);
+  const size_t total = header_size + CodedOutputStream::VarintSize32(data_tag) +
+                       CodedOutputStream::VarintSize64(size) + size;
+  grpc_slice slice = grpc_slice_malloc(total);
+  uint8_t* out = GRPC_SLICE_START_PTR(slice);
+  out = header.SerializeWithCachedSizesToArray(out);
+  out = CodedOutputStream::WriteTagToArray(data_tag, out);
+  out = CodedOutputStream::WriteVarint64ToArray(size, out);
+  std::memcpy(out, data, size);
+  grpc::Slice owned(slice, grpc::Slice::STEAL_REF);
+  return grpc::ByteBuffer(&owned, 1);
+}
+
+// One PullKv stream. Walks (layer, K then V, token runs), or token spans of
+// every layer, and writes one chunk at a time; gRPC deletes it in OnDone,
+// which ends the pull.
 class PullReactor final : public MessageWriter {
  public:
   PullReactor(KvLeaseTable& leases, Device& device, const KvCacheView& view,
@@ -114,6 +147,8 @@ class PullReactor final : public MessageWriter {
     Finish(ToGrpcStatus(status));
   }
 
+  // Serve the lease in token spans staged through `pool`'s buffers.
+  void UseTokenSpans(KvSpanStagingPool* pool) { span_pool_ = pool; }
   // Serve the lease as one CUDA IPC export instead of its bytes.
   void UseCudaIpc(const std::string& handle) { ipc_handle_ = handle; }
   // Serve the lease over NCCL through `comm` (rank 1), sending on `sender`;
@@ -182,6 +217,10 @@ class PullReactor final : public MessageWriter {
     first_token_ = first_token;
     next_token_ = first_token;
     grant_ = std::move(*grant);
+    if (span_pool_ != nullptr) {
+      StartSpans();
+      return;
+    }
     absl::StatusOr<std::unique_ptr<Stream>> stream = device_.CreateStream();
     if (!stream.ok()) {
       outcome_ = KvTransferOutcome::kInternal;
@@ -216,6 +255,11 @@ class PullReactor final : public MessageWriter {
       if (nccl_comm_.has_value()) nccl_comm_->Drop();
       outcome_ = KvTransferOutcome::kCancelled;
       FinishPull(absl::CancelledError("the puller went away mid-stream"));
+      return;
+    }
+    if (staging_ != nullptr) {
+      bytes_ += view_.BytesFor(written_span_tokens_);
+      WriteSpan();
       return;
     }
     bytes_ += static_cast<int64_t>(chunk_.data().size());
@@ -276,6 +320,62 @@ class PullReactor final : public MessageWriter {
       }
     }
     StartWriteMessage(chunk_);
+  }
+
+  void StartSpans() {
+    absl::StatusOr<KvSpanStagingPool::Lease> staging = span_pool_->Acquire();
+    if (!staging.ok()) {
+      outcome_ = KvTransferOutcome::kInternal;
+      FinishPull(staging.status());
+      return;
+    }
+    staging_ = *std::move(staging);
+    span_tokens_ = static_cast<int32_t>(std::max<int64_t>(
+        1,
+        static_cast<int64_t>(staging_->capacity_bytes()) / view_.BytesFor(1)));
+    next_token_ = first_token_;
+    if (GatherSpan()) WriteSpan();
+  }
+
+  // Enqueues the gather of the span after the last one; false (the pull
+  // finished with the error) when it could not.
+  bool GatherSpan() {
+    gathered_first_ = next_token_;
+    gathered_tokens_ =
+        std::min(span_tokens_, grant_.kv.num_tokens - next_token_);
+    const absl::Status gathered =
+        staging_->Gather(view_, grant_.kv, gathered_first_, gathered_tokens_);
+    if (!gathered.ok()) {
+      outcome_ = KvTransferOutcome::kInternal;
+      FinishPull(absl::InternalError(
+          absl::StrCat("reading KV: ", gathered.message())));
+      return false;
+    }
+    next_token_ += gathered_tokens_;
+    return true;
+  }
+
+  // Writes the gathered span and gathers the next one while it goes out.
+  void WriteSpan() {
+    if (gathered_tokens_ == 0) {
+      sent_all_ = true;
+      FinishPull(absl::OkStatus());
+      return;
+    }
+    absl::StatusOr<const char*> bytes = staging_->Gathered();
+    if (!bytes.ok()) {
+      outcome_ = KvTransferOutcome::kInternal;
+      FinishPull(absl::InternalError(
+          absl::StrCat("reading KV: ", bytes.status().message())));
+      return;
+    }
+    grpc::ByteBuffer chunk = SerializeSpanChunk(
+        gathered_first_, gathered_tokens_, *bytes,
+        static_cast<size_t>(view_.BytesFor(gathered_tokens_)));
+    written_span_tokens_ = gathered_tokens_;
+    gathered_tokens_ = 0;
+    if (next_token_ < grant_.kv.num_tokens && !GatherSpan()) return;
+    StartWriteBytes(std::move(chunk));
   }
 
   // One chunk saying where the lease lives. The lease stays pullable (see
@@ -357,6 +457,14 @@ class PullReactor final : public MessageWriter {
   NcclSender* nccl_sender_ = nullptr;
   std::chrono::steady_clock::time_point nccl_deadline_;
   bool nccl_ready_sent_ = false;
+  // Token spans: the pool and, once granted, the staging; the span gathered
+  // (0 tokens: none left) and the one being written.
+  KvSpanStagingPool* span_pool_ = nullptr;
+  KvSpanStagingPool::Lease staging_;
+  int32_t span_tokens_ = 0;
+  int32_t gathered_first_ = 0;
+  int32_t gathered_tokens_ = 0;
+  int32_t written_span_tokens_ = 0;
 };
 
 }  // namespace
@@ -407,7 +515,12 @@ KvTransferService::KvTransferService(KvLeaseTable& leases, Device& device,
       options_(options),
       metrics_(metrics),
       nccl_comms_(nccl_comms),
-      epoch_(RandomHexId()) {
+      epoch_(RandomHexId()),
+      span_stagings_(device,
+                     static_cast<size_t>(view_.BytesFor(std::max<int64_t>(
+                         1, static_cast<int64_t>(options.max_chunk_bytes) /
+                                std::max<int64_t>(1, view_.BytesFor(1))))),
+                     options.max_idle_span_stagings) {
   if (nccl_comms_ != nullptr) nccl_sender_ = std::make_unique<NcclSender>();
   if (device.kind() == DeviceKind::kCuda && !view_.allocation.empty()) {
     absl::StatusOr<std::string> handle = ExportCudaIpcHandle(view_.allocation);
@@ -448,12 +561,31 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvTransferService::PullKv(
     return reactor;
   }
   const std::string& transport = request->transport();
+  const v1::KvChunkLayout chunk_layout = request->chunk_layout();
+  if (allowed.ok() && !v1::KvChunkLayout_IsValid(chunk_layout)) {
+    reactor->Refuse(absl::InvalidArgumentError(absl::StrCat(
+        "chunk_layout=", chunk_layout,
+        " is not a KvChunkLayout this worker knows (0: LAYER_RUN, 1: "
+        "TOKEN_SPAN)")));
+    return reactor;
+  }
+  if (allowed.ok() && chunk_layout != v1::KV_CHUNK_LAYOUT_LAYER_RUN &&
+      !transport.empty() && transport != "grpc") {
+    reactor->Refuse(absl::InvalidArgumentError(absl::StrCat(
+        "chunk_layout=", v1::KvChunkLayout_Name(chunk_layout),
+        " with transport '", transport,
+        "': only the gRPC stream (transport \"grpc\") has chunks")));
+    return reactor;
+  }
   if (allowed.ok() && !transport.empty() && transport != "grpc" &&
       !(transport == "cuda_ipc" && offers_cuda_ipc()) &&
       !(transport == "nccl" && offers_nccl())) {
     reactor->Refuse(absl::UnimplementedError(
         absl::StrCat("this worker offers no KV transport '", transport, "'")));
     return reactor;
+  }
+  if (chunk_layout == v1::KV_CHUNK_LAYOUT_TOKEN_SPAN) {
+    reactor->UseTokenSpans(&span_stagings_);
   }
   if (transport == "cuda_ipc") reactor->UseCudaIpc(ipc_handle_);
   if (allowed.ok() && transport == "nccl") {

@@ -1,6 +1,7 @@
 // KvTransferService: the source side of the KV handoff (pdworker.v1.
 // KvTransfer). PullKv streams a held lease's K/V from the request's
-// first_token on, layer by layer, in chunks of whole source blocks with one
+// first_token on, in token spans of every layer (KvSpanStaging) or, for
+// older pullers, layer by layer in chunks of whole source blocks, with one
 // chunk in flight (gRPC flow control paces it to the puller); ReleaseKv
 // frees a lease.
 //
@@ -22,14 +23,19 @@
 #include "worker/runtime/device.h"
 #include "worker/transfer/kv_cache_view.h"
 #include "worker/transfer/kv_lease_table.h"
+#include "worker/transfer/kv_span_staging.h"
 #include "worker/transfer/nccl_comm_cache.h"
 
 namespace pdworker {
 
 struct KvTransferServiceOptions {
-  // Upper bound on one KvChunk's payload; chunks hold whole source blocks
-  // (at least one), so a chunk may exceed it when one block is larger.
+  // Upper bound on one KvChunk's payload. Token spans hold as many tokens
+  // as fit (at least one); layer runs whole source blocks (at least one).
+  // Either may exceed it when one token (one block) is larger.
   size_t max_chunk_bytes = 256 << 10;
+  // Token-span stagings (device + pinned host buffers of one chunk each)
+  // kept between pulls; concurrent pulls beyond it allocate their own.
+  int max_idle_span_stagings = 4;
 };
 
 class NcclSender;
@@ -86,6 +92,9 @@ class KvTransferService final : public RawKvTransferService {
   NcclCommCache* const nccl_comms_;          // null: no NCCL
   std::unique_ptr<NcclSender> nccl_sender_;  // null: no NCCL
   const std::string epoch_;
+  // Token-span chunks' buffers; after everything a pull uses, so that the
+  // pulls (which hold stagings) end before it goes.
+  KvSpanStagingPool span_stagings_;
 };
 
 // v1::KvLayout <-> KvLayoutInfo.

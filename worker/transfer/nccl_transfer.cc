@@ -20,31 +20,6 @@
 
 namespace pdworker {
 
-size_t NcclPayloadOffset(const KvCacheView& like, int32_t first_token) {
-  return static_cast<size_t>(first_token) * like.token_bytes;
-}
-
-KvCacheView NcclPackedView(const KvCacheView& like, DeviceBuffer staging,
-                           int32_t first_token, int32_t num_tokens) {
-  // Part i starts (num_tokens - first_token) tokens after part i - 1 and
-  // spans num_tokens tokens, so that its tokens from first_token on (the
-  // only ones copied) follow part i - 1's: slices overlap only in tokens
-  // nobody touches.
-  KvCacheView packed;
-  packed.layout = like.layout;
-  packed.block_size = num_tokens;
-  packed.token_bytes = like.token_bytes;
-  packed.allocation = staging;
-  const size_t part =
-      static_cast<size_t>(num_tokens - first_token) * like.token_bytes;
-  const size_t span = static_cast<size_t>(num_tokens) * like.token_bytes;
-  for (int l = 0; l < like.layout.num_layers; ++l) {
-    packed.keys.push_back(staging.Slice(2 * l * part, span));
-    packed.values.push_back(staging.Slice((2 * l + 1) * part, span));
-  }
-  return packed;
-}
-
 namespace {
 
 // Packs (source) or unpacks (puller) around one transfer through `comm`.
@@ -57,24 +32,16 @@ absl::Status Transfer(const NcclKvParams& p, NcclRank rank,
   // Also makes the device current on this thread, which a join needs.
   absl::StatusOr<std::unique_ptr<Stream>> stream = p.device->CreateStream();
   if (!stream.ok()) return stream.status();
-  // What moves: the payload after NcclPayloadOffset (see NcclPackedView).
-  const size_t bytes =
-      static_cast<size_t>(p.view->BytesFor(p.num_tokens - p.first_token));
-  const size_t lead = NcclPayloadOffset(*p.view, p.first_token);
-  absl::StatusOr<DeviceMemory> staging = p.device->Allocate(lead + bytes);
+  // What moves: tokens [first_token, num_tokens) as one packed span.
+  const int32_t count = p.num_tokens - p.first_token;
+  const size_t bytes = static_cast<size_t>(p.view->BytesFor(count));
+  absl::StatusOr<DeviceMemory> staging = p.device->Allocate(bytes);
   if (!staging.ok()) return staging.status();
-  void* payload = static_cast<char*>(staging->data()) + lead;
-  const KvCacheView packed =
-      NcclPackedView(*p.view, staging->buffer(), p.first_token, p.num_tokens);
-  SequenceKv packed_seq;
-  packed_seq.blocks = {0};
-  packed_seq.num_tokens = p.num_tokens;
-
+  void* payload = staging->data();
   if (rank == NcclRank::kSource) {
-    absl::Status copied =
-        CopyKvTokens(**stream, *p.view, *p.seq, packed, packed_seq,
-                     p.num_tokens, KvCopyMethod::kAuto, p.first_token);
-    if (!copied.ok()) return copied;
+    absl::Status packed = GatherKvSpan(**stream, *p.view, *p.seq, p.first_token,
+                                       count, staging->buffer());
+    if (!packed.ok()) return packed;
   }
   // A failed call aborts the communicator before returning, so nothing
   // still writes into `staging` when it is freed.
@@ -85,11 +52,10 @@ absl::Status Transfer(const NcclKvParams& p, NcclRank rank,
                 : comm.Recv(payload, bytes, **stream, p.deadline);
   }
   if (!moved.ok() || rank == NcclRank::kSource) return moved;
-  absl::Status copied =
-      CopyKvTokens(**stream, packed, packed_seq, *p.view, *p.seq, p.num_tokens,
-                   KvCopyMethod::kAuto, p.first_token);
-  if (copied.ok()) copied = (*stream)->Synchronize();
-  return copied;
+  absl::Status unpacked = ScatterKvSpan(**stream, staging->buffer(), *p.view,
+                                        *p.seq, p.first_token, count);
+  if (unpacked.ok()) unpacked = (*stream)->Synchronize();
+  return unpacked;
 }
 
 }  // namespace

@@ -51,18 +51,6 @@ inline constexpr size_t kNcclCommDeviceBytes = size_t{80} << 20;
 // UNIMPLEMENTED.
 std::unique_ptr<NcclCommFactory> NewNcclCommFactory();
 
-// The staging buffer of a transfer of tokens [first_token, num_tokens):
-// NcclPayloadOffset(like, first_token) bytes (first_token tokens' rows),
-// then the payload that moves, BytesFor(num_tokens - first_token) bytes laid
-// out [layer][K, V][token]. As a KvCacheView of one block of num_tokens
-// tokens per layer part (block table {0}), CopyKvTokens with `first_token`
-// packs a sequence's tokens into the payload and unpacks them from it; the
-// parts' slices overlap only in tokens before first_token, which are never
-// copied.
-size_t NcclPayloadOffset(const KvCacheView& like, int32_t first_token);
-KvCacheView NcclPackedView(const KvCacheView& like, DeviceBuffer staging,
-                           int32_t first_token, int32_t num_tokens);
-
 struct NcclKvParams {
   Device* device = nullptr;
   const KvCacheView* view = nullptr;
