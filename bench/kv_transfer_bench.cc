@@ -40,9 +40,15 @@
 //
 // --transports measures each listed transport in turn by offering only it in
 // the handle given to ImportKv (default: whatever ImportKv negotiates).
+// --chunk_layouts measures the gRPC stream's token spans and layer runs in
+// turn (in-process, a decode worker each; against --decode_target, start
+// one per --kv_pull_chunks value and run the bench once for each).
+// --decode_loads=0,64 measures idle and again while 64 sequences keep
+// decoding on the decode worker.
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -82,6 +88,11 @@ ABSL_FLAG(std::vector<std::string>, chunk_layouts,
           "the raw PullKv asks for each, and in-process a decode worker per "
           "layout imports with it (against --decode_target, ImportKv uses "
           "whatever that worker's --kv_pull_chunks says).");
+ABSL_FLAG(std::vector<std::string>, decode_loads,
+          std::vector<std::string>({"0"}),
+          "Sequences the decode worker keeps decoding (one Forward of all of "
+          "them after another, from a thread of this process) while the "
+          "imports are measured, one setting after the other: 0 = idle.");
 ABSL_FLAG(std::string, prefill_target, "",
           "host:port of a running prefill pdworker (with --decode_target and "
           "--aggregated_target); empty: start three workers in-process.");
@@ -171,7 +182,13 @@ std::unique_ptr<Worker> StartWorker(
   auto w = std::make_unique<Worker>();
   ModelRunnerOptions o;
   o.role = role;  // the role's default graph mode and capture sizes
+  // Room for --decode_loads' sequences beside the measured ones.
   o.max_num_seqs = 8;
+  for (const std::string& load : absl::GetFlag(FLAGS_decode_loads)) {
+    int n = 0;
+    if (absl::SimpleAtoi(load, &n))
+      o.max_num_seqs = std::max(o.max_num_seqs, n + 8);
+  }
   o.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
   o.max_model_len = kMaxModelLen;
   o.kv_cache_bytes = int64_t{64} << 20;  // 32k tokens of 2 KiB
@@ -264,18 +281,73 @@ double StepMillis(const v1::ForwardResponse& r) {
 // Until the prefill worker has freed every lease (the decode worker calls
 // ReleaseKv just after answering ImportKv) and both workers hold no KV, so
 // that one repetition's leftovers never overlap the next one's timings.
-void WaitIdle(Worker& w) {
+// `background`: sequences a DecodeLoad keeps on `w` (their blocks are not
+// checked then).
+void WaitIdle(Worker& w, int background = 0) {
   const auto give_up = Clock::now() + std::chrono::seconds(30);
   for (;;) {
     const v1::WorkerStatus s = w.Status();
-    if (s.kv_leases() == 0 && s.kv_imports() == 0 && s.num_sequences() == 0 &&
-        s.kv_blocks_free() == s.kv_blocks_total()) {
+    if (s.kv_leases() == 0 && s.kv_imports() == 0 &&
+        s.num_sequences() <= background &&
+        (background > 0 || s.kv_blocks_free() == s.kv_blocks_total())) {
       return;
     }
     CHECK(Clock::now() < give_up) << "worker not idle: " << s.DebugString();
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
 }
+
+// `n` sequences decoding on a worker, from a thread: one Forward of all of
+// them after another (the engine runs them as one batch), restarted every
+// 256 steps so that they never reach max_model_len. Stopped and released
+// on destruction.
+class DecodeLoad {
+ public:
+  DecodeLoad(Worker& w, int n) : w_(w), n_(n) {
+    if (n_ > 0) thread_ = std::thread([this] { Run(); });
+  }
+  ~DecodeLoad() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  int steps() const { return steps_; }
+
+ private:
+  void Run() {
+    while (!stop_) {
+      std::vector<int32_t> next(n_);
+      for (int step = 0; step < 256 && !stop_; ++step) {
+        v1::ForwardRequest request;
+        for (int i = 0; i < n_; ++i) {
+          v1::SequenceInput* in = request.add_sequences();
+          in->set_sequence_id(absl::StrCat("load-", generation_, "-", i));
+          if (step == 0) {
+            for (int32_t t : Prompt(16, 1000 + i)) in->add_token_ids(t);
+          } else {
+            in->add_token_ids(next[i]);
+          }
+          in->set_start(step == 0);
+          in->set_release_after_step(step == 255 || stop_);
+        }
+        grpc::ClientContext context;
+        v1::ForwardResponse response;
+        const grpc::Status s = w_.stub->Forward(&context, request, &response);
+        CHECK(s.ok()) << "decode load: " << s.error_message();
+        for (int i = 0; i < n_; ++i) next[i] = response.sequences(i).token_id();
+        ++steps_;
+        if (request.sequences(0).release_after_step()) break;
+      }
+      ++generation_;
+    }
+  }
+
+  Worker& w_;
+  const int n_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> steps_{0};
+  int generation_ = 0;
+  std::thread thread_;
+};
 
 // One prompt length's samples, milliseconds unless named otherwise.
 struct Samples {
@@ -285,6 +357,7 @@ struct Samples {
   std::vector<double> pd_prefill, pd_prefill_step, import_wall, import_server,
       transfer, pd_decode, pd_total;
   std::string chunk_layout;  // the gRPC stream's, for the raw PullKv
+  int decode_load = 0;       // sequences decoding beside the imports
   // b. raw PullKv
   std::vector<double> raw_pull;
   int64_t raw_bytes = 0;
@@ -300,6 +373,8 @@ class Bench {
 
   // Only `transport` is offered to ImportKv from now on ("": all offered).
   void set_transport(const std::string& transport) { transport_ = transport; }
+  // Sequences a DecodeLoad keeps on the decode worker from now on.
+  void set_decode_load(int n) { decode_load_ = n; }
   // The raw PullKv asks for `layout`; `decode` imports from now on.
   void set_chunk_layout(v1::KvChunkLayout layout, Worker* decode) {
     chunk_layout_ = layout;
@@ -352,7 +427,7 @@ class Bench {
       out->pd_total.push_back(prefill_ms + import_ms + decode_ms);
     }
     WaitIdle(prefill_);
-    WaitIdle(*decode_);
+    WaitIdle(*decode_, decode_load_);
 
     // b. Raw PullKv: read the chunks, install nothing.
     const v1::ForwardResponse held2 =
@@ -388,6 +463,7 @@ class Bench {
       out->raw_pull.push_back(pull_ms);
       out->raw_bytes = bytes;
       out->raw_chunks = chunks;
+      out->decode_load = decode_load_;
       out->chunk_layout = chunk_layout_ == v1::KV_CHUNK_LAYOUT_TOKEN_SPAN
                               ? "token_span"
                               : "layer_run";
@@ -421,6 +497,7 @@ class Bench {
   Worker* decode_;
   Worker& both_;
   v1::KvChunkLayout chunk_layout_ = v1::KV_CHUNK_LAYOUT_TOKEN_SPAN;
+  int decode_load_ = 0;
   std::vector<std::string> offered_transports_;  // KvHandle.transports
   std::string transport_;
 };
@@ -429,8 +506,13 @@ double MBps(int64_t bytes, double ms) { return bytes / (ms * 1e3); }
 
 // A row's transport, with the chunk layout where there are chunks.
 std::string Label(const Samples& s) {
-  return s.transport == "grpc" ? absl::StrCat("grpc ", s.chunk_layout)
-                               : s.transport;
+  std::string label = s.transport == "grpc"
+                          ? absl::StrCat("grpc ", s.chunk_layout)
+                          : s.transport;
+  if (s.decode_load > 0) {
+    absl::StrAppend(&label, ", decode busy with ", s.decode_load, " seqs");
+  }
+  return label;
 }
 
 int Main(int argc, char** argv) {
@@ -500,27 +582,39 @@ int Main(int argc, char** argv) {
   std::vector<Samples> results;
   std::vector<int> row_lens;
   int salt = 0;
-  for (const std::string& transport : transports) {
-    bench.set_transport(transport);
-    for (size_t c = 0; c < chunk_layouts.size(); ++c) {
-      // Chunks exist only on the gRPC stream: one layout for the others.
-      if (c > 0 && !transport.empty() && transport != "grpc") break;
-      bench.set_chunk_layout(chunk_layouts[c],
-                             c == 0 || other_decodes.empty()
-                                 ? decode.get()
-                                 : other_decodes[c - 1].get());
-      for (const int len : lens) {
-        const auto t0 = Clock::now();
-        Samples samples;
-        bench.Rep(len, ++salt, nullptr);  // warm-up
-        for (int r = 0; r < reps; ++r) bench.Rep(len, ++salt, &samples);
-        CHECK_EQ(samples.kv_bytes, token_bytes * len);
-        CHECK_EQ(samples.raw_bytes, samples.kv_bytes);
-        std::fprintf(stderr, "%s prompt %d: %d reps in %.1f s\n",
-                     Label(samples).c_str(), len, reps,
-                     std::chrono::duration<double>(Clock::now() - t0).count());
-        results.push_back(std::move(samples));
-        row_lens.push_back(len);
+  std::vector<int> loads;
+  for (const std::string& text : absl::GetFlag(FLAGS_decode_loads)) {
+    int n = 0;
+    CHECK(absl::SimpleAtoi(text, &n) && n >= 0) << "--decode_loads: " << text;
+    loads.push_back(n);
+  }
+  for (const int load : loads) {
+    bench.set_decode_load(load);
+    for (const std::string& transport : transports) {
+      bench.set_transport(transport);
+      for (size_t c = 0; c < chunk_layouts.size(); ++c) {
+        // Chunks exist only on the gRPC stream: one layout for the others.
+        if (c > 0 && !transport.empty() && transport != "grpc") break;
+        Worker* importer = c == 0 || other_decodes.empty()
+                               ? decode.get()
+                               : other_decodes[c - 1].get();
+        bench.set_chunk_layout(chunk_layouts[c], importer);
+        const DecodeLoad busy(*importer, load);
+        for (const int len : lens) {
+          const auto t0 = Clock::now();
+          Samples samples;
+          bench.Rep(len, ++salt, nullptr);  // warm-up
+          for (int r = 0; r < reps; ++r) bench.Rep(len, ++salt, &samples);
+          CHECK_EQ(samples.kv_bytes, token_bytes * len);
+          CHECK_EQ(samples.raw_bytes, samples.kv_bytes);
+          std::fprintf(stderr,
+                       "%s prompt %d: %d reps in %.1f s (%d load steps)\n",
+                       Label(samples).c_str(), len, reps,
+                       std::chrono::duration<double>(Clock::now() - t0).count(),
+                       busy.steps());
+          results.push_back(std::move(samples));
+          row_lens.push_back(len);
+        }
       }
     }
   }
