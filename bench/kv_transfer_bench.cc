@@ -522,7 +522,11 @@ int Main(int argc, char** argv) {
   std::vector<int> lens;
   for (const std::string& s : absl::GetFlag(FLAGS_prompt_lens)) {
     int n = 0;
-    CHECK(absl::SimpleAtoi(s, &n) && n > 0 && n < kMaxModelLen) << s;
+    // In-process workers take prompts below kMaxModelLen; running ones
+    // their own --max_model_len.
+    CHECK(absl::SimpleAtoi(s, &n) && n > 0 &&
+          (n < kMaxModelLen || !absl::GetFlag(FLAGS_prefill_target).empty()))
+        << s;
     CHECK_LE(n, absl::GetFlag(FLAGS_max_num_batched_tokens))
         << "--prompt_lens: " << n << " would be chunked";
     lens.push_back(n);
