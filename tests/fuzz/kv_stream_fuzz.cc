@@ -86,7 +86,7 @@ struct Harness {
   KvCacheView view;
   std::unique_ptr<Stream> stream;
   // Starts at 3 tokens' spans: a source's larger chunks grow it.
-  KvSpanStagingPool span_stagings{device, 3 * 2 * kLayers* kTokenBytes, 1};
+  std::unique_ptr<KvSpanStagingPool> span_stagings;
 
   Harness() {
     int port = 0;
@@ -111,6 +111,8 @@ struct Harness {
           memory.buffer().Slice((2 * l + 1) * kPartBytes, kPartBytes));
     }
     stream = *device.CreateStream();
+    span_stagings = std::make_unique<KvSpanStagingPool>(
+        device, view, 3 * 2 * kLayers * kTokenBytes, 1);
   }
 };
 
@@ -198,7 +200,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   params.destination = &destination;
   params.first_token = first_token;
   params.stream = h->stream.get();
-  if (spans) params.span_stagings = &h->span_stagings;
+  if (spans) params.span_stagings = h->span_stagings.get();
   const auto now = std::chrono::system_clock::now();
   params.call_deadline = now + std::chrono::seconds(20);
   params.pull_deadline = now + std::chrono::seconds(20);

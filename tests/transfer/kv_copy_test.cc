@@ -295,8 +295,13 @@ TEST_F(KvCopyTest, SpanStagingMovesASequenceChunkByChunk) {
   Fill(*stream_, dst.view, to, 77);
   const std::vector<uint8_t> before = ReadAll(*stream_, dst.view, to);
 
-  KvSpanStagingPool sources(device_, src.view.BytesFor(3), /*max_idle=*/1);
-  KvSpanStagingPool pullers(device_, src.view.BytesFor(1), /*max_idle=*/1);
+  // 3 tokens' spans (and not 4) fit; the puller starts at 1.
+  KvSpanStagingPool sources(device_, src.view, src.view.BytesFor(4) - 1,
+                            /*max_idle=*/1);
+  KvSpanStagingPool pullers(device_, src.view, 1, /*max_idle=*/1);
+  EXPECT_EQ(sources.span_tokens(), 3);
+  EXPECT_EQ(sources.capacity_bytes(), src.view.BytesFor(3));
+  EXPECT_EQ(pullers.span_tokens(), 1);
   absl::StatusOr<KvSpanStagingPool::Lease> out = sources.Acquire();
   absl::StatusOr<KvSpanStagingPool::Lease> in = pullers.Acquire();
   ASSERT_TRUE(out.ok() && in.ok());

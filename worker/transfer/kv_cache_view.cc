@@ -298,30 +298,42 @@ absl::Status CopyKvTokens(Stream& stream, const KvCacheView& src,
   return CopyTokens(stream, from, to, first_token, num_tokens, method);
 }
 
-absl::Status GatherKvSpan(Stream& stream, const KvCacheView& view,
-                          const SequenceKv& seq, int32_t first_token,
-                          int32_t num_tokens, DeviceBuffer packed) {
+namespace {
+
+enum class SpanDirection { kPack, kUnpack };
+
+// Copies tokens [first_token, first_token + num_tokens) of `seq` into the
+// packed span (kPack) or out of it (kUnpack).
+absl::Status CopySpan(Stream& stream, const KvCacheView& view,
+                      const SequenceKv& seq, int32_t first_token,
+                      int32_t num_tokens, DeviceBuffer packed,
+                      SpanDirection direction) {
   PDW_RETURN_IF_ERROR(CheckSpan(view, seq, first_token, num_tokens, packed));
   const KvCacheView packed_view = PackedSpanView(view, packed, num_tokens);
   SequenceKv packed_seq;
   packed_seq.blocks = {0};
   packed_seq.num_tokens = num_tokens;
-  return CopyTokens(stream, KvCopySide{&view, &seq, 0},
-                    KvCopySide{&packed_view, &packed_seq, first_token},
+  const KvCopySide cache{&view, &seq, 0};
+  const KvCopySide span{&packed_view, &packed_seq, first_token};
+  const bool pack = direction == SpanDirection::kPack;
+  return CopyTokens(stream, pack ? cache : span, pack ? span : cache,
                     first_token, first_token + num_tokens, KvCopyMethod::kAuto);
+}
+
+}  // namespace
+
+absl::Status GatherKvSpan(Stream& stream, const KvCacheView& view,
+                          const SequenceKv& seq, int32_t first_token,
+                          int32_t num_tokens, DeviceBuffer packed) {
+  return CopySpan(stream, view, seq, first_token, num_tokens, packed,
+                  SpanDirection::kPack);
 }
 
 absl::Status ScatterKvSpan(Stream& stream, DeviceBuffer packed,
                            const KvCacheView& view, const SequenceKv& seq,
                            int32_t first_token, int32_t num_tokens) {
-  PDW_RETURN_IF_ERROR(CheckSpan(view, seq, first_token, num_tokens, packed));
-  const KvCacheView packed_view = PackedSpanView(view, packed, num_tokens);
-  SequenceKv packed_seq;
-  packed_seq.blocks = {0};
-  packed_seq.num_tokens = num_tokens;
-  return CopyTokens(stream, KvCopySide{&packed_view, &packed_seq, first_token},
-                    KvCopySide{&view, &seq, 0}, first_token,
-                    first_token + num_tokens, KvCopyMethod::kAuto);
+  return CopySpan(stream, view, seq, first_token, num_tokens, packed,
+                  SpanDirection::kUnpack);
 }
 
 }  // namespace pdworker

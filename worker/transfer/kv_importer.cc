@@ -51,10 +51,7 @@ KvImporter::KvImporter(Engine& engine, Device& device, KvCacheView view,
       host_id_(HostId()),
       nccl_comms_(nccl_comms),
       nccl_puller_id_(RandomHexId()),
-      span_stagings_(device,
-                     static_cast<size_t>(view_.BytesFor(std::max<int64_t>(
-                         1, static_cast<int64_t>(options.span_staging_bytes) /
-                                std::max<int64_t>(1, view_.BytesFor(1))))),
+      span_stagings_(device, view_, options.span_staging_bytes,
                      options.num_threads) {
   CHECK_GT(options.num_threads, 0);
   for (int i = 0; i < options.num_threads; ++i) {

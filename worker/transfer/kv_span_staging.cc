@@ -1,6 +1,8 @@
 #include "worker/transfer/kv_span_staging.h"
 
+#include <algorithm>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -86,9 +88,16 @@ absl::Status KvSpanStaging::Scatter(absl::string_view bytes,
   return absl::OkStatus();
 }
 
-KvSpanStagingPool::KvSpanStagingPool(Device& device, size_t capacity_bytes,
-                                     int max_idle)
-    : device_(device), capacity_bytes_(capacity_bytes), max_idle_(max_idle) {}
+KvSpanStagingPool::KvSpanStagingPool(Device& device, const KvCacheView& view,
+                                     size_t max_chunk_bytes, int max_idle)
+    : device_(device),
+      span_tokens_(static_cast<int32_t>(
+          std::clamp<int64_t>(static_cast<int64_t>(max_chunk_bytes) /
+                                  std::max<int64_t>(1, view.BytesFor(1)),
+                              1, std::numeric_limits<int32_t>::max()))),
+      capacity_bytes_(static_cast<size_t>(
+          std::max<int64_t>(1, view.BytesFor(span_tokens_)))),
+      max_idle_(max_idle) {}
 
 absl::StatusOr<KvSpanStagingPool::Lease> KvSpanStagingPool::Acquire() {
   {

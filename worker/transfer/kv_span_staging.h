@@ -88,10 +88,12 @@ class KvSpanStaging {
 // Idle stagings of one size, lent to one pull at a time.
 class KvSpanStagingPool {
  public:
-  // `device` must outlive the pool; at most `max_idle` idle stagings of
-  // `capacity_bytes` are kept (more may be lent at once; the extra ones are
-  // freed when returned).
-  KvSpanStagingPool(Device& device, size_t capacity_bytes, int max_idle);
+  // Stagings of the largest span of whole tokens of `view` that fits
+  // `max_chunk_bytes` (at least one token). `device` must outlive the
+  // pool; at most `max_idle` idle stagings are kept (more may be lent at
+  // once; the extra ones are freed when returned).
+  KvSpanStagingPool(Device& device, const KvCacheView& view,
+                    size_t max_chunk_bytes, int max_idle);
 
   struct Returner {
     KvSpanStagingPool* pool = nullptr;
@@ -103,12 +105,15 @@ class KvSpanStagingPool {
   absl::StatusOr<Lease> Acquire();
 
   size_t capacity_bytes() const { return capacity_bytes_; }
+  // Tokens per span in a staging of capacity_bytes().
+  int32_t span_tokens() const { return span_tokens_; }
   int idle() const;
 
  private:
   void Return(KvSpanStaging* staging);
 
   Device& device_;
+  const int32_t span_tokens_;
   const size_t capacity_bytes_;
   const int max_idle_;
   mutable std::mutex mu_;

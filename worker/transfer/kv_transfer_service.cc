@@ -330,9 +330,7 @@ class PullReactor final : public MessageWriter {
       return;
     }
     staging_ = *std::move(staging);
-    span_tokens_ = static_cast<int32_t>(std::max<int64_t>(
-        1,
-        static_cast<int64_t>(staging_->capacity_bytes()) / view_.BytesFor(1)));
+    span_tokens_ = span_pool_->span_tokens();
     next_token_ = first_token_;
     if (GatherSpan()) WriteSpan();
   }
@@ -516,10 +514,7 @@ KvTransferService::KvTransferService(KvLeaseTable& leases, Device& device,
       metrics_(metrics),
       nccl_comms_(nccl_comms),
       epoch_(RandomHexId()),
-      span_stagings_(device,
-                     static_cast<size_t>(view_.BytesFor(std::max<int64_t>(
-                         1, static_cast<int64_t>(options.max_chunk_bytes) /
-                                std::max<int64_t>(1, view_.BytesFor(1))))),
+      span_stagings_(device, view_, options.max_chunk_bytes,
                      options.max_idle_span_stagings) {
   if (nccl_comms_ != nullptr) nccl_sender_ = std::make_unique<NcclSender>();
   if (device.kind() == DeviceKind::kCuda && !view_.allocation.empty()) {
