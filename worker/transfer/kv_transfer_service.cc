@@ -221,13 +221,6 @@ class PullReactor final : public MessageWriter {
       StartSpans();
       return;
     }
-    absl::StatusOr<std::unique_ptr<Stream>> stream = device_.CreateStream();
-    if (!stream.ok()) {
-      outcome_ = KvTransferOutcome::kInternal;
-      FinishPull(stream.status());
-      return;
-    }
-    stream_ = std::move(*stream);
     if (!ipc_handle_.empty()) {
       WriteIpcExport();
       return;
@@ -239,6 +232,15 @@ class PullReactor final : public MessageWriter {
       StartWriteMessage(chunk_);
       return;
     }
+    // Layer runs read through a stream of their own (the export needs
+    // none, NCCL makes its own, token spans use their staging's).
+    absl::StatusOr<std::unique_ptr<Stream>> stream = device_.CreateStream();
+    if (!stream.ok()) {
+      outcome_ = KvTransferOutcome::kInternal;
+      FinishPull(stream.status());
+      return;
+    }
+    stream_ = std::move(*stream);
     NextWrite();
   }
 
