@@ -33,9 +33,11 @@ struct KvTransferServiceOptions {
   // as fit (at least one); layer runs whole source blocks (at least one).
   // Either may exceed it when one token (one block) is larger.
   size_t max_chunk_bytes = 256 << 10;
-  // Token-span stagings (device + pinned host buffers of one chunk each)
-  // kept between pulls; concurrent pulls beyond it allocate their own.
-  int max_idle_span_stagings = 4;
+  // Token-span stagings (device + pinned host buffers of one chunk each,
+  // 512 KiB at the default chunk size) kept between pulls; concurrent
+  // pulls beyond it allocate their own and free them after, and freeing
+  // device memory waits for the whole device (the model's steps too).
+  int max_idle_span_stagings = 16;
 };
 
 class NcclSender;
