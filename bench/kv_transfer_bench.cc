@@ -62,7 +62,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "bench/gpu_bench_util.h"
 #include "glog/logging.h"
+#include "nlohmann/json.hpp"
 #include "proto/worker.grpc.pb.h"
 #include "tools/make_tiny_model/tiny_model.h"
 #include "worker/runner/model_runner.h"
@@ -103,6 +105,14 @@ ABSL_FLAG(std::vector<std::string>, transports, {},
           "Transports to measure one after the other (grpc, cuda_ipc, nccl), "
           "each by offering only it in the handle; empty: the negotiated "
           "one.");
+ABSL_FLAG(std::string, jsonl, "",
+          "Append gpu.jsonl records (DESIGN.md, \"GPU results\") to this "
+          "file: kv_import_ms, ttst_ratio and kv_pull_gbps per row, the GPU "
+          "named by the decode worker's GetStatus.device.");
+ABSL_FLAG(std::string, commit, "", "Commit the binaries were built from.");
+ABSL_FLAG(std::string, shape, "llama_1b",
+          "The records' shape: the model the workers serve (in-process: "
+          "small).");
 ABSL_FLAG(std::string, model_dir, "/tmp/pdworker_bench_small_4k",
           "Where the small model is written (config.json gets "
           "max_position_embeddings 4096 so 2,048-token prompts fit).");
@@ -693,6 +703,41 @@ int Main(int argc, char** argv) {
         P50(s.pd_total), P50(s.agg_prefill), P50(s.agg_prefill_step),
         P50(s.agg_decode), P50(s.agg_total), P50(s.pd_total) / P50(s.agg_total),
         P50(s.import_wall) / P50(s.agg_total));
+  }
+  const std::string jsonl = absl::GetFlag(FLAGS_jsonl);
+  if (!jsonl.empty()) {
+    // "cuda:0 (NVIDIA H200)" -> "NVIDIA H200".
+    std::string gpu = decode->Status().device();
+    const size_t open = gpu.find('('), close = gpu.rfind(')');
+    if (open != std::string::npos && close != std::string::npos &&
+        close > open) {
+      gpu = gpu.substr(open + 1, close - open - 1);
+    }
+    std::vector<nlohmann::json> records;
+    for (size_t i = 0; i < results.size(); ++i) {
+      const Samples& s = results[i];
+      std::string system = s.transport == "grpc"
+                               ? absl::StrCat("grpc_", s.chunk_layout)
+                               : s.transport;
+      for (const auto& [metric, value] :
+           std::vector<std::pair<const char*, double>>{
+               {"kv_import_ms", P50(s.import_wall)},
+               {"ttst_ratio", P50(s.pd_total) / P50(s.agg_total)},
+               {"kv_pull_gbps", s.raw_bytes / (P50(s.raw_pull) * 1e6)}}) {
+        records.push_back({{"metric", metric},
+                           {"shape", absl::GetFlag(FLAGS_prefill_target).empty()
+                                         ? "small"
+                                         : absl::GetFlag(FLAGS_shape)},
+                           {"system", system},
+                           {"batch", 1},
+                           {"tokens", row_lens[i]},
+                           {"context", row_lens[i]},
+                           {"decode_load", s.decode_load},
+                           {"value", value}});
+      }
+    }
+    AppendGpuRecords(jsonl, gpu, absl::GetFlag(FLAGS_commit),
+                     std::move(records));
   }
   return 0;
 }

@@ -2,6 +2,7 @@
 // cancelled by their client, past their deadline, failed by a device error,
 // refused at admission, or cut by a drain or a stop. Every one ends with
 // exactly one last update and leaves no KV behind.
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -10,9 +11,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "dispatcher/compilation_config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "dispatcher/compilation_config.h"
 #include "tests/engine/engine_test_util.h"
 #include "worker/runtime/cpu_stream.h"
 
@@ -68,6 +69,55 @@ TEST_P(EngineAbortTest, AbortWhileQueuedFreesEverything) {
   const EngineSnapshot s = engine().snapshot();
   EXPECT_EQ(s.waiting_requests + s.running_requests, 0);
   EXPECT_EQ(UsedBlocks(), 0);
+}
+
+// What a RunExclusive task changed (an import reserving blocks, or giving
+// them back after a failed pull) is in the snapshot, and so in GetStatus,
+// by the time RunExclusive returns, even when the same batch of engine
+// tasks has slower ones after it: a router reading GetStatus right after a
+// failed ImportKv must see nothing held.
+TEST_P(EngineAbortTest, ExclusiveTaskChangesShowWhenItReturns) {
+  Start();
+  ASSERT_EQ(UsedBlocks(), 0);
+  SequenceKv kv;
+  for (const bool allocate : {true, false}) {
+    SCOPED_TRACE(allocate ? "allocate" : "free");
+    // Holds the engine thread, so that the exclusive task and the slow one
+    // queue up and run as one batch.
+    std::atomic<bool> go{false};
+    ASSERT_TRUE(engine()
+                    .Post([&go](ModelRunner&) {
+                      while (!go) {
+                        std::this_thread::sleep_for(
+                            std::chrono::milliseconds(1));
+                      }
+                    })
+                    .ok());
+    std::thread caller([&] {
+      const absl::Status s = engine().RunExclusive([&](ModelRunner& r) {
+        if (!allocate) {
+          r.FreeDetached(kv);
+          return absl::OkStatus();
+        }
+        absl::StatusOr<SequenceKv> blocks = r.AllocateDetached(40);
+        if (!blocks.ok()) return blocks.status();
+        kv = *std::move(blocks);
+        return absl::OkStatus();
+      });
+      EXPECT_TRUE(s.ok()) << s;
+      // The task ran; the slow one after it is still running.
+      EXPECT_EQ(UsedBlocks(), allocate ? 10 : 0);  // 40 tokens, blocks of 4
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ASSERT_TRUE(engine()
+                    .Post([](ModelRunner&) {
+                      std::this_thread::sleep_for(
+                          std::chrono::milliseconds(300));
+                    })
+                    .ok());
+    go = true;
+    caller.join();
+  }
 }
 
 TEST_P(EngineAbortTest, AbortWhilePrefillingFreesItsKvBeforeAnswering) {

@@ -1484,7 +1484,12 @@ absl::Status Engine::RunExclusive(
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return absl::UnavailableError("the engine has stopped");
     tasks_.push_back([this, task = std::move(task), promise] {
-      promise->set_value(task(runner_));
+      const absl::Status status = task(runner_);
+      // Before the caller wakes: it answers its client next (a failed
+      // import's ImportKv), and a GetStatus right after must show what the
+      // task changed, not wait for the batch's other tasks.
+      PublishSnapshot();
+      promise->set_value(status);
     });
   }
   work_cv_.notify_one();
