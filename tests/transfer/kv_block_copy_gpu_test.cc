@@ -83,6 +83,18 @@ class KvBlockCopyGpuTest : public ::testing::TestWithParam<Shape> {
     stream_ = *device_->CreateStream();
   }
 
+  // A source cache of `num_blocks` blocks of s.src_block_size, filled with
+  // random bytes (and its host mirror with the same).
+  Cache RandomSourceCache(const Shape& s, int num_blocks, std::mt19937& rng) {
+    Cache c = MakeCache(*device_, s, s.src_block_size, num_blocks);
+    c.host.resize(c.memory.size_bytes());
+    for (uint8_t& b : c.host) b = static_cast<uint8_t>(rng());
+    EXPECT_TRUE(
+        stream_->CopyToDevice(c.memory.buffer(), c.host.data(), c.host.size())
+            .ok());
+    return c;
+  }
+
   std::unique_ptr<Device> device_;
   std::unique_ptr<Stream> stream_;
 };
@@ -93,15 +105,9 @@ TEST_P(KvBlockCopyGpuTest, MatchesTheHostAndThePerBlockCopy) {
   // Twice the blocks a sequence needs, so the tables skip some.
   const int src_blocks = 2 * (s.num_tokens / s.src_block_size + 1);
   const int dst_blocks = 2 * (s.num_tokens / s.dst_block_size + 1);
-  Cache src = MakeCache(*device_, s, s.src_block_size, src_blocks);
+  Cache src = RandomSourceCache(s, src_blocks, rng);
   Cache batched = MakeCache(*device_, s, s.dst_block_size, dst_blocks);
   Cache per_block = MakeCache(*device_, s, s.dst_block_size, dst_blocks);
-  src.host.resize(src.memory.size_bytes());
-  for (uint8_t& b : src.host) b = static_cast<uint8_t>(rng());
-  ASSERT_TRUE(
-      stream_
-          ->CopyToDevice(src.memory.buffer(), src.host.data(), src.host.size())
-          .ok());
   const std::vector<uint8_t> poison(batched.memory.size_bytes(), kPoison);
   for (Cache* c : {&batched, &per_block}) {
     ASSERT_TRUE(
@@ -166,14 +172,8 @@ TEST_P(KvBlockCopyGpuTest, SpansGatherAndScatterLikeTheHost) {
   std::mt19937 rng(7 * s.num_tokens + s.dst_block_size);
   const int src_blocks = 2 * (s.num_tokens / s.src_block_size + 1);
   const int dst_blocks = 2 * (s.num_tokens / s.dst_block_size + 1);
-  Cache src = MakeCache(*device_, s, s.src_block_size, src_blocks);
+  Cache src = RandomSourceCache(s, src_blocks, rng);
   Cache dst = MakeCache(*device_, s, s.dst_block_size, dst_blocks);
-  src.host.resize(src.memory.size_bytes());
-  for (uint8_t& b : src.host) b = static_cast<uint8_t>(rng());
-  ASSERT_TRUE(
-      stream_
-          ->CopyToDevice(src.memory.buffer(), src.host.data(), src.host.size())
-          .ok());
   const SequenceKv from =
       RandomSequence(s.num_tokens, s.src_block_size, src_blocks, rng);
   const SequenceKv to =
