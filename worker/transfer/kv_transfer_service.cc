@@ -560,18 +560,22 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvTransferService::PullKv(
   const std::string& transport = request->transport();
   const v1::KvChunkLayout chunk_layout = request->chunk_layout();
   if (allowed.ok() && !v1::KvChunkLayout_IsValid(chunk_layout)) {
-    reactor->Refuse(absl::InvalidArgumentError(absl::StrCat(
-        "chunk_layout=", chunk_layout,
-        " is not a KvChunkLayout this worker knows (0: LAYER_RUN, 1: "
-        "TOKEN_SPAN)")));
+    reactor->Refuse(
+        absl::InvalidArgumentError(absl::StrCat(
+            "chunk_layout=", chunk_layout,
+            " is not a KvChunkLayout this worker knows (0: LAYER_RUN, 1: "
+            "TOKEN_SPAN)")),
+        KvTransferOutcome::kHandleMismatch);
     return reactor;
   }
   if (allowed.ok() && chunk_layout != v1::KV_CHUNK_LAYOUT_LAYER_RUN &&
       !transport.empty() && transport != "grpc") {
-    reactor->Refuse(absl::InvalidArgumentError(absl::StrCat(
-        "chunk_layout=", v1::KvChunkLayout_Name(chunk_layout),
-        " with transport '", transport,
-        "': only the gRPC stream (transport \"grpc\") has chunks")));
+    reactor->Refuse(
+        absl::InvalidArgumentError(absl::StrCat(
+            "chunk_layout=", v1::KvChunkLayout_Name(chunk_layout),
+            " with transport '", transport,
+            "': only the gRPC stream (transport \"grpc\") has chunks")),
+        KvTransferOutcome::kHandleMismatch);
     return reactor;
   }
   if (allowed.ok() && !transport.empty() && transport != "grpc" &&
