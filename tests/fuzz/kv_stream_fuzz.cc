@@ -22,7 +22,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -30,8 +29,8 @@
 
 #include "glog/logging.h"
 #include "proto/worker.grpc.pb.h"
+#include "tests/transfer/hostile_kv_source.h"
 #include "worker/runtime/cpu_device.h"
-#include "worker/server/parsed_call.h"
 #include "worker/transfer/grpc_kv_puller.h"
 #include "worker/transfer/kv_cache_view.h"
 #include "worker/transfer/kv_span_staging.h"
@@ -47,37 +46,8 @@ constexpr int kNumBlocks = 16;
 constexpr size_t kPartBytes = kNumBlocks * kBlockSize * kTokenBytes;
 constexpr uint8_t kUntouched = 0xA5;
 
-struct Script {
-  std::vector<std::string> messages;
-  grpc::Status status;
-};
-
-// The source: PullKv answers with the current script.
-class HostileSource final : public v1::KvTransfer::WithRawCallbackMethod_PullKv<
-                                v1::KvTransfer::Service> {
- public:
-  void Set(Script script) {
-    std::lock_guard<std::mutex> lock(mu_);
-    script_ = std::move(script);
-  }
-  grpc::ServerWriteReactor<grpc::ByteBuffer>* PullKv(
-      grpc::CallbackServerContext*, const grpc::ByteBuffer*) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::vector<grpc::ByteBuffer> out;
-    for (const std::string& m : script_.messages) {
-      grpc::Slice slice(m);
-      out.emplace_back(&slice, 1);
-    }
-    return new ListWriter(std::move(out), script_.status);
-  }
-
- private:
-  std::mutex mu_;
-  Script script_;
-};
-
 struct Harness {
-  HostileSource source;
+  testing::HostileKvSource source;
   std::unique_ptr<grpc::Server> server;
   std::string address;
   std::unique_ptr<PeerChannels> peers;
@@ -173,7 +143,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   destination.blocks = blocks;
   destination.num_tokens = num_tokens;
 
-  Script script;
+  testing::KvSourceScript script;
   // Bit 7: the puller asks for token spans (it has a staging pool); the
   // source may still send layer runs, as one that predates spans does.
   const uint8_t code_byte = in.Byte();

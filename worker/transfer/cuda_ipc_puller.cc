@@ -77,11 +77,15 @@ absl::Status PullKvOverCudaIpc(PeerChannels& channels,
   const v1::PullKvRequest request = PullRequestFor(p, "cuda_ipc");
   KvChunkReader reader(*channels.Get(p.handle->source_address()), &context,
                        request);
+  // The answer is one chunk: the export record.
   v1::KvChunk chunk;
-  bool got = false;
+  int chunks = 0;
   KvChunkReader::Next next;
   while ((next = reader.Read(&chunk)) == KvChunkReader::Next::kChunk) {
-    got = got || chunk.has_cuda_ipc();
+    if (++chunks > 1 || !chunk.has_cuda_ipc()) {
+      context.TryCancel();
+      break;
+    }
   }
   const grpc::Status finished = reader.Finish();
   if (next == KvChunkReader::Next::kMalformed) {
@@ -90,6 +94,14 @@ absl::Status PullKvOverCudaIpc(PeerChannels& channels,
         absl::StrCat("malformed KV stream from ", p.handle->source_address(),
                      ": a message that is not a KvChunk")));
   }
+  if (next == KvChunkReader::Next::kChunk) {  // stopped early
+    outcome = KvTransferOutcome::kMalformedStream;
+    return finish(absl::InternalError(absl::StrCat(
+        "malformed KV stream from ", p.handle->source_address(),
+        ": a CUDA IPC pull is answered with one export record, got ",
+        chunks > 1 ? "a second chunk" : "a chunk without one")));
+  }
+  const bool got = chunks == 1;
   if (finished.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
     outcome = KvTransferOutcome::kInternal;  // no IPC there: fall back
     return finish(absl::UnimplementedError(finished.error_message()));
