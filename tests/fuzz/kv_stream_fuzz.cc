@@ -30,6 +30,7 @@
 #include "glog/logging.h"
 #include "proto/worker.grpc.pb.h"
 #include "tests/transfer/hostile_kv_source.h"
+#include "tests/transfer/test_kv_cache.h"
 #include "worker/runtime/cpu_device.h"
 #include "worker/transfer/grpc_kv_puller.h"
 #include "worker/transfer/kv_cache_view.h"
@@ -43,47 +44,24 @@ constexpr int kLayers = 2;
 constexpr size_t kTokenBytes = 2 * 8 * sizeof(float);  // 2 KV heads x 8
 constexpr int kBlockSize = 4;
 constexpr int kNumBlocks = 16;
-constexpr size_t kPartBytes = kNumBlocks * kBlockSize * kTokenBytes;
 constexpr uint8_t kUntouched = 0xA5;
 
 struct Harness {
-  testing::HostileKvSource source;
-  std::unique_ptr<grpc::Server> server;
-  std::string address;
-  std::unique_ptr<PeerChannels> peers;
+  std::unique_ptr<testing::HostileKvServer> source =
+      testing::StartHostileKvServer();
+  std::unique_ptr<PeerChannels> peers =
+      std::make_unique<PeerChannels>(PeerTls{}, 64 << 20);
   CpuDevice device;
-  DeviceMemory memory;
-  KvCacheView view;
-  std::unique_ptr<Stream> stream;
+  testing::TestKvCache cache = testing::MakeTestKvCache(
+      device, {kLayers, 2, 8, "float32"}, kBlockSize, kNumBlocks);
+  const KvCacheView& view = cache.view;
+  DeviceMemory& memory = cache.memory;
+  std::unique_ptr<Stream> stream = *device.CreateStream();
   // Starts at 3 tokens' spans: a source's larger chunks grow it.
-  std::unique_ptr<KvSpanStagingPool> span_stagings;
+  KvSpanStagingPool span_stagings{device, view, 3 * 2 * kLayers* kTokenBytes,
+                                  1};
 
-  Harness() {
-    int port = 0;
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
-                             &port);
-    builder.RegisterService(&source);
-    server = builder.BuildAndStart();
-    CHECK(server != nullptr && port > 0);
-    address = "127.0.0.1:" + std::to_string(port);
-    peers = std::make_unique<PeerChannels>(PeerTls{}, 64 << 20);
-
-    memory = *device.Allocate(kPartBytes * 2 * kLayers);
-    view.layout = {kLayers, 2, 8, "float32"};
-    view.block_size = kBlockSize;
-    view.token_bytes = kTokenBytes;
-    view.allocation = memory.buffer();
-    for (int l = 0; l < kLayers; ++l) {
-      view.keys.push_back(
-          memory.buffer().Slice(2 * l * kPartBytes, kPartBytes));
-      view.values.push_back(
-          memory.buffer().Slice((2 * l + 1) * kPartBytes, kPartBytes));
-    }
-    stream = *device.CreateStream();
-    span_stagings = std::make_unique<KvSpanStagingPool>(
-        device, view, 3 * 2 * kLayers * kTokenBytes, 1);
-  }
+  Harness() { CHECK(source->server != nullptr); }
 };
 
 class Reader {
@@ -156,11 +134,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const size_t n = in.Byte() | (size_t{in.Byte()} << 8);
     script.messages.push_back(in.Take(n));
   }
-  h->source.Set(std::move(script));
+  h->source->source.Set(std::move(script));
 
   std::memset(h->memory.data(), kUntouched, h->memory.size_bytes());
   v1::KvHandle handle;
-  handle.set_source_address(h->address);
+  handle.set_source_address(h->source->address);
   handle.set_lease_id("0123456789abcdef0123456789abcdef");
   handle.set_num_tokens(num_tokens);
   KvPullParams params;
@@ -170,7 +148,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   params.destination = &destination;
   params.first_token = first_token;
   params.stream = h->stream.get();
-  if (spans) params.span_stagings = h->span_stagings.get();
+  if (spans) params.span_stagings = &h->span_stagings;
   const auto now = std::chrono::system_clock::now();
   params.call_deadline = now + std::chrono::seconds(20);
   params.pull_deadline = now + std::chrono::seconds(20);

@@ -6,6 +6,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -45,6 +46,26 @@ class HostileKvSource final
   std::mutex mu_;
   KvSourceScript script_;
 };
+
+// A HostileKvSource serving on a free loopback port.
+struct HostileKvServer {
+  HostileKvSource source;
+  std::unique_ptr<grpc::Server> server;  // null when it could not start
+  std::string address;                   // 127.0.0.1:port
+};
+
+inline std::unique_ptr<HostileKvServer> StartHostileKvServer() {
+  auto s = std::make_unique<HostileKvServer>();
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                           &port);
+  builder.RegisterService(&s->source);
+  s->server = builder.BuildAndStart();
+  if (s->server == nullptr || port <= 0) s->server.reset();
+  s->address = "127.0.0.1:" + std::to_string(port);
+  return s;
+}
 
 }  // namespace pdworker::testing
 

@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "proto/worker.grpc.pb.h"
 #include "tests/transfer/hostile_kv_source.h"
+#include "tests/transfer/test_kv_cache.h"
 #include "worker/runtime/cpu_device.h"
 #include "worker/transfer/cuda_ipc.h"
 #include "worker/transfer/cuda_ipc_puller.h"
@@ -32,7 +33,6 @@ constexpr int kLayers = 2;
 constexpr size_t kTokenBytes = 2 * 8 * sizeof(float);  // 2 KV heads x 8
 constexpr int kBlockSize = 4;
 constexpr int kNumBlocks = 8;
-constexpr size_t kPartBytes = kNumBlocks * kBlockSize * kTokenBytes;
 constexpr int kTokens = 6;
 
 std::string Serialized(const v1::KvChunk& chunk) {
@@ -65,7 +65,7 @@ v1::KvChunk Export() {
   v1::KvChunk c;
   v1::CudaIpcExport* e = c.mutable_cuda_ipc();
   e->set_mem_handle(std::string(64, 'h'));
-  e->set_allocation_bytes(kPartBytes * 2 * kLayers);
+  e->set_allocation_bytes(2 * kLayers * kNumBlocks * kBlockSize * kTokenBytes);
   e->set_block_size(kBlockSize);
   e->add_blocks(0);
   e->add_blocks(1);
@@ -76,35 +76,12 @@ v1::KvChunk Export() {
 class HostileSourceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    int port = 0;
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
-                             &port);
-    builder.RegisterService(&source_);
-    server_ = builder.BuildAndStart();
-    ASSERT_TRUE(server_ != nullptr && port > 0);
-    handle_.set_source_address("127.0.0.1:" + std::to_string(port));
+    ASSERT_NE(source_->server, nullptr);
+    handle_.set_source_address(source_->address);
     handle_.set_lease_id("0123456789abcdef0123456789abcdef");
     handle_.set_num_tokens(kTokens);
-    peers_ = std::make_unique<PeerChannels>(PeerTls{}, 64 << 20);
-
-    memory_ = *device_.Allocate(kPartBytes * 2 * kLayers);
-    std::memset(memory_.data(), 0, memory_.size_bytes());
-    view_.layout = {kLayers, 2, 8, "float32"};
-    view_.block_size = kBlockSize;
-    view_.token_bytes = kTokenBytes;
-    view_.allocation = memory_.buffer();
-    for (int l = 0; l < kLayers; ++l) {
-      view_.keys.push_back(
-          memory_.buffer().Slice(2 * l * kPartBytes, kPartBytes));
-      view_.values.push_back(
-          memory_.buffer().Slice((2 * l + 1) * kPartBytes, kPartBytes));
-    }
-    stream_ = *device_.CreateStream();
     destination_.blocks = {5, 2};
     destination_.num_tokens = kTokens;
-    stagings_ = std::make_unique<KvSpanStagingPool>(device_, view_, 1 << 20,
-                                                    /*max_idle=*/1);
   }
 
   KvPullParams Params(bool spans) {
@@ -114,7 +91,7 @@ class HostileSourceTest : public ::testing::Test {
     p.view = &view_;
     p.destination = &destination_;
     p.stream = stream_.get();
-    if (spans) p.span_stagings = stagings_.get();
+    if (spans) p.span_stagings = &stagings_;
     const auto now = std::chrono::system_clock::now();
     p.call_deadline = now + std::chrono::seconds(20);
     p.pull_deadline = now + std::chrono::seconds(20);
@@ -126,23 +103,25 @@ class HostileSourceTest : public ::testing::Test {
     testing::KvSourceScript script;
     for (const v1::KvChunk& c : chunks)
       script.messages.push_back(Serialized(c));
-    source_.Set(std::move(script));
+    source_->source.Set(std::move(script));
   }
 
   absl::Status PullGrpc(bool spans, KvPullStats* stats) {
     return PullKvOverGrpc(*peers_, Params(spans), stats);
   }
 
-  testing::HostileKvSource source_;
-  std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<PeerChannels> peers_;
+  std::unique_ptr<testing::HostileKvServer> source_ =
+      testing::StartHostileKvServer();
+  std::unique_ptr<PeerChannels> peers_ =
+      std::make_unique<PeerChannels>(PeerTls{}, 64 << 20);
   v1::KvHandle handle_;
   CpuDevice device_;
-  DeviceMemory memory_;
-  KvCacheView view_;
-  std::unique_ptr<Stream> stream_;
+  testing::TestKvCache cache_ = testing::MakeTestKvCache(
+      device_, {kLayers, 2, 8, "float32"}, kBlockSize, kNumBlocks);
+  const KvCacheView& view_ = cache_.view;
+  std::unique_ptr<Stream> stream_ = *device_.CreateStream();
   SequenceKv destination_;
-  std::unique_ptr<KvSpanStagingPool> stagings_;
+  KvSpanStagingPool stagings_{device_, view_, 1 << 20, /*max_idle=*/1};
 };
 
 // A CUDA IPC pull is answered with exactly one chunk, the export record: a

@@ -71,6 +71,12 @@ SequenceKv RandomSequence(int num_tokens, int block_size, int num_blocks,
   return seq;
 }
 
+// The cache slot (block id * block_size + offset) of token `t` of `seq`.
+size_t Slot(const SequenceKv& seq, int block_size, int t) {
+  return static_cast<size_t>(seq.blocks[t / block_size]) * block_size +
+         t % block_size;
+}
+
 class KvBlockCopyGpuTest : public ::testing::TestWithParam<Shape> {
  protected:
   void SetUp() override {
@@ -136,14 +142,8 @@ TEST_P(KvBlockCopyGpuTest, MatchesTheHostAndThePerBlockCopy) {
       static_cast<size_t>(dst_blocks) * s.dst_block_size * s.token_bytes;
   for (int part = 0; part < 2 * s.layers; ++part) {
     for (int t = 0; t < s.num_tokens; ++t) {
-      const size_t from_slot =
-          static_cast<size_t>(from.blocks[t / s.src_block_size]) *
-              s.src_block_size +
-          t % s.src_block_size;
-      const size_t to_slot =
-          static_cast<size_t>(to.blocks[t / s.dst_block_size]) *
-              s.dst_block_size +
-          t % s.dst_block_size;
+      const size_t from_slot = Slot(from, s.src_block_size, t);
+      const size_t to_slot = Slot(to, s.dst_block_size, t);
       std::copy_n(
           src.host.begin() + part * src_part + from_slot * s.token_bytes,
           s.token_bytes,
@@ -209,14 +209,8 @@ TEST_P(KvBlockCopyGpuTest, SpansGatherAndScatterLikeTheHost) {
     for (int part = 0; part < 2 * s.layers; ++part) {
       for (int i = 0; i < count; ++i) {
         const int t = t0 + i;
-        const size_t from_slot =
-            static_cast<size_t>(from.blocks[t / s.src_block_size]) *
-                s.src_block_size +
-            t % s.src_block_size;
-        const size_t to_slot =
-            static_cast<size_t>(to.blocks[t / s.dst_block_size]) *
-                s.dst_block_size +
-            t % s.dst_block_size;
+        const size_t from_slot = Slot(from, s.src_block_size, t);
+        const size_t to_slot = Slot(to, s.dst_block_size, t);
         const auto row =
             src.host.begin() + part * src_part + from_slot * s.token_bytes;
         std::copy_n(row, s.token_bytes,

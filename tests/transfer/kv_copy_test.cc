@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/transfer/test_kv_cache.h"
 #include "worker/runtime/cpu_device.h"
 #include "worker/runtime/stream.h"
 #include "worker/transfer/cuda_ipc_puller.h"
@@ -23,29 +24,11 @@ namespace {
 constexpr int kLayers = 2;
 constexpr size_t kTokenBytes = 2 * 4 * sizeof(float);  // 2 KV heads x 4
 
-// A cache of `num_blocks` blocks of `block_size` tokens per layer part, in
-// one allocation laid out K0 V0 K1 V1.
-struct Cache {
-  DeviceMemory memory;
-  KvCacheView view;
-};
+using Cache = testing::TestKvCache;
 
 Cache MakeCache(Device& device, int num_blocks, int block_size) {
-  Cache c;
-  const size_t part_bytes = num_blocks * block_size * kTokenBytes;
-  c.memory = *device.Allocate(part_bytes * 2 * kLayers);
-  std::memset(c.memory.data(), 0, c.memory.size_bytes());
-  c.view.layout = {kLayers, 2, 4, "float32"};
-  c.view.block_size = block_size;
-  c.view.token_bytes = kTokenBytes;
-  c.view.allocation = c.memory.buffer();
-  for (int l = 0; l < kLayers; ++l) {
-    c.view.keys.push_back(
-        c.memory.buffer().Slice(2 * l * part_bytes, part_bytes));
-    c.view.values.push_back(
-        c.memory.buffer().Slice((2 * l + 1) * part_bytes, part_bytes));
-  }
-  return c;
+  return testing::MakeTestKvCache(device, {kLayers, 2, 4, "float32"},
+                                  block_size, num_blocks);
 }
 
 SequenceKv Seq(std::vector<int32_t> blocks, int32_t tokens) {
@@ -197,7 +180,7 @@ TEST_F(KvCopyTest, SpansPackAndUnpackEveryLayerOfARunOfTokens) {
   const std::vector<uint8_t> source = ReadAll(*stream_, src.view, from);
   for (const auto& [first, count] : std::vector<std::pair<int, int>>{
            {0, 13}, {5, 8}, {3, 6}, {12, 1}, {7, 2}}) {
-    SCOPED_TRACE(testing::Message() << first << "+" << count);
+    SCOPED_TRACE(::testing::Message() << first << "+" << count);
     Fill(*stream_, dst.view, to, 50 + first);
     const std::vector<uint8_t> before = ReadAll(*stream_, dst.view, to);
     const size_t payload = src.view.BytesFor(count);
@@ -263,7 +246,7 @@ TEST_F(KvCopyTest, SpansRefuseBadRangesAndSmallBuffers) {
       {8, 5, src.view.BytesFor(5), Seq({5, 1}, 13)},  // table too short
   };
   for (const Bad& b : bad) {
-    SCOPED_TRACE(testing::Message() << b.first << "+" << b.count);
+    SCOPED_TRACE(::testing::Message() << b.first << "+" << b.count);
     EXPECT_EQ(
         GatherKvSpan(*stream_, src.view, b.seq, b.first, b.count,
                      buffer.buffer().Slice(0, static_cast<size_t>(b.bytes)))

@@ -715,7 +715,7 @@ TEST(KvChunkLayoutTest, EveryChunkLayoutAndSizeGivesTheAggregatedTokens) {
     for (int32_t t : Decode(*both, id, first, 4, greedy)) expected.push_back(t);
     for (size_t p = 0; p < prefills.size(); ++p) {
       for (size_t d = 0; d < decodes.size(); ++d) {
-        SCOPED_TRACE(testing::Message() << "length " << len << " prefill " << p
+        SCOPED_TRACE(::testing::Message() << "length " << len << " prefill " << p
                                         << " decode " << d);
         const std::string pd = id + "-" + std::to_string(p * 2 + d);
         const auto [p_first, handle] =

@@ -81,10 +81,12 @@ absl::Status KvSpanStaging::Scatter(absl::string_view bytes,
   const DeviceBuffer packed = packed_.buffer().Slice(0, bytes.size());
   PDW_RETURN_IF_ERROR(
       stream_->CopyToDevice(packed, host_.data(), bytes.size()));
-  PDW_RETURN_IF_ERROR(
-      ScatterKvSpan(*stream_, packed, view, seq, first_token, num_tokens));
+  // Marks the upload alone: the next Scatter may refill the host buffer
+  // while this one's unpacking still runs.
   PDW_RETURN_IF_ERROR(stream_->RecordEvent(*done_));
   recorded_ = true;
+  PDW_RETURN_IF_ERROR(
+      ScatterKvSpan(*stream_, packed, view, seq, first_token, num_tokens));
   return absl::OkStatus();
 }
 

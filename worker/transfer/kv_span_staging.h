@@ -78,7 +78,9 @@ class KvSpanStaging {
 
   Device* device_ = nullptr;
   std::unique_ptr<Stream> stream_;
-  std::unique_ptr<Event> done_;  // recorded after each Gather and Scatter
+  // Recorded after each Gather's download and each Scatter's upload: when
+  // the host buffer is free again.
+  std::unique_ptr<Event> done_;
   bool recorded_ = false;
   size_t capacity_bytes_ = 0;
   DeviceMemory packed_;
