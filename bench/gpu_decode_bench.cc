@@ -79,8 +79,9 @@ ABSL_FLAG(std::vector<std::string>, modes,
           std::vector<std::string>({"NONE", "PIECEWISE", "FULL"}),
           "cudagraph_mode values to measure.");
 ABSL_FLAG(std::string, linear_kernel, "auto",
-          "The projections' GEMM: auto, cublas or skinny_gemm "
-          "(kernels::LinearKernel), to compare step times side by side.");
+          "The projections' GEMM: auto, cublas, skinny_gemm or skinny_mma "
+          "(kernels::LinearKernel; a skinny one runs launches of <= 8 rows, "
+          "auto the rest), to compare step times side by side.");
 ABSL_FLAG(std::string, json_out, "",
           "Also write the results as JSON here (bench/torch_compare/report.py "
           "reads it).");
@@ -158,12 +159,15 @@ std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
   CHECK(config.ok()) << config.status();
   o.compilation = *config;
   const std::string kernel = absl::GetFlag(FLAGS_linear_kernel);
-  CHECK(kernel == "auto" || kernel == "cublas" || kernel == "skinny_gemm")
-      << "--linear_kernel: auto, cublas or skinny_gemm, got " << kernel;
+  CHECK(kernel == "auto" || kernel == "cublas" || kernel == "skinny_gemm" ||
+        kernel == "skinny_mma")
+      << "--linear_kernel: auto, cublas, skinny_gemm or skinny_mma, got "
+      << kernel;
   o.linear_kernel = kernel == "cublas" ? kernels::LinearKernel::kCublas
                     : kernel == "skinny_gemm"
                         ? kernels::LinearKernel::kSkinnyGemm
-                        : kernels::LinearKernel::kAuto;
+                    : kernel == "skinny_mma" ? kernels::LinearKernel::kSkinnyMma
+                                             : kernels::LinearKernel::kAuto;
   auto runner = ModelRunner::Create(device, dir, o);
   CHECK(runner.ok()) << runner.status();
   return std::move(*runner);

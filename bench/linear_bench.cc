@@ -1,7 +1,8 @@
 // Decode-batch linears (issue 23 item 1): the projections of the 0.5B and 1B
-// shapes at 1..8 tokens, cuBLAS vs the skinny GEMM (its split-K table's
-// choice, with and without programmatic dependent launch, and every split-K
-// factor without), in µs per layer and GB/s of weight + activation bytes.
+// shapes at 1..8 tokens, cuBLAS vs the CUDA-core skinny GEMM and the
+// tensor-core one (each at its split-K table's choice, with and without
+// programmatic dependent launch, and at every split-K factor without), in µs
+// per layer and GB/s of weight + activation bytes.
 //
 // Weights are cold, as in a decode step (the model is ~50x the L2): each
 // launch of the timed graph reads the next of enough weight copies to span
@@ -79,6 +80,10 @@ struct Row {
   double skinny_us;
   int auto_split;
   double split_us[4];
+  double mma_pdl_us;  // tensor-core skinny GEMM
+  double mma_us;
+  int mma_auto_split;
+  double mma_split_us[4];
 };
 
 Row Measure(Device& device, Stream& stream, const LayerShape& s, int tokens) {
@@ -140,8 +145,11 @@ Row Measure(Device& device, Stream& stream, const LayerShape& s, int tokens) {
               stream, "linear_bench", [q, k_split](const OpContext& ctx) {
                 auto cuda = static_cast<cudaStream_t>(ctx.cuda_stream);
                 if (k_split > 0) {
-                  return kernels::LaunchSkinnyGemmCuda(q, k_split, cuda) ==
-                                 cudaSuccess
+                  const cudaError_t e =
+                      q.kernel == kernels::LinearCudaKernel::kSkinnyMma
+                          ? kernels::LaunchSkinnyMmaCuda(q, k_split, cuda)
+                          : kernels::LaunchSkinnyGemmCuda(q, k_split, cuda);
+                  return e == cudaSuccess
                              ? absl::OkStatus()
                              : absl::InternalError("skinny gemm launch");
                 }
@@ -167,6 +175,13 @@ Row Measure(Device& device, Stream& stream, const LayerShape& s, int tokens) {
   for (int i = 0; i < 4; ++i) {
     row.split_us[i] =
         time_us(kernels::LinearCudaKernel::kSkinnyGemm, kSplits[i], false);
+  }
+  row.mma_pdl_us = time_us(kernels::LinearCudaKernel::kSkinnyMma, 0, true);
+  row.mma_us = time_us(kernels::LinearCudaKernel::kSkinnyMma, 0, false);
+  row.mma_auto_split = kernels::SkinnyMmaKSplit(s.in, s.out);
+  for (int i = 0; i < 4; ++i) {
+    row.mma_split_us[i] =
+        time_us(kernels::LinearCudaKernel::kSkinnyMma, kSplits[i], false);
   }
   return row;
 }
@@ -212,21 +227,39 @@ int Main(int argc, char** argv) {
         r.split_us[0], r.split_us[1], r.split_us[2], r.split_us[3],
         r.cublas_us / r.skinny_pdl_us);
   }
+  std::printf(
+      "\nTensor-core skinny GEMM (skinny_gemm_mma.cu):\n\n| model | layer | "
+      "in→out | tokens | cuBLAS µs | mma+PDL µs | GB/s | mma µs | split | "
+      "S=1 | S=2 | S=4 | S=8 | cuBLAS / mma+PDL | skinny+PDL / mma+PDL "
+      "|\n| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+      "| ---: | ---: | ---: | ---: | ---: |\n");
+  for (const Row& r : rows) {
+    std::printf(
+        "| %s | %s | %d→%d | %d | %.2f | %.2f | %.0f | %.2f | %d | %.2f | "
+        "%.2f | %.2f | %.2f | %.2fx | %.2fx |\n",
+        r.shape->model, r.shape->layer, r.shape->in, r.shape->out, r.tokens,
+        r.cublas_us, r.mma_pdl_us, r.bytes / r.mma_pdl_us / 1e3, r.mma_us,
+        r.mma_auto_split, r.mma_split_us[0], r.mma_split_us[1],
+        r.mma_split_us[2], r.mma_split_us[3], r.cublas_us / r.mma_pdl_us,
+        r.skinny_pdl_us / r.mma_pdl_us);
+  }
   // A decode step's linears: each layer's projections times the layer
   // count, plus the head.
   std::printf(
       "\n| model | tokens | step linears cuBLAS µs | skinny+PDL µs | "
-      "ratio |\n| --- | ---: | ---: | ---: | ---: |\n");
+      "ratio | mma+PDL µs | ratio |\n| --- | ---: | ---: | ---: | ---: | "
+      "---: | ---: |\n");
   for (const char* model : {"0.5b", "1b"}) {
     for (const int t : token_counts) {
-      double cublas = 0, skinny = 0;
+      double cublas = 0, skinny = 0, mma = 0;
       for (const Row& r : rows) {
         if (std::string(r.shape->model) != model || r.tokens != t) continue;
         cublas += r.cublas_us * r.shape->per_step;
         skinny += r.skinny_pdl_us * r.shape->per_step;
+        mma += r.mma_pdl_us * r.shape->per_step;
       }
-      std::printf("| %s | %d | %.1f | %.1f | %.2fx |\n", model, t, cublas,
-                  skinny, cublas / skinny);
+      std::printf("| %s | %d | %.1f | %.1f | %.2fx | %.1f | %.2fx |\n", model,
+                  t, cublas, skinny, cublas / skinny, mma, cublas / mma);
     }
   }
   const std::string path = absl::GetFlag(FLAGS_jsonl);
@@ -248,6 +281,8 @@ int Main(int argc, char** argv) {
       record("cublas", r.cublas_us);
       record("pdworker_skinny_pdl", r.skinny_pdl_us);
       record("pdworker_skinny", r.skinny_us);
+      record("pdworker_skinny_mma_pdl", r.mma_pdl_us);
+      record("pdworker_skinny_mma", r.mma_us);
     }
     AppendGpuRecords(path, gpu, absl::GetFlag(FLAGS_commit),
                      std::move(records));

@@ -1,7 +1,7 @@
-// linear on CUDA (cuBLAS, and the skinny GEMM for 1..8 tokens; bf16
-// operands, fp32 accumulation) vs the CPU kernel (fp32) on the same
-// bf16-representable inputs. Outputs are poisoned (0xFF: NaN) before each
-// run.
+// linear on CUDA (cuBLAS, and the CUDA-core and tensor-core skinny GEMMs for
+// 1..8 tokens; bf16 operands, fp32 accumulation) vs the CPU kernel (fp32) on
+// the same bf16-representable inputs. Outputs are poisoned (0xFF: NaN) before
+// each run.
 //
 // Tolerance: both accumulate in fp32, in different orders: the difference
 // is a few ulp of the sum of |x|·|w| (bounded here by 1e-5 · max Σ|x||w|,
@@ -45,6 +45,8 @@ std::string KernelName(LinearKernel kernel) {
       return "cublas";
     case LinearKernel::kSkinnyGemm:
       return "skinny_gemm";
+    case LinearKernel::kSkinnyMma:
+      return "skinny_mma";
   }
   return "?";
 }
@@ -113,61 +115,76 @@ TEST_P(LinearCudaTest, MatchesTheCpuKernelInBf16AndFp32Output) {
 // 1. Skinny shapes: the models' projections (0.5B: in 896 = 3.5 chunks of
 // 256, qkv out 1152 with bias; 1B: 2048 -> 3072, 8192 -> 2048), in_features
 // not a multiple of the 256-element chunk, a single output row, and
-// split-K factors 1, 2 and 4.
+// split-K factors 1, 2 and 4. The tensor-core rows: the same kind of
+// shapes plus in_features below one 32-element chunk (24), row counts that
+// are not a multiple of its 16-row blocks, and every token count's padding
+// (1, 3, 7 of the 8 mma columns used).
 constexpr LinearKernel kSkinny = LinearKernel::kSkinnyGemm;
+constexpr LinearKernel kMma = LinearKernel::kSkinnyMma;
 INSTANTIATE_TEST_SUITE_P(
     Shapes, LinearCudaTest,
-    ::testing::Values(Shape{1, 64, 96, false}, Shape{7, 256, 2048, true},
-                      Shape{64, 2048, 512, false}, Shape{3, 64, 200, true},
-                      Shape{128, 512, 1024, true}, Shape{1, 896, 1152, true},
-                      Shape{1, 4864, 896, true}, Shape{1, 2048, 3072, false},
-                      Shape{1, 8, 1, true}, Shape{2, 896, 896, false, kSkinny},
-                      Shape{5, 2048, 3072, false, kSkinny},
-                      Shape{8, 8192, 768, false, kSkinny},
-                      Shape{4, 1000, 333, true, kSkinny},
-                      Shape{6, 8, 1, true, kSkinny},
-                      Shape{8, 2048, 5000, false, kSkinny},
-                      Shape{1, 2048, 3072, true, LinearKernel::kCublas},
-                      Shape{8, 896, 1152, true, LinearKernel::kCublas}));
+    ::testing::Values(
+        Shape{1, 64, 96, false}, Shape{7, 256, 2048, true},
+        Shape{64, 2048, 512, false}, Shape{3, 64, 200, true},
+        Shape{128, 512, 1024, true}, Shape{1, 896, 1152, true},
+        Shape{1, 4864, 896, true}, Shape{1, 2048, 3072, false},
+        Shape{1, 8, 1, true}, Shape{2, 896, 896, false, kSkinny},
+        Shape{5, 2048, 3072, false, kSkinny},
+        Shape{8, 8192, 768, false, kSkinny}, Shape{4, 1000, 333, true, kSkinny},
+        Shape{6, 8, 1, true, kSkinny}, Shape{8, 2048, 5000, false, kSkinny},
+        Shape{1, 2048, 3072, true, LinearKernel::kCublas},
+        Shape{8, 896, 1152, true, LinearKernel::kCublas},
+        Shape{1, 64, 96, false, kMma}, Shape{2, 896, 896, false, kMma},
+        Shape{3, 2048, 3072, true, kMma}, Shape{8, 8192, 768, false, kMma},
+        Shape{4, 1000, 333, true, kMma}, Shape{6, 8, 1, true, kMma},
+        Shape{7, 2048, 5000, false, kMma}, Shape{5, 24, 40, true, kMma},
+        Shape{8, 4864, 896, true, kMma}));
 
 // Every token count 1..8 computes each row with the same operations: row t
 // at T tokens is bit-identical to row t at 8 (a decode batch padded from 5
 // to 8 in its graph and run eagerly at 5 would agree bit for bit). Shapes
-// with split-K factors 1, 2 and 4 (SkinnyGemmKSplit).
+// with split-K factors 1, 2 and 4 (SkinnyGemmKSplit), and 1..8 for the
+// tensor-core kernel (SkinnyMmaKSplit), whose rows must not see the other
+// columns of its mma either.
 TEST_F(CudaKernelTest, SkinnyGemmRowsAreBatchInvariantFrom1To8Tokens) {
-  for (const Shape& s :
-       {Shape{8, 2048, 3072, true}, Shape{8, 8192, 2048, false},
-        Shape{8, 896, 9728, false}, Shape{8, 2048, 16384, false},
-        Shape{8, 1000, 333, true}, Shape{8, 4864, 896, true}}) {
-    SCOPED_TRACE(absl::StrFormat("in %d out %d", s.in, s.out));
-    const std::vector<float> x = RandomBf16Floats(8 * s.in, 21);
-    LinearParams p{
-        GpuBf16(x),
-        GpuBf16(RandomBf16Floats(s.out * s.in, 22)),
-        s.bias ? GpuBf16(RandomBf16Floats(s.out, 23)) : DeviceBuffer(),
-        gpu().Alloc(2 * 8 * s.out),
-        8,
-        s.in,
-        s.out,
-        DType::kBFloat16,
-        DType::kBFloat16,
-        LinearKernel::kSkinnyGemm};
-    ASSERT_TRUE(LaunchLinear(*gpu().stream, p).ok());
-    const std::vector<float> all = ReadGpuBf16(p.output, 8 * s.out);
-    for (int tokens = 1; tokens < 8; ++tokens) {
-      gpu().Write(p.output, std::vector<uint16_t>(8 * s.out, 0xFFFF));
-      p.num_tokens = tokens;
+  for (const LinearKernel kernel : {kSkinny, kMma}) {
+    for (const Shape& s :
+         {Shape{8, 2048, 3072, true}, Shape{8, 8192, 2048, false},
+          Shape{8, 896, 9728, false}, Shape{8, 2048, 16384, false},
+          Shape{8, 1000, 333, true}, Shape{8, 4864, 896, true},
+          Shape{8, 24, 40, true}}) {
+      SCOPED_TRACE(
+          absl::StrFormat("%s in %d out %d", KernelName(kernel), s.in, s.out));
+      const std::vector<float> x = RandomBf16Floats(8 * s.in, 21);
+      LinearParams p{
+          GpuBf16(x),
+          GpuBf16(RandomBf16Floats(s.out * s.in, 22)),
+          s.bias ? GpuBf16(RandomBf16Floats(s.out, 23)) : DeviceBuffer(),
+          gpu().Alloc(2 * 8 * s.out),
+          8,
+          s.in,
+          s.out,
+          DType::kBFloat16,
+          DType::kBFloat16,
+          kernel};
       ASSERT_TRUE(LaunchLinear(*gpu().stream, p).ok());
-      const std::vector<float> got = ReadGpuBf16(p.output, tokens * s.out);
-      EXPECT_TRUE(SameBits(
-          got, std::vector<float>(all.begin(), all.begin() + tokens * s.out)))
-          << tokens << " tokens";
+      const std::vector<float> all = ReadGpuBf16(p.output, 8 * s.out);
+      for (int tokens = 1; tokens < 8; ++tokens) {
+        gpu().Write(p.output, std::vector<uint16_t>(8 * s.out, 0xFFFF));
+        p.num_tokens = tokens;
+        ASSERT_TRUE(LaunchLinear(*gpu().stream, p).ok());
+        const std::vector<float> got = ReadGpuBf16(p.output, tokens * s.out);
+        EXPECT_TRUE(SameBits(
+            got, std::vector<float>(all.begin(), all.begin() + tokens * s.out)))
+            << tokens << " tokens";
+      }
     }
   }
 }
 
-// Two skinny GEMMs in a row, the second reading the first's output, each
-// launched with programmatic stream serialization (it may start before the
+// Two skinny GEMMs in a row (tensor-core, then CUDA-core), the second
+// reading the first's output, each launched with programmatic stream
+// serialization (it may start before the
 // previous kernel ends and waits in griddepcontrol.wait before reading its
 // input): captured in a graph, replayed, bit-identical to eager, and to the
 // same chain with the attribute off (cuBLAS in between, too).
@@ -186,7 +203,7 @@ TEST_F(CudaKernelTest, SkinnyGemmChainInAGraphWaitsForItsInput) {
                         inter,
                         DType::kBFloat16,
                         DType::kBFloat16,
-                        LinearKernel::kSkinnyGemm};
+                        LinearKernel::kSkinnyMma};
   const LinearParams down{
       middle,
       GpuBf16(RandomBf16Floats(hidden * inter, 33, -0.1f, 0.1f)),
@@ -237,48 +254,55 @@ TEST_F(CudaKernelTest, SkinnyGemmChainInAGraphWaitsForItsInput) {
 }
 
 // gate_up with the SiLU-and-mul epilogue is bit-identical to the same GEMM
-// followed by the SiLU-and-mul kernel, at every token count the skinny GEMM
-// runs, with and without a bias, across split-K factors (1, 2, 4). The
-// outputs are poisoned before each run.
+// followed by the SiLU-and-mul kernel, at every token count the skinny GEMMs
+// run, with and without a bias, across split-K factors (1, 2, 4), on both
+// skinny kernels (inter 1000 and 3: gate rows that are not a multiple of the
+// tensor-core kernel's 16-row blocks). The outputs are poisoned before each
+// run.
 TEST_F(CudaKernelTest, SkinnyGemmSiluAndMulEpilogueMatchesTheTwoKernels) {
   struct Case {
     int in, inter;
     bool bias;
   };
-  for (const Case& c : {Case{896, 4864, false}, Case{2048, 1000, true},
-                        Case{64, 3, true}, Case{8192, 700, false}}) {
-    const int out = 2 * c.inter;
-    // Inputs of a wide range so that silu sees large negative gates too.
-    const std::vector<float> x = RandomBf16Floats(8 * c.in, 51, -4.0f, 4.0f);
-    LinearParams p{GpuBf16(x),
-                   GpuBf16(RandomBf16Floats(out * c.in, 52)),
-                   c.bias ? GpuBf16(RandomBf16Floats(out, 53)) : DeviceBuffer(),
-                   gpu().Alloc(2 * 8 * out),
-                   8,
-                   c.in,
-                   out,
-                   DType::kBFloat16,
-                   DType::kBFloat16,
-                   LinearKernel::kSkinnyGemm};
-    for (int tokens = 1; tokens <= 8; ++tokens) {
-      SCOPED_TRACE(
-          absl::StrFormat("in %d inter %d tokens %d", c.in, c.inter, tokens));
-      p.num_tokens = tokens;
-      p.output = gpu().Alloc(2 * 8 * out);
-      p.epilogue = LinearEpilogue::kNone;
-      ASSERT_TRUE(LaunchLinear(*gpu().stream, p).ok());
-      SiluAndMulParams silu{p.output, gpu().Alloc(2 * 8 * c.inter), tokens,
-                            c.inter, DType::kBFloat16};
-      ASSERT_TRUE(LaunchSiluAndMul(*gpu().stream, silu).ok());
-      const std::vector<float> want =
-          ReadGpuBf16(silu.output, tokens * c.inter);
+  for (const LinearKernel kernel : {kSkinny, kMma}) {
+    for (const Case& c : {Case{896, 4864, false}, Case{2048, 1000, true},
+                          Case{64, 3, true}, Case{8192, 700, false}}) {
+      const int out = 2 * c.inter;
+      // Inputs of a wide range so that silu sees large negative gates too.
+      const std::vector<float> x = RandomBf16Floats(8 * c.in, 51, -4.0f, 4.0f);
+      LinearParams p{
+          GpuBf16(x),
+          GpuBf16(RandomBf16Floats(out * c.in, 52)),
+          c.bias ? GpuBf16(RandomBf16Floats(out, 53)) : DeviceBuffer(),
+          gpu().Alloc(2 * 8 * out),
+          8,
+          c.in,
+          out,
+          DType::kBFloat16,
+          DType::kBFloat16,
+          kernel};
+      for (int tokens = 1; tokens <= 8; ++tokens) {
+        SCOPED_TRACE(absl::StrFormat("%s in %d inter %d tokens %d",
+                                     KernelName(kernel), c.in, c.inter,
+                                     tokens));
+        p.num_tokens = tokens;
+        p.output = gpu().Alloc(2 * 8 * out);
+        p.epilogue = LinearEpilogue::kNone;
+        ASSERT_TRUE(LaunchLinear(*gpu().stream, p).ok());
+        SiluAndMulParams silu{p.output, gpu().Alloc(2 * 8 * c.inter), tokens,
+                              c.inter, DType::kBFloat16};
+        ASSERT_TRUE(LaunchSiluAndMul(*gpu().stream, silu).ok());
+        const std::vector<float> want =
+            ReadGpuBf16(silu.output, tokens * c.inter);
 
-      LinearParams fused = p;
-      fused.output = gpu().Alloc(2 * 8 * c.inter);
-      fused.epilogue = LinearEpilogue::kSiluAndMul;
-      ASSERT_TRUE(LinearFusesSiluAndMul(*gpu().stream, fused));
-      ASSERT_TRUE(LaunchLinear(*gpu().stream, fused).ok());
-      EXPECT_TRUE(SameBits(ReadGpuBf16(fused.output, tokens * c.inter), want));
+        LinearParams fused = p;
+        fused.output = gpu().Alloc(2 * 8 * c.inter);
+        fused.epilogue = LinearEpilogue::kSiluAndMul;
+        ASSERT_TRUE(LinearFusesSiluAndMul(*gpu().stream, fused));
+        ASSERT_TRUE(LaunchLinear(*gpu().stream, fused).ok());
+        EXPECT_TRUE(
+            SameBits(ReadGpuBf16(fused.output, tokens * c.inter), want));
+      }
     }
   }
 }
@@ -342,6 +366,15 @@ TEST_F(CudaKernelTest, ForcedSkinnyGemmRefusesShapesItCannotRun) {
   status = LaunchLinear(*gpu().stream, p);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
   EXPECT_THAT(status.message(), ::testing::HasSubstr("in_features=60"));
+  p.kernel = LinearKernel::kSkinnyMma;
+  status = LaunchLinear(*gpu().stream, p);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(status.message(), ::testing::HasSubstr("skinny_mma"));
+  p.in_features = 64;
+  p.num_tokens = 9;
+  status = LaunchLinear(*gpu().stream, p);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(status.message(), ::testing::HasSubstr("num_tokens=9"));
 }
 
 TEST_F(CudaKernelTest, LinearGraphReplayIsBitIdenticalToEagerAtTheSameShape) {

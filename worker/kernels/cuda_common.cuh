@@ -63,6 +63,45 @@ __device__ __forceinline__ void AllowDependentLaunch() {
 #endif
 }
 
+// The other side of AllowDependentLaunch: returns once the previous kernel in
+// the stream has finished and its writes are visible. A kernel launched with
+// programmatic stream serialization calls it before reading anything the
+// previous kernel writes (it may issue loads of constant data, weights,
+// before it). Launched without the attribute it returns at once.
+__device__ __forceinline__ void WaitForPreviousKernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// A 16-byte load of data read once per kernel (a decode step's weights):
+// through the read-only path, not allocated in L1, so the activations every
+// warp re-reads stay there.
+__device__ __forceinline__ uint4 LoadStreaming(const __nv_bfloat16* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// d += a · b for one 16×8×16 bf16 tile on the tensor cores (sm_80+; a:
+// 16×16 row-major fragment, b: 16×8 column-major fragment, d: 16×8 fp32).
+// Fragment of lane l, g = l / 4, c = l % 4 (PTX ISA, mma.m16n8k16):
+//   a[0] = A[g][2c, 2c+1]     a[1] = A[g+8][2c, 2c+1]
+//   a[2] = A[g][2c+8, 2c+9]   a[3] = A[g+8][2c+8, 2c+9]
+//   b0 = B[2c, 2c+1][g]       b1 = B[2c+8, 2c+9][g]
+//   d = {D[g][2c], D[g][2c+1], D[g+8][2c], D[g+8][2c+1]}
+// D[i][j] depends on row i of A and column j of B only.
+__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4],
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // silu(gate) · up, the expression of the CPU kernel (worker/kernels/
 // silu_and_mul.cc): gate / (1 + exp(-gate)) · up with the accurate expf (for
 // gate -> -inf, exp overflows to inf and the quotient is -0, no NaN). One

@@ -73,6 +73,9 @@ void LinearCpu(const LinearParams& p) {
 }
 
 #if PDW_HAVE_CUDA
+static_assert(kLinearSkinnyMaxTokens == kSkinnyGemmMaxTokens,
+              "linear.h and linear_cuda.h agree on the skinny GEMMs' range");
+
 LinearCudaParams ToCudaParams(const LinearParams& p) {
   LinearCudaParams c;
   c.input = p.input.as<const __nv_bfloat16>();
@@ -85,10 +88,20 @@ LinearCudaParams ToCudaParams(const LinearParams& p) {
   c.num_tokens = p.num_tokens;
   c.in_features = p.in_features;
   c.out_features = p.out_features;
-  c.kernel = p.kernel == LinearKernel::kCublas ? LinearCudaKernel::kCublas
-             : p.kernel == LinearKernel::kSkinnyGemm
-                 ? LinearCudaKernel::kSkinnyGemm
-                 : LinearCudaKernel::kAuto;
+  switch (p.kernel) {
+    case LinearKernel::kAuto:
+      c.kernel = LinearCudaKernel::kAuto;
+      break;
+    case LinearKernel::kCublas:
+      c.kernel = LinearCudaKernel::kCublas;
+      break;
+    case LinearKernel::kSkinnyGemm:
+      c.kernel = LinearCudaKernel::kSkinnyGemm;
+      break;
+    case LinearKernel::kSkinnyMma:
+      c.kernel = LinearCudaKernel::kSkinnyMma;
+      break;
+  }
   c.epilogue = p.epilogue == LinearEpilogue::kSiluAndMul
                    ? LinearCudaEpilogue::kSiluAndMul
                    : LinearCudaEpilogue::kNone;
@@ -105,12 +118,14 @@ absl::Status LinearOnCuda(Stream& stream, const LinearParams& p) {
         "out_features (got %d) and bf16 output",
         kOp, p.num_tokens, p.out_features));
   }
-  if (c.kernel == LinearCudaKernel::kSkinnyGemm && !SkinnyGemmSupports(c)) {
+  if ((c.kernel == LinearCudaKernel::kSkinnyGemm && !SkinnyGemmSupports(c)) ||
+      (c.kernel == LinearCudaKernel::kSkinnyMma && !SkinnyMmaSupports(c))) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: kernel skinny_gemm needs 1..%d tokens, in_features a multiple of "
-        "8 and 16-byte aligned input and weight (num_tokens=%d, "
-        "in_features=%d)",
-        kOp, kSkinnyGemmMaxTokens, p.num_tokens, p.in_features));
+        "%s: kernel %s needs 1..%d tokens, in_features a multiple of 8 and "
+        "16-byte aligned input and weight (num_tokens=%d, in_features=%d)",
+        kOp,
+        c.kernel == LinearCudaKernel::kSkinnyMma ? "skinny_mma" : "skinny_gemm",
+        kSkinnyGemmMaxTokens, p.num_tokens, p.in_features));
   }
   return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
     const LinearCudaResult result =
@@ -145,7 +160,16 @@ bool LinearFusesSiluAndMul(const Stream& stream, const LinearParams& p) {
     return false;
   }
   const LinearCudaParams c = ToCudaParams(p);
-  return LinearCudaUsesSkinnyGemm(c) && SkinnyGemmSupports(c);
+  switch (ChosenLinearCudaKernel(c)) {
+    case LinearCudaKernel::kSkinnyGemm:
+      return SkinnyGemmSupports(c);
+    case LinearCudaKernel::kSkinnyMma:
+      return SkinnyMmaSupports(c);
+    case LinearCudaKernel::kAuto:
+    case LinearCudaKernel::kCublas:
+      return false;
+  }
+  return false;
 #else
   (void)stream;
   (void)p;

@@ -1,6 +1,6 @@
 // Dense layer on CUDA: output = input · weightᵀ (+ bias) through cuBLAS,
 // bf16 operands with fp32 accumulation (CUBLAS_COMPUTE_32F), or through the
-// skinny GEMM (skinny_gemm.cu) for a decode batch of one token.
+// skinny GEMMs (skinny_gemm.cu, skinny_gemm_mma.cu) for decode batches.
 #include <cublasLt.h>
 
 #include "worker/kernels/cuda_common.cuh"
@@ -79,19 +79,28 @@ cublasStatus_t BiasedBf16Gemm(const LinearCudaParams& p, cudaStream_t stream,
 
 }  // namespace
 
-bool LinearCudaUsesSkinnyGemm(const LinearCudaParams& p) {
-  return p.kernel == LinearCudaKernel::kSkinnyGemm ||
-         (p.kernel == LinearCudaKernel::kAuto &&
-          p.num_tokens <= kSkinnyGemmAutoMaxTokens && SkinnyGemmSupports(p));
+LinearCudaKernel ChosenLinearCudaKernel(const LinearCudaParams& p) {
+  if (p.kernel != LinearCudaKernel::kAuto) return p.kernel;
+  return p.num_tokens <= kSkinnyGemmAutoMaxTokens && SkinnyGemmSupports(p)
+             ? LinearCudaKernel::kSkinnyGemm
+             : LinearCudaKernel::kCublas;
 }
 
 LinearCudaResult LaunchLinearCuda(const LinearCudaParams& p,
                                   cudaStream_t stream, cublasHandle_t cublas) {
   LinearCudaResult result;
-  if (LinearCudaUsesSkinnyGemm(p)) {
-    result.launch = LaunchSkinnyGemmCuda(
-        p, SkinnyGemmKSplit(p.in_features, p.out_features), stream);
-    return result;
+  switch (ChosenLinearCudaKernel(p)) {
+    case LinearCudaKernel::kSkinnyGemm:
+      result.launch = LaunchSkinnyGemmCuda(
+          p, SkinnyGemmKSplit(p.in_features, p.out_features), stream);
+      return result;
+    case LinearCudaKernel::kSkinnyMma:
+      result.launch = LaunchSkinnyMmaCuda(
+          p, SkinnyMmaKSplit(p.in_features, p.out_features), stream);
+      return result;
+    case LinearCudaKernel::kAuto:
+    case LinearCudaKernel::kCublas:
+      break;
   }
   if (p.epilogue != LinearCudaEpilogue::kNone) {
     result.launch = cudaErrorInvalidValue;  // cuBLAS has no such epilogue

@@ -12,12 +12,16 @@
 namespace pdworker {
 namespace kernels {
 
-// Which GEMM computes the layer on CUDA. kAuto: the skinny GEMM for a
-// one-token decode batch (in_features a multiple of 8, 16-byte aligned input
-// and weight), cuBLAS otherwise; kSkinnyGemm runs 1..8 tokens. The others force
-// one (tests, benchmarks); the CPU backend has one kernel and accepts kAuto
-// only.
-enum class LinearKernel { kAuto, kCublas, kSkinnyGemm };
+// Which GEMM computes the layer on CUDA. kAuto: the CUDA-core skinny GEMM
+// for a one-token decode batch (in_features a multiple of 8, 16-byte aligned
+// input and weight), cuBLAS otherwise. kSkinnyGemm (CUDA cores) and
+// kSkinnyMma (tensor cores) run 1..8 tokens, each with rows bit-identical
+// across token counts. The others force one (tests, benchmarks); the CPU
+// backend has one kernel and accepts kAuto only.
+enum class LinearKernel { kAuto, kCublas, kSkinnyGemm, kSkinnyMma };
+
+// The most tokens kSkinnyGemm and kSkinnyMma run.
+constexpr int kLinearSkinnyMaxTokens = 8;
 
 // What the layer does with the product. kSiluAndMul (CUDA, where the skinny
 // GEMM runs: see LinearFusesSiluAndMul): `weight` is gate_up's [gate; up]
@@ -47,7 +51,7 @@ struct LinearParams {
   LinearEpilogue epilogue = LinearEpilogue::kNone;
 };
 
-// True when `p` with epilogue kSiluAndMul can run on `stream`: CUDA, the
+// True when `p` with epilogue kSiluAndMul can run on `stream`: CUDA, a
 // skinny GEMM chosen for it (kAuto at one token, or forced), in_features a
 // multiple of 8, 16-byte aligned input and weight, out_features even, bf16
 // output. The caller runs the layer and LaunchSiluAndMul otherwise.
@@ -57,10 +61,11 @@ bool LinearFusesSiluAndMul(const Stream& stream, const LinearParams& p);
 // bit-identical whatever num_tokens is, so an eager run at the real token
 // count and a graph replayed at the padded count agree bit for bit.
 // CUDA, 1 token: the skinny GEMM (skinny_gemm.cu; row-invariant over 1..8
-// tokens when forced). CUDA, more tokens: cublasGemmEx (CUBLAS_COMPUTE_32F) on
-// the stream's handle and fixed workspace. Deterministic for a given shape, but
-// cuBLAS picks its algorithm per shape, so row t may differ in the last bits
-// between token counts (graph at the padded count vs eager at the real one).
+// tokens when forced, as is the tensor-core one, skinny_gemm_mma.cu). CUDA,
+// more tokens: cublasGemmEx (CUBLAS_COMPUTE_32F) on the stream's handle and
+// fixed workspace. Deterministic for a given shape, but cuBLAS picks its
+// algorithm per shape, so row t may differ in the last bits between token
+// counts (graph at the padded count vs eager at the real one).
 absl::Status LaunchLinear(Stream& stream, const LinearParams& p);
 
 }  // namespace kernels

@@ -14,10 +14,11 @@ namespace kernels {
 
 enum class LinearCudaOutput { kBFloat16, kFloat32 };
 
-// Which GEMM computes the layer. kAuto: the skinny GEMM (skinny_gemm.cu)
-// for kSkinnyGemmAutoMaxTokens tokens when the shape allows it
-// (SkinnyGemmSupports), cuBLAS otherwise.
-enum class LinearCudaKernel { kAuto, kCublas, kSkinnyGemm };
+// Which GEMM computes the layer. kAuto: the CUDA-core skinny GEMM
+// (skinny_gemm.cu) for kSkinnyGemmAutoMaxTokens tokens when the shape allows
+// it (SkinnyGemmSupports), cuBLAS otherwise (ChosenLinearCudaKernel).
+// kSkinnyMma: the tensor-core skinny GEMM (skinny_gemm_mma.cu), 1..8 tokens.
+enum class LinearCudaKernel { kAuto, kCublas, kSkinnyGemm, kSkinnyMma };
 
 // What the skinny GEMM does with its result. kSiluAndMul: the weight is
 // [gate; up] (out_features = 2 · intermediate rows) and the bf16 output is
@@ -31,6 +32,11 @@ enum class LinearCudaEpilogue { kNone, kSiluAndMul };
 // its CUDA-core dot products fall behind cuBLAS's tensor cores on the wide
 // matrices. A decode batch of 1 is never padded (1 is a capture size), so
 // the choice does not change a row's bits between a graph and eager.
+// The tensor-core skinny GEMM (1..8 tokens, rows bit-identical across them)
+// is not in kAuto's table yet: it has not been measured against cuBLAS
+// (bench/linear_bench --kernels, scripts/gpu-check decode). When it is, its
+// range must be a whole shape class (2..8: padding never crosses from 1 to
+// 2, a capture size) so a row's kernel never depends on padding.
 constexpr int kSkinnyGemmMaxTokens = 8;
 constexpr int kSkinnyGemmAutoMaxTokens = 1;
 
@@ -45,7 +51,7 @@ struct LinearCudaParams {
   int out_features = 0;
   LinearCudaKernel kernel = LinearCudaKernel::kAuto;
   LinearCudaEpilogue epilogue = LinearCudaEpilogue::kNone;
-  // Skinny GEMM only: launch with programmatic stream serialization, so it
+  // Skinny GEMMs only: launch with programmatic stream serialization, so it
   // may start (and issue its weight loads) before the previous kernel ends;
   // it reads the input only after griddepcontrol.wait.
   bool programmatic_launch = true;
@@ -58,8 +64,10 @@ struct LinearCudaResult {
   cublasStatus_t cublas = CUBLAS_STATUS_SUCCESS;
 };
 
-// True when LaunchLinearCuda runs `p` on the skinny GEMM.
-bool LinearCudaUsesSkinnyGemm(const LinearCudaParams& p);
+// The kernel LaunchLinearCuda runs `p` on: kCublas, kSkinnyGemm or
+// kSkinnyMma (never kAuto). A forced skinny kernel is returned as is, even
+// where it cannot run (the launch then fails with cudaErrorInvalidValue).
+LinearCudaKernel ChosenLinearCudaKernel(const LinearCudaParams& p);
 
 // The skinny GEMM's split-K factor (1, 2, 4 or 8) for a weight shape: a
 // function of the shape alone, so a row's reduction order is too.
@@ -74,6 +82,20 @@ bool SkinnyGemmSupports(const LinearCudaParams& p);
 // SkinnyGemmSupports(p) is false or k_split is not 1, 2, 4 or 8.
 cudaError_t LaunchSkinnyGemmCuda(const LinearCudaParams& p, int k_split,
                                  cudaStream_t stream);
+
+// The tensor-core skinny GEMM's split-K factor (1, 2, 4 or 8): a function
+// of the shape alone.
+int SkinnyMmaKSplit(int in_features, int out_features);
+
+// True when the tensor-core skinny GEMM can run `p`: the same conditions as
+// SkinnyGemmSupports (1..8 tokens, in_features % 8 == 0, 16-byte aligned
+// input and weight); the device must be sm_80 or newer.
+bool SkinnyMmaSupports(const LinearCudaParams& p);
+
+// The tensor-core skinny GEMM with an explicit split-K factor. Same
+// epilogues, outputs and refusals as LaunchSkinnyGemmCuda.
+cudaError_t LaunchSkinnyMmaCuda(const LinearCudaParams& p, int k_split,
+                                cudaStream_t stream);
 
 // `cublas` must be bound to `stream` with a fixed workspace (CudaStream does
 // both), so the call is capturable and never allocates.

@@ -90,17 +90,6 @@ __device__ __forceinline__ void LoadMatrixX4Trans(uint32_t (&r)[4],
       : "r"(addr));
 }
 
-// d += a · b for one 16×8×16 bf16 tile (a: 16×16 row-major fragment, b:
-// 16×8 column-major fragment, d: 16×8 fp32).
-__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4],
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -408,8 +397,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
           for (int mt = 0; mt < kMTiles; ++mt) {
             const uint32_t(&q)[4] = q_frag[mt][kQInRegisters ? ks : 0];
-            Mma16816(s[mt][2 * kp], q, b[0], b[1]);
-            Mma16816(s[mt][2 * kp + 1], q, b[2], b[3]);
+            cuda::Mma16816(s[mt][2 * kp], q, b[0], b[1]);
+            cuda::Mma16816(s[mt][2 * kp + 1], q, b[2], b[3]);
           }
         }
       }
@@ -491,8 +480,8 @@ __global__ void __launch_bounds__(kThreads)
               b, SharedAddress(v_tile + Swizzled<kHeadDim>(key, chunk)));
 #pragma unroll
           for (int mt = 0; mt < kMTiles; ++mt) {
-            Mma16816(o[mt][2 * nd], pa[mt], b[0], b[1]);
-            Mma16816(o[mt][2 * nd + 1], pa[mt], b[2], b[3]);
+            cuda::Mma16816(o[mt][2 * nd], pa[mt], b[0], b[1]);
+            cuda::Mma16816(o[mt][2 * nd + 1], pa[mt], b[2], b[3]);
           }
         }
       }

@@ -39,22 +39,6 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * cuda::kWarpSize;
 constexpr int kChunk = cuda::kWarpSize * 8;  // k elements per warp-wide load
 
-// Weights are streamed once per step: keep them out of L1 (X, read by every
-// warp of the CTA, stays there).
-__device__ __forceinline__ uint4 LoadStreaming(const __nv_bfloat16* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ void WaitForPreviousKernel() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // Up to NT tokens (num_tokens of them), R rows per warp, U chunks per batch
 // of loads in flight.
 // kSiluAndMul: W is [gate; up] (2 · half rows), a warp owns gate row o and
@@ -103,15 +87,16 @@ __global__ void __launch_bounds__(kThreads)
       const int k = (slice + (first + u) * k_split) * kChunk + lane * 8;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        wv[u][r] = (k < in_features && row_ok[r]) ? LoadStreaming(w_row[r] + k)
-                                                  : make_uint4(0, 0, 0, 0);
+        wv[u][r] = (k < in_features && row_ok[r])
+                       ? cuda::LoadStreaming(w_row[r] + k)
+                       : make_uint4(0, 0, 0, 0);
       }
     }
   };
 
   const int my_chunks = (num_chunks - slice + k_split - 1) / k_split;
   load_weights(0);
-  WaitForPreviousKernel();
+  cuda::WaitForPreviousKernel();
   for (int first = 0; first < my_chunks; first += U) {
     if (first > 0) load_weights(first);
 #pragma unroll

@@ -235,6 +235,15 @@ absl::Status LlamaForward::RunBody(const ForwardContext& context) {
   return pieces_[num_layers]->Run(context, input_addresses_);
 }
 
+kernels::LinearKernel LlamaForward::LinearKernelFor(int rows) const {
+  const kernels::LinearKernel k = options_.linear_kernel;
+  const bool skinny = k == kernels::LinearKernel::kSkinnyGemm ||
+                      k == kernels::LinearKernel::kSkinnyMma;
+  return skinny && rows > kernels::kLinearSkinnyMaxTokens
+             ? kernels::LinearKernel::kAuto
+             : k;
+}
+
 absl::Status LlamaForward::RunQkv(int layer, int num_tokens) {
   const LlamaLayerWeights& w = weights_.layers[layer];
   const DType dtype = weights_.dtype;
@@ -250,7 +259,7 @@ absl::Status LlamaForward::RunQkv(int layer, int num_tokens) {
       static_cast<int>(config_.q_size() + 2 * config_.kv_size()),
       dtype,
       dtype,
-      options_.linear_kernel};
+      LinearKernelFor(num_tokens)};
   return kernels::LaunchLinear(stream_, qkv);
 }
 
@@ -264,9 +273,10 @@ absl::Status LlamaForward::RunOutputAndMlp(int layer, int num_tokens) {
 
   // Linear params: {input, weight, bias, output, num_tokens, in, out,
   // dtype, output_dtype}.
-  const kernels::LinearParams o{
-      act_.attn_out, w.o_proj, w.o_bias, act_.hidden, num_tokens,
-      q_size,        hidden,   dtype,    dtype,       options_.linear_kernel};
+  const kernels::LinearKernel kernel = LinearKernelFor(num_tokens);
+  const kernels::LinearParams o{act_.attn_out, w.o_proj, w.o_bias, act_.hidden,
+                                num_tokens,    q_size,   hidden,   dtype,
+                                dtype,         kernel};
   PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, o));
 
   // residual += attention output; hidden = post_norm(residual).
@@ -277,7 +287,7 @@ absl::Status LlamaForward::RunOutputAndMlp(int layer, int num_tokens) {
 
   const kernels::LinearParams gate_up{
       act_.hidden, w.gate_up, {},    act_.gate_up, num_tokens,
-      hidden,      2 * inter, dtype, dtype,        options_.linear_kernel};
+      hidden,      2 * inter, dtype, dtype,        kernel};
   if (kernels::LinearFusesSiluAndMul(stream_, gate_up)) {
     // One kernel: the skinny GEMM's epilogue writes silu(gate) · up.
     kernels::LinearParams fused = gate_up;
@@ -291,9 +301,9 @@ absl::Status LlamaForward::RunOutputAndMlp(int layer, int num_tokens) {
     PDW_RETURN_IF_ERROR(kernels::LaunchSiluAndMul(stream_, silu));
   }
 
-  const kernels::LinearParams down{
-      act_.mlp_act, w.down, {},    act_.hidden, num_tokens,
-      inter,        hidden, dtype, dtype,       options_.linear_kernel};
+  const kernels::LinearParams down{act_.mlp_act, w.down, {},     act_.hidden,
+                                   num_tokens,   inter,  hidden, dtype,
+                                   dtype,        kernel};
   return kernels::LaunchLinear(stream_, down);
 }
 
@@ -349,7 +359,7 @@ absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
   head.hidden_size = hidden;
   head.vocab_size = static_cast<int>(config_.vocab_size);
   head.dtype = dtype;
-  head.linear_kernel = options_.linear_kernel;
+  head.linear_kernel = LinearKernelFor(head.num_rows);
   return kernels::LaunchLmHead(stream_, head);
 }
 

@@ -41,7 +41,10 @@ struct LlamaForwardOptions {
   int uniform_decode_query_len = 1;
   InputAddressCheck input_address_check = InputAddressCheck::kOff;
   // The GEMM of every projection and the LM head (kernels::LinearKernel;
-  // kAuto on the CPU backend).
+  // kAuto on the CPU backend). A forced skinny kernel runs the launches of
+  // at most kernels::kLinearSkinnyMaxTokens rows (decode steps); larger ones
+  // (prefill, wide batches) use kAuto, so a benchmark can force it for a
+  // whole model run.
   kernels::LinearKernel linear_kernel = kernels::LinearKernel::kAuto;
 };
 
@@ -127,6 +130,8 @@ class LlamaForward {
   // The tail of a piece: o_proj and MLP of `layer`.
   absl::Status RunOutputAndMlp(int layer, int num_tokens);
   // qkv projection of `layer` from act_.hidden.
+  // options_.linear_kernel for a launch of `rows` rows (see the option).
+  kernels::LinearKernel LinearKernelFor(int rows) const;
   absl::Status RunQkv(int layer, int num_tokens);
 
   const ModelConfig config_;

@@ -1,0 +1,278 @@
+// Skinny GEMM on the tensor cores for decode batches of 1..8 tokens:
+// Y[T, O] = X[T, I] · W[O, I]ᵀ (+ b), bf16 operands, fp32 accumulation,
+// bf16 or fp32 output. The CUDA-core skinny GEMM (skinny_gemm.cu) spends 8
+// FMAs per 16 bytes of weights per token and falls behind cuBLAS from 2
+// tokens on the wide matrices (gate_up, LM head: 0.5-0.9x at 2-8 tokens,
+// bench/RESULTS.md); here one mma.m16n8k16 does 16 rows × 8 tokens × 16 k,
+// so the kernel stays a weight stream at any T <= 8.
+//
+// Operands are swapped: A (16×16, row-major) is 16 weight rows — W's own
+// layout — and B (16×8, column-major) is Xᵀ, column j = token j, so the
+// 8 columns of an mma are the (up to) 8 tokens. A lane loads 16 contiguous
+// bytes (8 k) of its two weight rows and of its token, and feeds them to
+// two mmas: k is permuted inside each 32-element chunk (the same
+// permutation on A and B, which a dot product does not see), so every load
+// is a full 16-byte vector and a warp reads 64 contiguous bytes per row.
+// Lane l (g = l / 4, c = l % 4) loads, for chunk base k0,
+//   W[row0 + g][k0 + 8c .. +7], W[row0 + g + 8][k0 + 8c .. +7], X[g][..]
+// and mma h (0, 1) takes elements 4h .. 4h+3 of each: logical k 2c, 2c+1
+// are physical 8c + 4h + {0, 1}, logical 2c+8, 2c+9 are 8c + 4h + {2, 3}.
+//
+// Work split (CTA = 8 warps): a warp owns one block of 16 rows (kSiluAndMul:
+// 16 gate rows and the 16 up rows that pair with them) and one of S
+// contiguous slices of the k chunks (split-K); the slices of a row block sit
+// in one CTA and are summed through shared memory in slice order. No
+// atomics.
+//
+// Batch invariance: D[i][j] of an mma depends on row i of A and column j of
+// B only, and everything else about a row — the chunks, their order, S
+// (SkinnyMmaKSplit: a function of O and I), the slice sum, the bias, the
+// rounding — is independent of T. Columns past T re-read the last token and
+// are never written. So row t carries the same bits at every T in 1..8: a
+// batch padded to its graph's size and the same batch run eagerly agree.
+// (They differ from the CUDA-core kernel's bits: the tensor cores add in
+// another order.)
+//
+// Programmatic dependent launch as in skinny_gemm.cu: the first weight
+// loads are issued before cuda::WaitForPreviousKernel, X after it.
+#include "worker/kernels/cuda_common.cuh"
+#include "worker/kernels/linear_cuda.h"
+
+namespace pdworker {
+namespace kernels {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * cuda::kWarpSize;
+constexpr int kRowsPerBlock = 16;  // mma M
+constexpr int kTokens = 8;         // mma N: the tokens of one launch
+constexpr int kChunk = 4 * 8;      // k per warp-wide load: 4 lanes × 8 bf16
+constexpr int kMaxChunksInFlight = 8;  // per warp, per row block
+
+// kSiluAndMul: W is [gate; up] (2 · half rows); block b of the warp is gate
+// rows b·16 .. +15 (r = 0) and up rows half + b·16 .. +15 (r = 1), and
+// Y[T, half] = silu(gate) · up, each of gate and up (+ bias) rounded to bf16
+// first, as the unfused GEMM writes them.
+// RB: row blocks per warp (kSiluAndMul: 2); U: chunks per batch of loads.
+// grid: [ceil(blocks / (kWarps / S))] with blocks = ceil(O / 16)
+// (kSiluAndMul: ceil(half / 16)); block: kThreads.
+template <int RB, int U, typename OutT, bool kSiluAndMul>
+__global__ void __launch_bounds__(kThreads)
+    SkinnyMmaKernel(const __nv_bfloat16* __restrict__ x,
+                    const __nv_bfloat16* __restrict__ w,
+                    const __nv_bfloat16* __restrict__ bias,
+                    OutT* __restrict__ y, int num_tokens, int in_features,
+                    int out_features, int k_split) {
+  static_assert(!kSiluAndMul || RB == 2, "silu-and-mul pairs gate and up");
+  // [warp][row block][row in block][token]
+  __shared__ float partial[kWarps][RB][kRowsPerBlock][kTokens];
+  const int warp = threadIdx.x / cuda::kWarpSize;
+  const int lane = threadIdx.x % cuda::kWarpSize;
+  const int g = lane / 4, c = lane % 4;
+  const int groups = kWarps / k_split;  // row blocks (units) per CTA
+  const int group = warp / k_split, slice = warp % k_split;
+  const int unit = blockIdx.x * groups + group;
+  const int half = out_features / 2;
+  const int num_chunks = (in_features + kChunk - 1) / kChunk;
+  const int per_slice = (num_chunks + k_split - 1) / k_split;
+  const int first_chunk = slice * per_slice;
+  const int my_chunks = max(0, min(per_slice, num_chunks - first_chunk));
+
+  // Rows g and g + 8 of each of the warp's row blocks.
+  const __nv_bfloat16* w_row[RB][2];
+  bool row_ok[RB][2];
+#pragma unroll
+  for (int r = 0; r < RB; ++r) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int in_block = unit * kRowsPerBlock + g + 8 * h;
+      const int row = kSiluAndMul ? in_block + r * half
+                                  : (unit * RB + r) * kRowsPerBlock + g + 8 * h;
+      row_ok[r][h] = kSiluAndMul ? in_block < half : row < out_features;
+      w_row[r][h] =
+          w + static_cast<int64_t>(row_ok[r][h] ? row : 0) * in_features;
+    }
+  }
+
+  float acc[RB][4];
+#pragma unroll
+  for (int r = 0; r < RB; ++r) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[r][e] = 0.0f;
+  }
+
+  // Weights of U chunks (first .. first + U - 1 of this slice): k of chunk
+  // i is (first_chunk + i) · kChunk + 8c; in_features % 8 == 0, so a 16-byte
+  // vector is all in range or all out.
+  uint4 wv[U][RB][2];
+  auto load_weights = [&](int first) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = (first_chunk + first + u) * kChunk + 8 * c;
+      const bool in_range = first + u < my_chunks && k < in_features;
+#pragma unroll
+      for (int r = 0; r < RB; ++r) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          wv[u][r][h] = in_range && row_ok[r][h]
+                            ? cuda::LoadStreaming(w_row[r][h] + k)
+                            : make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+  };
+
+  // Column g of B is token g; the columns past num_tokens re-read the last
+  // token (their sums are dropped).
+  const __nv_bfloat16* x_row =
+      x + static_cast<int64_t>(min(g, num_tokens - 1)) * in_features;
+  load_weights(0);
+  cuda::WaitForPreviousKernel();
+  for (int first = 0; first < my_chunks; first += U) {
+    if (first > 0) load_weights(first);
+    uint4 xv[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = (first_chunk + first + u) * kChunk + 8 * c;
+      xv[u] = first + u < my_chunks && k < in_features
+                  ? __ldg(reinterpret_cast<const uint4*>(x_row + k))
+                  : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      // Out-of-range chunks are zeros on both sides: adding their (exact
+      // zero) products keeps every row's operation sequence one shape.
+#pragma unroll
+      for (int r = 0; r < RB; ++r) {
+        const uint32_t a0[4] = {wv[u][r][0].x, wv[u][r][1].x, wv[u][r][0].y,
+                                wv[u][r][1].y};
+        cuda::Mma16816(acc[r], a0, xv[u].x, xv[u].y);
+        const uint32_t a1[4] = {wv[u][r][0].z, wv[u][r][1].z, wv[u][r][0].w,
+                                wv[u][r][1].w};
+        cuda::Mma16816(acc[r], a1, xv[u].z, xv[u].w);
+      }
+    }
+  }
+
+  // acc[r] = {D[g][2c], D[g][2c+1], D[g+8][2c], D[g+8][2c+1]}.
+#pragma unroll
+  for (int r = 0; r < RB; ++r) {
+    partial[warp][r][g][2 * c] = acc[r][0];
+    partial[warp][r][g][2 * c + 1] = acc[r][1];
+    partial[warp][r][g + 8][2 * c] = acc[r][2];
+    partial[warp][r][g + 8][2 * c + 1] = acc[r][3];
+  }
+  __syncthreads();
+
+  // One thread per (group, token, row of the block): the slices added in
+  // order 0..S-1, then the bias, then one rounding. Consecutive threads take
+  // consecutive rows of one token, so the writes are contiguous.
+  auto slice_sum = [&](int gr, int r, int row, int t) {
+    float sum = partial[gr * k_split][r][row][t];
+    for (int s = 1; s < k_split; ++s) {
+      sum += partial[gr * k_split + s][r][row][t];
+    }
+    return sum;
+  };
+  if constexpr (kSiluAndMul) {
+    for (int i = threadIdx.x; i < groups * kTokens * kRowsPerBlock;
+         i += kThreads) {
+      const int gr = i / (kTokens * kRowsPerBlock);
+      const int t = (i / kRowsPerBlock) % kTokens;
+      const int row = i % kRowsPerBlock;
+      const int o = (blockIdx.x * groups + gr) * kRowsPerBlock + row;
+      if (o >= half || t >= num_tokens) continue;
+      float sums[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float sum = slice_sum(gr, r, row, t);
+        if (bias != nullptr) sum += cuda::ToFloat(bias[o + r * half]);
+        sums[r] = cuda::ToFloat(cuda::FromFloat<__nv_bfloat16>(sum));
+      }
+      y[static_cast<int64_t>(t) * half + o] =
+          cuda::FromFloat<OutT>(cuda::SiluMul(sums[0], sums[1]));
+    }
+    return;
+  }
+  constexpr int kRowsPerUnit = RB * kRowsPerBlock;
+  for (int i = threadIdx.x; i < groups * kTokens * kRowsPerUnit;
+       i += kThreads) {
+    const int gr = i / (kTokens * kRowsPerUnit);
+    const int t = (i / kRowsPerUnit) % kTokens;
+    const int j = i % kRowsPerUnit;
+    const int o = (blockIdx.x * groups + gr) * kRowsPerUnit + j;
+    if (o >= out_features || t >= num_tokens) continue;
+    float sum = slice_sum(gr, j / kRowsPerBlock, j % kRowsPerBlock, t);
+    if (bias != nullptr) sum += cuda::ToFloat(bias[o]);
+    y[static_cast<int64_t>(t) * out_features + o] = cuda::FromFloat<OutT>(sum);
+  }
+}
+
+template <typename OutT, bool kSiluAndMul>
+cudaError_t Launch(const LinearCudaParams& p, int k_split,
+                   cudaStream_t stream) {
+  // silu-and-mul holds two row blocks' loads per chunk: half as many chunks
+  // in flight keeps the same bytes (and registers) per warp.
+  constexpr int RB = kSiluAndMul ? 2 : 1;
+  constexpr int U = kMaxChunksInFlight / RB;
+  const int rows = kSiluAndMul ? p.out_features / 2 : p.out_features;
+  const int units = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(cuda::NumBlocks(units, kWarps / k_split));
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = p.programmatic_launch ? 1 : 0;
+  return cudaLaunchKernelEx(&config, SkinnyMmaKernel<RB, U, OutT, kSiluAndMul>,
+                            p.input, p.weight, p.bias,
+                            static_cast<OutT*>(p.output), p.num_tokens,
+                            p.in_features, p.out_features, k_split);
+}
+
+}  // namespace
+
+int SkinnyMmaKSplit(int in_features, int out_features) {
+  // Enough warps to keep ~4,096 row-block slices in flight (the CUDA-core
+  // kernel's measured sweet spot, bench/RESULTS.md), each slice with at
+  // least two batches of kMaxChunksInFlight chunks to overlap. A function
+  // of the shape alone.
+  const int64_t units = (out_features + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int num_chunks = (in_features + kChunk - 1) / kChunk;
+  int k_split = 1;
+  while (k_split < kWarps && units * k_split < 4096 &&
+         num_chunks >= 2 * kMaxChunksInFlight * 2 * k_split) {
+    k_split *= 2;
+  }
+  return k_split;
+}
+
+bool SkinnyMmaSupports(const LinearCudaParams& p) {
+  return p.num_tokens >= 1 && p.num_tokens <= kSkinnyGemmMaxTokens &&
+         p.in_features % 8 == 0 && cuda::Aligned16(p.input) &&
+         cuda::Aligned16(p.weight);
+}
+
+cudaError_t LaunchSkinnyMmaCuda(const LinearCudaParams& p, int k_split,
+                                cudaStream_t stream) {
+  if (!SkinnyMmaSupports(p) || k_split < 1 || k_split > kWarps ||
+      (k_split & (k_split - 1)) != 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.epilogue == LinearCudaEpilogue::kSiluAndMul) {
+    if (p.output_type != LinearCudaOutput::kBFloat16 ||
+        p.out_features % 2 != 0) {
+      return cudaErrorInvalidValue;
+    }
+    return Launch<__nv_bfloat16, true>(p, k_split, stream);
+  }
+  if (p.output_type == LinearCudaOutput::kFloat32) {
+    return Launch<float, false>(p, k_split, stream);
+  }
+  return Launch<__nv_bfloat16, false>(p, k_split, stream);
+}
+
+}  // namespace kernels
+}  // namespace pdworker
