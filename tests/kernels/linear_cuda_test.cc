@@ -17,6 +17,7 @@
 #include "gmock/gmock.h"
 #include "tests/kernels/cuda_kernel_test_util.h"
 #include "worker/kernels/linear.h"
+#include "worker/kernels/rms_norm.h"
 #include "worker/kernels/silu_and_mul.h"
 
 namespace pdworker {
@@ -298,7 +299,7 @@ TEST_F(CudaKernelTest, SkinnyGemmSiluAndMulEpilogueMatchesTheTwoKernels) {
         LinearParams fused = p;
         fused.output = gpu().Alloc(2 * 8 * c.inter);
         fused.epilogue = LinearEpilogue::kSiluAndMul;
-        ASSERT_TRUE(LinearFusesSiluAndMul(*gpu().stream, fused));
+        ASSERT_TRUE(LinearCanFuse(*gpu().stream, fused));
         ASSERT_TRUE(LaunchLinear(*gpu().stream, fused).ok());
         EXPECT_TRUE(
             SameBits(ReadGpuBf16(fused.output, tokens * c.inter), want));
@@ -309,7 +310,7 @@ TEST_F(CudaKernelTest, SkinnyGemmSiluAndMulEpilogueMatchesTheTwoKernels) {
 
 // Where the epilogue cannot run, it is refused (never silently dropped):
 // cuBLAS (forced, or kAuto above one token), an odd out_features, fp32
-// output. LinearFusesSiluAndMul says so beforehand.
+// output. LinearCanFuse says so beforehand.
 TEST_F(CudaKernelTest,
        SiluAndMulEpilogueIsRefusedWhereTheSkinnyGemmDoesNotRun) {
   LinearParams p{GpuBf16(RandomBf16Floats(2 * 64, 61)),
@@ -323,11 +324,11 @@ TEST_F(CudaKernelTest,
                  DType::kBFloat16,
                  LinearKernel::kAuto,
                  LinearEpilogue::kSiluAndMul};
-  EXPECT_TRUE(LinearFusesSiluAndMul(*gpu().stream, p));
+  EXPECT_TRUE(LinearCanFuse(*gpu().stream, p));
   EXPECT_TRUE(LaunchLinear(*gpu().stream, p).ok());
   auto refused = [&](LinearParams bad, const char* why) {
     SCOPED_TRACE(why);
-    EXPECT_FALSE(LinearFusesSiluAndMul(*gpu().stream, bad));
+    EXPECT_FALSE(LinearCanFuse(*gpu().stream, bad));
     const absl::Status status = LaunchLinear(*gpu().stream, bad);
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
     EXPECT_THAT(status.message(), ::testing::HasSubstr("silu_and_mul"));
@@ -345,6 +346,179 @@ TEST_F(CudaKernelTest,
   bad = p;
   bad.output_dtype = DType::kFloat32;
   refused(bad, "fp32 output");
+}
+
+// The decode-step fusions against the kernels they replace, bit for bit:
+// an RMSNorm prologue == LaunchRmsNorm then the GEMM (with the SiLU-and-mul
+// epilogue too), a residual-add epilogue == the GEMM then the residual
+// update of LaunchFusedAddRmsNorm. Both skinny kernels (the CUDA-core one at
+// one token, the tensor-core one at 1..8), the 0.5B / 1B shapes (qkv with
+// its bias; 4,864 and 8,192-wide down inputs), a hidden size that is not a
+// multiple of 256 (the norm's last vectors on some threads only), residuals
+// of a wide range so the norm's scale matters. Outputs poisoned first.
+TEST_F(CudaKernelTest,
+       SkinnyGemmNormAndResidualFusionsMatchTheSeparateKernels) {
+  struct Case {
+    int hidden, out, inter;
+    bool bias;
+  };
+  const float eps = 1e-5f;
+  for (const LinearKernel kernel : {kSkinny, kMma}) {
+    for (const Case& c :
+         {Case{896, 1152, 4864, true}, Case{2048, 3072, 8192, false},
+          Case{328, 200, 72, true}}) {
+      for (int tokens = 1; tokens <= (kernel == kSkinny ? 1 : 8); ++tokens) {
+        SCOPED_TRACE(absl::StrFormat("%s hidden %d tokens %d",
+                                     KernelName(kernel), c.hidden, tokens));
+        const std::vector<float> residual =
+            RandomBf16Floats(tokens * c.hidden, 71, -8.0f, 8.0f);
+        const DeviceBuffer residual_buffer = GpuBf16(residual);
+        const DeviceBuffer norm_weight =
+            GpuBf16(RandomBf16Floats(c.hidden, 72, 0.5f, 1.5f));
+        const DeviceBuffer w_qkv =
+            GpuBf16(RandomBf16Floats(c.out * c.hidden, 73));
+        const DeviceBuffer bias =
+            c.bias ? GpuBf16(RandomBf16Floats(c.out, 74)) : DeviceBuffer();
+        const DeviceBuffer w_gate_up =
+            GpuBf16(RandomBf16Floats(2 * c.inter * c.hidden, 75));
+        const DeviceBuffer w_down =
+            GpuBf16(RandomBf16Floats(c.hidden * c.inter, 76, -0.1f, 0.1f));
+        auto poisoned = [&](int elements) {
+          DeviceBuffer b = gpu().Alloc(2 * elements);
+          gpu().Write(b, std::vector<uint16_t>(elements, 0xFFFF));
+          return b;
+        };
+
+        // Unfused: normed = RMSNorm(residual); qkv = normed · Wᵀ + b;
+        // act = silu_and_mul(normed · W_gate_upᵀ); delta = act · W_downᵀ;
+        // residual' = residual + delta.
+        const DeviceBuffer normed = poisoned(tokens * c.hidden);
+        ASSERT_TRUE(LaunchRmsNorm(*gpu().stream,
+                                  {residual_buffer, norm_weight, normed, tokens,
+                                   c.hidden, eps, DType::kBFloat16})
+                        .ok());
+        LinearParams qkv{
+            normed,           w_qkv,    bias,  poisoned(tokens * c.out),
+            tokens,           c.hidden, c.out, DType::kBFloat16,
+            DType::kBFloat16, kernel};
+        ASSERT_TRUE(LaunchLinear(*gpu().stream, qkv).ok());
+        LinearParams gate_up{normed,
+                             w_gate_up,
+                             DeviceBuffer(),
+                             poisoned(tokens * c.inter),
+                             tokens,
+                             c.hidden,
+                             2 * c.inter,
+                             DType::kBFloat16,
+                             DType::kBFloat16,
+                             kernel,
+                             LinearEpilogue::kSiluAndMul};
+        ASSERT_TRUE(LaunchLinear(*gpu().stream, gate_up).ok());
+        LinearParams down{gate_up.output,   w_down,
+                          DeviceBuffer(),   poisoned(tokens * c.hidden),
+                          tokens,           c.inter,
+                          c.hidden,         DType::kBFloat16,
+                          DType::kBFloat16, kernel};
+        ASSERT_TRUE(LaunchLinear(*gpu().stream, down).ok());
+        const DeviceBuffer updated = GpuBf16(residual);
+        ASSERT_TRUE(LaunchFusedAddRmsNorm(*gpu().stream,
+                                          {down.output, updated, norm_weight,
+                                           poisoned(tokens * c.hidden), tokens,
+                                           c.hidden, eps, DType::kBFloat16})
+                        .ok());
+
+        // Fused: the same three projections reading the residual.
+        auto normalize = [&](LinearParams p) {
+          p.input = residual_buffer;
+          p.prologue = LinearPrologue::kRmsNorm;
+          p.norm_weight = norm_weight;
+          p.norm_epsilon = eps;
+          p.output = poisoned(p.epilogue == LinearEpilogue::kSiluAndMul
+                                  ? tokens * c.inter
+                                  : tokens * c.out);
+          return p;
+        };
+        const LinearParams fused_qkv = normalize(qkv);
+        ASSERT_TRUE(LinearCanFuse(*gpu().stream, fused_qkv));
+        ASSERT_TRUE(LaunchLinear(*gpu().stream, fused_qkv).ok());
+        EXPECT_TRUE(SameBits(ReadGpuBf16(fused_qkv.output, tokens * c.out),
+                             ReadGpuBf16(qkv.output, tokens * c.out)))
+            << "qkv with the norm prologue";
+        const LinearParams fused_gate_up = normalize(gate_up);
+        ASSERT_TRUE(LinearCanFuse(*gpu().stream, fused_gate_up));
+        ASSERT_TRUE(LaunchLinear(*gpu().stream, fused_gate_up).ok());
+        EXPECT_TRUE(
+            SameBits(ReadGpuBf16(fused_gate_up.output, tokens * c.inter),
+                     ReadGpuBf16(gate_up.output, tokens * c.inter)))
+            << "gate_up with the norm prologue and silu_and_mul";
+        LinearParams fused_down = down;
+        fused_down.output = GpuBf16(residual);
+        fused_down.epilogue = LinearEpilogue::kAddResidual;
+        ASSERT_TRUE(LinearCanFuse(*gpu().stream, fused_down));
+        ASSERT_TRUE(LaunchLinear(*gpu().stream, fused_down).ok());
+        const std::vector<float> want = ReadGpuBf16(updated, tokens * c.hidden);
+        EXPECT_TRUE(
+            SameBits(ReadGpuBf16(fused_down.output, tokens * c.hidden), want))
+            << "down with the residual epilogue";
+        // And the residual really moved (the epilogue did not just keep it).
+        EXPECT_FALSE(SameBits(want, residual));
+      }
+    }
+  }
+}
+
+// Fusions a kernel cannot run are refused, naming the fusion, and
+// LinearCanFuse says so beforehand: cuBLAS (kAuto above one token), the
+// CUDA-core kernel above one token, a prologue whose normalized rows exceed
+// the shared memory budget, a prologue with the residual epilogue, fp32
+// output, a norm_weight too short (named).
+TEST_F(CudaKernelTest, NormAndResidualFusionsAreRefusedWhereTheyCannotRun) {
+  const int hidden = 4096, out = 64;
+  LinearParams p{GpuBf16(RandomBf16Floats(8 * hidden, 81)),
+                 GpuBf16(RandomBf16Floats(out * hidden, 82)),
+                 DeviceBuffer(),
+                 gpu().Alloc(4 * 8 * out),
+                 1,
+                 hidden,
+                 out,
+                 DType::kBFloat16,
+                 DType::kBFloat16};
+  p.prologue = LinearPrologue::kRmsNorm;
+  p.norm_weight = GpuBf16(RandomBf16Floats(hidden, 83, 0.5f, 1.5f));
+  p.norm_epsilon = 1e-6f;
+  ASSERT_TRUE(LinearCanFuse(*gpu().stream, p));  // kAuto, one token
+  ASSERT_TRUE(LaunchLinear(*gpu().stream, p).ok());
+  auto refused = [&](LinearParams bad, const char* fusion, const char* why) {
+    SCOPED_TRACE(why);
+    EXPECT_FALSE(LinearCanFuse(*gpu().stream, bad));
+    const absl::Status status = LaunchLinear(*gpu().stream, bad);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_THAT(status.message(), ::testing::HasSubstr(fusion));
+  };
+  LinearParams bad = p;
+  bad.num_tokens = 2;
+  refused(bad, "prologue rms_norm", "kAuto at two tokens: cuBLAS");
+  bad.kernel = kSkinny;
+  refused(bad, "prologue rms_norm", "CUDA-core kernel at two tokens");
+  bad.kernel = kMma;
+  bad.num_tokens = 5;  // 5 · 4104 · 2 bytes > 36 KiB
+  refused(bad, "prologue rms_norm", "normalized rows beyond shared memory");
+  bad = p;
+  bad.epilogue = LinearEpilogue::kAddResidual;
+  refused(bad, "add_residual", "prologue with the residual epilogue");
+  bad = p;
+  bad.output_dtype = DType::kFloat32;
+  refused(bad, "prologue rms_norm", "fp32 output");
+  bad = p;
+  bad.prologue = LinearPrologue::kNone;
+  bad.epilogue = LinearEpilogue::kAddResidual;
+  bad.kernel = LinearKernel::kCublas;
+  refused(bad, "add_residual", "cuBLAS");
+  bad = p;
+  bad.norm_weight = GpuBf16(RandomBf16Floats(hidden - 8, 84));
+  const absl::Status status = LaunchLinear(*gpu().stream, bad);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(status.message(), ::testing::HasSubstr("'norm_weight'"));
 }
 
 TEST_F(CudaKernelTest, ForcedSkinnyGemmRefusesShapesItCannotRun) {

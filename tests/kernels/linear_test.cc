@@ -144,10 +144,28 @@ TEST_F(LinearErrorsTest, RejectsBadBuffers) {
               IsInvalidArgumentMentioning("kernel must be auto"));
   bad = p;
   bad.epilogue = LinearEpilogue::kSiluAndMul;  // fused only on CUDA
-  EXPECT_FALSE(LinearFusesSiluAndMul(stream(), bad));
+  EXPECT_FALSE(LinearCanFuse(stream(), bad));
   bad.output = AllocElements<float>(4 * 3);
+  EXPECT_THAT(
+      LaunchLinear(stream(), bad),
+      IsInvalidArgumentMentioning("epilogue and prologue must be none"));
+  bad = p;
+  bad.epilogue = LinearEpilogue::kAddResidual;
+  EXPECT_FALSE(LinearCanFuse(stream(), bad));
+  EXPECT_THAT(
+      LaunchLinear(stream(), bad),
+      IsInvalidArgumentMentioning("epilogue and prologue must be none"));
+  bad = p;
+  bad.prologue = LinearPrologue::kRmsNorm;
+  bad.norm_weight = AllocElements<float>(p.in_features);
+  EXPECT_FALSE(LinearCanFuse(stream(), bad));
+  EXPECT_THAT(
+      LaunchLinear(stream(), bad),
+      IsInvalidArgumentMentioning("epilogue and prologue must be none"));
+  bad.norm_weight = AllocElements<float>(p.in_features - 1);
   EXPECT_THAT(LaunchLinear(stream(), bad),
-              IsInvalidArgumentMentioning("epilogue must be none"));
+              IsInvalidArgumentMentioning("'norm_weight'"));
+  EXPECT_TRUE(LinearCanFuse(stream(), p));  // nothing to fuse
   bad = p;
   bad.in_features = -1;
   EXPECT_THAT(LaunchLinear(stream(), bad),

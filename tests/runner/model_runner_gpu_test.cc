@@ -233,6 +233,63 @@ TEST_P(RunnerGpuTest, EveryModeMatchesEagerAndReportsBitIdentity) {
   RecordProperty("bit_identical_steps_per_mode", report);
 }
 
+// The decode-step fusions (RMSNorm in the qkv / gate_up prologues, residual
+// adds in the o_proj / down epilogues) change no bit of any logit: the same
+// steps with NormFusion kAuto and kOff, eager and in FULL graphs, with the
+// default kernels (fused at one token) and with the tensor-core skinny GEMM
+// forced (fused at 1..8 tokens). FusesNorms must be true where the fusion is
+// expected, so the comparison cannot pass by running unfused twice.
+TEST_P(RunnerGpuTest, NormFusionLeavesEveryLogitBitIdentical) {
+  const std::vector<std::vector<SequenceStep>> batches = {
+      {Seq("a", {5, 17, 42, 8, 99, 3, 61})},
+      {Seq("a", {12})},
+      {Seq("a", {7})},
+      {Seq("b", {1, 2, 3}), Seq("c", {9})},
+      {Seq("a", {30}), Seq("b", {4}), Seq("c", {8})},
+      {Seq("a", {31}), Seq("b", {5})},
+  };
+  for (const kernels::LinearKernel kernel :
+       {kernels::LinearKernel::kAuto, kernels::LinearKernel::kSkinnyMma}) {
+    for (const char* mode : {"NONE", "FULL"}) {
+      SCOPED_TRACE(std::string(mode) + (kernel == kernels::LinearKernel::kAuto
+                                            ? " auto"
+                                            : " skinny_mma"));
+      std::vector<std::vector<float>> logits[2];
+      for (const NormFusion fusion : {NormFusion::kAuto, NormFusion::kOff}) {
+        ModelRunnerOptions o =
+            SmallOptions(R"({"cudagraph_mode":")" + std::string(mode) +
+                         R"(","cudagraph_capture_sizes":[1,2,4,8]})");
+        o.linear_kernel = kernel;
+        o.norm_fusion = fusion;
+        auto runner = ModelRunner::Create(*cuda_, dir_, o);
+        ASSERT_TRUE(runner.ok()) << runner.status();
+        ASSERT_TRUE((*runner)->CaptureGraphs().ok());
+        const bool on = fusion == NormFusion::kAuto;
+        EXPECT_EQ((*runner)->forward().FusesNorms(1), on);
+        EXPECT_EQ((*runner)->forward().FusesNorms(4),
+                  on && kernel == kernels::LinearKernel::kSkinnyMma);
+        EXPECT_FALSE((*runner)->forward().FusesNorms(16));
+        for (const auto& batch : batches) {
+          ASSERT_TRUE((*runner)->Execute(batch).ok());
+          std::vector<float> l;
+          ASSERT_TRUE(
+              (*runner)->ReadLogits(static_cast<int>(batch.size()), &l).ok());
+          logits[on ? 0 : 1].push_back(std::move(l));
+        }
+      }
+      ASSERT_EQ(logits[0].size(), logits[1].size());
+      for (size_t s = 0; s < logits[0].size(); ++s) {
+        ASSERT_EQ(logits[0][s].size(), logits[1][s].size());
+        EXPECT_EQ(std::memcmp(logits[0][s].data(), logits[1][s].data(),
+                              logits[0][s].size() * sizeof(float)),
+                  0)
+            << "step " << s << " max diff "
+            << Compare(logits[0][s], logits[1][s]).max;
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllShapes, RunnerGpuTest,
                          ::testing::ValuesIn(AllTinyShapes()),
                          [](const ::testing::TestParamInfo<TinyShape>& info) {

@@ -102,21 +102,47 @@ LinearCudaParams ToCudaParams(const LinearParams& p) {
       c.kernel = LinearCudaKernel::kSkinnyMma;
       break;
   }
-  c.epilogue = p.epilogue == LinearEpilogue::kSiluAndMul
-                   ? LinearCudaEpilogue::kSiluAndMul
-                   : LinearCudaEpilogue::kNone;
+  switch (p.epilogue) {
+    case LinearEpilogue::kNone:
+      c.epilogue = LinearCudaEpilogue::kNone;
+      break;
+    case LinearEpilogue::kSiluAndMul:
+      c.epilogue = LinearCudaEpilogue::kSiluAndMul;
+      break;
+    case LinearEpilogue::kAddResidual:
+      c.epilogue = LinearCudaEpilogue::kAddResidual;
+      break;
+  }
+  if (p.prologue == LinearPrologue::kRmsNorm) {
+    c.prologue = LinearCudaPrologue::kRmsNorm;
+    c.norm_weight = p.norm_weight.as<const __nv_bfloat16>();
+    c.norm_epsilon = p.norm_epsilon;
+  }
   return c;
 }
 
 absl::Status LinearOnCuda(Stream& stream, const LinearParams& p) {
   const LinearCudaParams c = ToCudaParams(p);
-  if (p.epilogue == LinearEpilogue::kSiluAndMul &&
-      !LinearFusesSiluAndMul(stream, p)) {
+  if (p.epilogue == LinearEpilogue::kSiluAndMul && !LinearCanFuse(stream, p)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: epilogue silu_and_mul needs the skinny GEMM (num_tokens=%d; "
+        "%s: epilogue silu_and_mul needs a skinny GEMM (num_tokens=%d; "
         "in_features a multiple of 8, aligned input and weight), an even "
         "out_features (got %d) and bf16 output",
         kOp, p.num_tokens, p.out_features));
+  }
+  if (p.epilogue == LinearEpilogue::kAddResidual && !LinearCanFuse(stream, p)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: epilogue add_residual needs a skinny GEMM (num_tokens=%d; one "
+        "token on skinny_gemm), bf16 output and no prologue",
+        kOp, p.num_tokens));
+  }
+  if (p.prologue == LinearPrologue::kRmsNorm && !LinearCanFuse(stream, p)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: prologue rms_norm needs a skinny GEMM (num_tokens=%d; one token "
+        "on skinny_gemm), bf16 output, a 16-byte aligned norm_weight, "
+        "num_tokens * (in_features + 8) * 2 <= %d bytes (in_features=%d) and "
+        "epilogue none or silu_and_mul",
+        kOp, p.num_tokens, kSkinnyNormMaxBytes, p.in_features));
   }
   if ((c.kernel == LinearCudaKernel::kSkinnyGemm && !SkinnyGemmSupports(c)) ||
       (c.kernel == LinearCudaKernel::kSkinnyMma && !SkinnyMmaSupports(c))) {
@@ -153,18 +179,28 @@ absl::Status CheckLinearDTypes(const Stream& stream, const LinearParams& p) {
 
 }  // namespace
 
-bool LinearFusesSiluAndMul(const Stream& stream, const LinearParams& p) {
+bool LinearCanFuse(const Stream& stream, const LinearParams& p) {
+  if (p.epilogue == LinearEpilogue::kNone &&
+      p.prologue == LinearPrologue::kNone) {
+    return true;
+  }
 #if PDW_HAVE_CUDA
   if (stream.kind() != DeviceKind::kCuda || p.dtype != DType::kBFloat16 ||
-      p.output_dtype != DType::kBFloat16 || p.out_features % 2 != 0) {
+      p.output_dtype != DType::kBFloat16) {
+    return false;
+  }
+  if (p.prologue == LinearPrologue::kRmsNorm &&
+      p.norm_weight.size_bytes() <
+          DTypeSize(p.dtype) * static_cast<size_t>(p.in_features)) {
     return false;
   }
   const LinearCudaParams c = ToCudaParams(p);
-  switch (ChosenLinearCudaKernel(c)) {
+  const LinearCudaKernel kernel = ChosenLinearCudaKernel(c);
+  switch (kernel) {
     case LinearCudaKernel::kSkinnyGemm:
-      return SkinnyGemmSupports(c);
+      return SkinnyGemmSupports(c) && SkinnyFusionSupports(c, kernel);
     case LinearCudaKernel::kSkinnyMma:
-      return SkinnyMmaSupports(c);
+      return SkinnyMmaSupports(c) && SkinnyFusionSupports(c, kernel);
     case LinearCudaKernel::kAuto:
     case LinearCudaKernel::kCublas:
       return false;
@@ -172,7 +208,6 @@ bool LinearFusesSiluAndMul(const Stream& stream, const LinearParams& p) {
   return false;
 #else
   (void)stream;
-  (void)p;
   return false;
 #endif
 }
@@ -223,6 +258,11 @@ absl::Status LaunchLinear(Stream& stream, const LinearParams& p) {
                      element * weight_elements),
        CheckDisjoint(kOp, "output", p.output, out_bytes, "bias", p.bias,
                      p.bias.empty() ? 0 : element * p.out_features),
+       p.prologue == LinearPrologue::kRmsNorm
+           ? CheckBuffer(
+                 kOp, "norm_weight", p.norm_weight, p.in_features, element,
+                 absl::StrFormat("[in_features=%d] %s", p.in_features, type))
+           : absl::OkStatus(),
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
 #if PDW_HAVE_CUDA
@@ -233,10 +273,11 @@ absl::Status LaunchLinear(Stream& stream, const LinearParams& p) {
         "%s: kernel must be auto on the %s backend (it has one GEMM)", kOp,
         DeviceKindName(stream.kind())));
   }
-  if (p.epilogue != LinearEpilogue::kNone) {
+  if (p.epilogue != LinearEpilogue::kNone ||
+      p.prologue != LinearPrologue::kNone) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: epilogue must be none on the %s backend (LinearFusesSiluAndMul "
-        "is false there)",
+        "%s: epilogue and prologue must be none on the %s backend "
+        "(LinearCanFuse is false there)",
         kOp, DeviceKindName(stream.kind())));
   }
   return stream.Launch(kOp, [p](const OpContext&) { LinearCpu(p); });

@@ -86,6 +86,31 @@ LinearCudaKernel ChosenLinearCudaKernel(const LinearCudaParams& p) {
              : LinearCudaKernel::kCublas;
 }
 
+bool SkinnyFusionSupports(const LinearCudaParams& p, LinearCudaKernel kernel) {
+  using E = LinearCudaEpilogue;
+  const bool bf16_out = p.output_type == LinearCudaOutput::kBFloat16;
+  const bool norm = p.prologue == LinearCudaPrologue::kRmsNorm;
+  const bool one_token_only = kernel == LinearCudaKernel::kSkinnyGemm;
+  switch (p.epilogue) {
+    case E::kNone:
+      break;
+    case E::kSiluAndMul:
+      if (!bf16_out || p.out_features % 2 != 0) return false;
+      break;
+    case E::kAddResidual:
+      if (!bf16_out || norm || (one_token_only && p.num_tokens != 1)) {
+        return false;
+      }
+      break;
+  }
+  if (!norm) return true;
+  const int64_t normed_bytes = int64_t{2} * p.num_tokens * (p.in_features + 8);
+  return bf16_out && p.norm_weight != nullptr &&
+         cuda::Aligned16(p.norm_weight) &&
+         normed_bytes <= kSkinnyNormMaxBytes &&
+         (!one_token_only || p.num_tokens == 1);
+}
+
 LinearCudaResult LaunchLinearCuda(const LinearCudaParams& p,
                                   cudaStream_t stream, cublasHandle_t cublas) {
   LinearCudaResult result;
@@ -102,8 +127,9 @@ LinearCudaResult LaunchLinearCuda(const LinearCudaParams& p,
     case LinearCudaKernel::kCublas:
       break;
   }
-  if (p.epilogue != LinearCudaEpilogue::kNone) {
-    result.launch = cudaErrorInvalidValue;  // cuBLAS has no such epilogue
+  if (p.epilogue != LinearCudaEpilogue::kNone ||
+      p.prologue != LinearCudaPrologue::kNone) {
+    result.launch = cudaErrorInvalidValue;  // cuBLAS has no such fusion
     return result;
   }
   const bool fp32_out = p.output_type == LinearCudaOutput::kFloat32;

@@ -23,12 +23,21 @@ enum class LinearKernel { kAuto, kCublas, kSkinnyGemm, kSkinnyMma };
 // The most tokens kSkinnyGemm and kSkinnyMma run.
 constexpr int kLinearSkinnyMaxTokens = 8;
 
-// What the layer does with the product. kSiluAndMul (CUDA, where the skinny
-// GEMM runs: see LinearFusesSiluAndMul): `weight` is gate_up's [gate; up]
+// What the layer does with the product (CUDA, where a skinny GEMM runs: see
+// LinearCanFuse). kSiluAndMul: `weight` is gate_up's [gate; up]
 // (out_features = 2 · intermediate rows) and `output` is
 // [num_tokens, intermediate] = silu(gate) · up, bit-identical to the layer
-// followed by LaunchSiluAndMul; one kernel instead of two.
-enum class LinearEpilogue { kNone, kSiluAndMul };
+// followed by LaunchSiluAndMul. kAddResidual: `output` is the residual
+// stream, read and overwritten with bf16(output + bf16(x·w + b)),
+// bit-identical to the layer followed by the residual add of
+// LaunchFusedAddRmsNorm. One kernel instead of two.
+enum class LinearEpilogue { kNone, kSiluAndMul, kAddResidual };
+
+// What the layer does with its input first (CUDA, where a skinny GEMM runs).
+// kRmsNorm: `input` is the pre-norm residual stream and the layer multiplies
+// RMSNorm(input; norm_weight, norm_epsilon), bit-identical to LaunchRmsNorm
+// followed by the layer (the normalized rows are never written out).
+enum class LinearPrologue { kNone, kRmsNorm };
 
 struct LinearParams {
   DeviceBuffer input;  // [>= num_tokens, in_features] of `dtype`
@@ -49,13 +58,20 @@ struct LinearParams {
   DType output_dtype = DType::kFloat32;
   LinearKernel kernel = LinearKernel::kAuto;
   LinearEpilogue epilogue = LinearEpilogue::kNone;
+  LinearPrologue prologue = LinearPrologue::kNone;
+  DeviceBuffer norm_weight = {};  // kRmsNorm: [in_features] of `dtype`
+  float norm_epsilon = 0.0f;      // kRmsNorm
 };
 
-// True when `p` with epilogue kSiluAndMul can run on `stream`: CUDA, a
-// skinny GEMM chosen for it (kAuto at one token, or forced), in_features a
-// multiple of 8, 16-byte aligned input and weight, out_features even, bf16
-// output. The caller runs the layer and LaunchSiluAndMul otherwise.
-bool LinearFusesSiluAndMul(const Stream& stream, const LinearParams& p);
+// True when p's prologue and epilogue, as set, can run on `stream`: CUDA, a
+// skinny GEMM chosen for p (kAuto at one token, or forced), in_features a
+// multiple of 8, 16-byte aligned input and weight, bf16 output, and
+// kernels::SkinnyFusionSupports's conditions (kSiluAndMul: even
+// out_features; kRmsNorm: a 16-byte aligned norm_weight and num_tokens ·
+// (in_features + 8) · 2 <= 36 KiB, with kNone or kSiluAndMul; kAddResidual
+// without a prologue; on the CUDA-core kernel both at one token). Always
+// true for kNone / kNone. The caller runs the separate kernels otherwise.
+bool LinearCanFuse(const Stream& stream, const LinearParams& p);
 
 // CPU: a row-invariant GEMM (see linear.cc): row t of the output is
 // bit-identical whatever num_tokens is, so an eager run at the real token

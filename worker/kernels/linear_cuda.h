@@ -20,11 +20,28 @@ enum class LinearCudaOutput { kBFloat16, kFloat32 };
 // kSkinnyMma: the tensor-core skinny GEMM (skinny_gemm_mma.cu), 1..8 tokens.
 enum class LinearCudaKernel { kAuto, kCublas, kSkinnyGemm, kSkinnyMma };
 
-// What the skinny GEMM does with its result. kSiluAndMul: the weight is
+// What the skinny GEMMs do with their result. kSiluAndMul: the weight is
 // [gate; up] (out_features = 2 · intermediate rows) and the bf16 output is
 // [num_tokens, intermediate] = silu(gate) · up, bit-identical to the GEMM
-// followed by the SiLU-and-mul kernel. cuBLAS runs kNone only.
-enum class LinearCudaEpilogue { kNone, kSiluAndMul };
+// followed by the SiLU-and-mul kernel. kAddResidual: the bf16 output is the
+// residual stream, read and overwritten: output = bf16(output + bf16(x·w +
+// b)), bit-identical to the GEMM followed by the residual add of the fused
+// add + RMSNorm kernel. cuBLAS runs kNone only.
+enum class LinearCudaEpilogue { kNone, kSiluAndMul, kAddResidual };
+
+// What the skinny GEMMs do with their input first. kRmsNorm: `input` is the
+// pre-norm residual stream and the GEMM multiplies RMSNorm(input) ·
+// norm_weight, computed per CTA in shared memory with the RMSNorm kernel's
+// arithmetic (rms_norm_row.cuh), so bit-identical to the RMSNorm kernel
+// followed by the GEMM. cuBLAS runs kNone only.
+enum class LinearCudaPrologue { kNone, kRmsNorm };
+
+// The most bytes of normalized input a kRmsNorm prologue keeps in shared
+// memory, num_tokens · (in_features + 8) · 2 (rows padded by 16 bytes for
+// the tensor-core kernel's bank spread): with the kernels' static shared
+// memory (<= 8.2 KiB) it stays under the 48 KiB a launch gets without an
+// opt-in attribute. 8 tokens of a 2,048-wide hidden state fit.
+constexpr int kSkinnyNormMaxBytes = 36 * 1024;
 
 // The skinny GEMM runs 1..8 tokens; kAuto picks it at 1 token only. Measured
 // on an H200 (bench/RESULTS.md, linear_bench): at 1 token it is 1.05-2.2x
@@ -51,6 +68,9 @@ struct LinearCudaParams {
   int out_features = 0;
   LinearCudaKernel kernel = LinearCudaKernel::kAuto;
   LinearCudaEpilogue epilogue = LinearCudaEpilogue::kNone;
+  LinearCudaPrologue prologue = LinearCudaPrologue::kNone;
+  const __nv_bfloat16* norm_weight = nullptr;  // [in_features], kRmsNorm
+  float norm_epsilon = 0.0f;                   // kRmsNorm
   // Skinny GEMMs only: launch with programmatic stream serialization, so it
   // may start (and issue its weight loads) before the previous kernel ends;
   // it reads the input only after griddepcontrol.wait.
@@ -76,6 +96,14 @@ int SkinnyGemmKSplit(int in_features, int out_features);
 // True when the skinny GEMM can run `p`: 1..8 tokens, in_features a multiple
 // of 8, input and weight 16-byte aligned (bias and output need no alignment).
 bool SkinnyGemmSupports(const LinearCudaParams& p);
+
+// True when `kernel` (kSkinnyGemm or kSkinnyMma) can run p's prologue and
+// epilogue: kNone / kNone always; kSiluAndMul: bf16 output, even
+// out_features; kAddResidual: bf16 output, no prologue; kRmsNorm: bf16
+// output, a 16-byte aligned norm_weight, num_tokens · (in_features + 8) · 2
+// <= kSkinnyNormMaxBytes, with the epilogue kNone or kSiluAndMul. The CUDA-core
+// kernel runs kRmsNorm and kAddResidual at one token only.
+bool SkinnyFusionSupports(const LinearCudaParams& p, LinearCudaKernel kernel);
 
 // The skinny GEMM with an explicit split-K factor (benchmarks sweep it;
 // LaunchLinearCuda uses SkinnyGemmKSplit). cudaErrorInvalidValue when

@@ -3,6 +3,7 @@
 
 #include "worker/kernels/cuda_common.cuh"
 #include "worker/kernels/rms_norm_cuda.h"
+#include "worker/kernels/rms_norm_row.cuh"
 
 namespace pdworker {
 namespace kernels {
@@ -14,7 +15,9 @@ using cuda::BlockSum;
 using cuda::FromFloat;
 using cuda::ToFloat;
 
-constexpr int kThreads = 256;
+// The vectorized kernel's order is the one rms_norm_row.cuh defines (the
+// skinny GEMMs' RMSNorm prologue reproduces it bit for bit).
+constexpr int kThreads = cuda::kRmsNormThreads;
 
 // grid: [num_tokens]; block: kThreads. Each thread owns the elements
 // i ≡ threadIdx.x (mod kThreads) of the row in both passes, so `output` may
@@ -62,24 +65,12 @@ __global__ void RmsNormKernel(const __nv_bfloat16* input,
   }
 }
 
-// 8 floats -> 8 bf16 (round to nearest even), the inverse of
-// cuda::Bf16x8ToFloat.
-__device__ __forceinline__ uint4 Pack(const float (&f)[8]) {
-  uint32_t w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-    w[i] = *reinterpret_cast<const uint32_t*>(&h);
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-// The same math in one pass for rows of hidden_size % 8 == 0 elements and at
-// most kVecs · kThreads 16-byte vectors: thread i holds vectors i, i +
-// kThreads, ... in registers between the statistic and the normalization,
-// so each element is read once (the two-pass kernel reads it twice, and
-// re-reads the residual it just stored). In place is fine for the same
-// reason as above: a thread writes only the vectors it read.
+// The same math in one pass (rms_norm_row.cuh's order) for rows of hidden_size
+// % 8 == 0 elements and at most kVecs · kThreads 16-byte vectors: thread i
+// holds vectors i, i + kThreads, ... in registers between the statistic and the
+// normalization, so each element is read once (the two-pass kernel reads it
+// twice, and re-reads the residual it just stored). In place is fine for the
+// same reason as above: a thread writes only the vectors it read.
 template <int kVecs>
 __global__ void __launch_bounds__(kThreads)
     RmsNormVecKernel(const __nv_bfloat16* input, __nv_bfloat16* residual,
@@ -104,27 +95,22 @@ __global__ void __launch_bounds__(kThreads)
       Bf16x8ToFloat(res[i], r);
 #pragma unroll
       for (int e = 0; e < 8; ++e) r[e] += v[k][e];
-      const uint4 updated = Pack(r);  // the norm sees the rounded residual
+      // the norm sees the rounded residual
+      const uint4 updated = cuda::PackBf16x8(r);
       res[i] = updated;
       Bf16x8ToFloat(updated, v[k]);
     }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) sum_squares += v[k][e] * v[k][e];
+    sum_squares = cuda::AddSquares(v[k], sum_squares);
   }
-  sum_squares = BlockSum(sum_squares, scratch);
   const float inv_rms =
-      1.0f / sqrtf(sum_squares / static_cast<float>(hidden_size) + epsilon);
+      cuda::InvRms(BlockSum(sum_squares, scratch), hidden_size, epsilon);
   const uint4* w = reinterpret_cast<const uint4*>(weight);
   uint4* out = reinterpret_cast<uint4*>(output + row);
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     const int i = threadIdx.x + k * kThreads;
     if (i >= vectors) break;
-    float g[8];
-    Bf16x8ToFloat(w[i], g);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) g[e] = v[k][e] * inv_rms * g[e];
-    out[i] = Pack(g);
+    out[i] = cuda::NormalizeBf16x8(v[k], inv_rms, w[i]);
   }
 }
 

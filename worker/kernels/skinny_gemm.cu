@@ -30,6 +30,7 @@
 
 #include "worker/kernels/cuda_common.cuh"
 #include "worker/kernels/linear_cuda.h"
+#include "worker/kernels/rms_norm_row.cuh"
 
 namespace pdworker {
 namespace kernels {
@@ -41,20 +42,33 @@ constexpr int kChunk = cuda::kWarpSize * 8;  // k elements per warp-wide load
 
 // Up to NT tokens (num_tokens of them), R rows per warp, U chunks per batch
 // of loads in flight.
-// kSiluAndMul: W is [gate; up] (2 · half rows), a warp owns gate row o and
-// up row o + half (R = 2), and Y[T, half] = silu(gate) · up, each of gate
-// and up rounded to bf16 first, as the unfused GEMM writes them.
+// kEpi kSiluAndMul: W is [gate; up] (2 · half rows), a warp owns gate row o
+// and up row o + half (R = 2), and Y[T, half] = silu(gate) · up, each of
+// gate and up rounded to bf16 first, as the unfused GEMM writes them.
+// kEpi kAddResidual: Y (bf16) is the residual stream, updated in place:
+// Y = bf16(Y + bf16(x·w + b)), what the GEMM followed by the fused add of
+// the residual computes (each element is read and written by one thread).
+// kNorm: x is the pre-norm residual; the CTA first writes RMSNorm(x) into
+// shared memory (rms_norm_row.cuh: the RMSNorm kernel's bits) and reads its
+// X from there. Dynamic shared memory: num_tokens · in_features bf16.
 // grid: [ceil(O / (R · kWarps / S))] (kSiluAndMul: [ceil(half / (kWarps /
 // S))]); block: kThreads.
-template <int NT, int R, int U, typename OutT, bool kSiluAndMul>
+template <int NT, int R, int U, typename OutT, LinearCudaEpilogue kEpi,
+          bool kNorm>
 __global__ void __launch_bounds__(kThreads)
-    SkinnyGemmKernel(const __nv_bfloat16* __restrict__ x,
-                     const __nv_bfloat16* __restrict__ w,
-                     const __nv_bfloat16* __restrict__ bias,
-                     OutT* __restrict__ y, int num_tokens, int in_features,
-                     int out_features, int k_split) {
+    SkinnyGemmKernel(const LinearCudaParams p, int k_split) {
+  constexpr bool kSiluAndMul = kEpi == LinearCudaEpilogue::kSiluAndMul;
   static_assert(!kSiluAndMul || R == 2, "silu-and-mul pairs gate and up");
   __shared__ float partial[kWarps][R * NT];
+  __shared__ float scratch[32];
+  extern __shared__ uint4 normed[];  // kNorm: [num_tokens, in_features] bf16
+  const __nv_bfloat16* __restrict__ w = p.weight;
+  const __nv_bfloat16* __restrict__ bias = p.bias;
+  OutT* __restrict__ y = static_cast<OutT*>(p.output);
+  const int num_tokens = p.num_tokens, in_features = p.in_features;
+  const int out_features = p.out_features;
+  const __nv_bfloat16* x =
+      kNorm ? reinterpret_cast<const __nv_bfloat16*>(normed) : p.input;
   const int warp = threadIdx.x / cuda::kWarpSize;
   const int lane = threadIdx.x % cuda::kWarpSize;
   const int groups = kWarps / k_split;  // row groups per CTA
@@ -97,6 +111,11 @@ __global__ void __launch_bounds__(kThreads)
   const int my_chunks = (num_chunks - slice + k_split - 1) / k_split;
   load_weights(0);
   cuda::WaitForPreviousKernel();
+  if constexpr (kNorm) {
+    cuda::RmsNormRowsToShared(
+        p.input, p.norm_weight, reinterpret_cast<__nv_bfloat16*>(normed),
+        num_tokens, in_features, in_features, p.norm_epsilon, scratch);
+  }
   for (int first = 0; first < my_chunks; first += U) {
     if (first > 0) load_weights(first);
 #pragma unroll
@@ -113,9 +132,9 @@ __global__ void __launch_bounds__(kThreads)
         // in flight together) and their sums are never written.
         const int64_t row = t < num_tokens ? t : num_tokens - 1;
         float xf[8];
-        cuda::Bf16x8ToFloat(
-            __ldg(reinterpret_cast<const uint4*>(x + row * in_features + k)),
-            xf);
+        const uint4* xv =
+            reinterpret_cast<const uint4*>(x + row * in_features + k);
+        cuda::Bf16x8ToFloat(kNorm ? *xv : __ldg(xv), xf);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
 #pragma unroll
@@ -167,12 +186,18 @@ __global__ void __launch_bounds__(kThreads)
   float sum = partial[g * k_split][j];
   for (int s = 1; s < k_split; ++s) sum += partial[g * k_split + s][j];
   if (bias != nullptr) sum += cuda::ToFloat(bias[row]);
-  y[static_cast<int64_t>(t) * out_features + row] = cuda::FromFloat<OutT>(sum);
+  OutT* out = y + static_cast<int64_t>(t) * out_features + row;
+  if constexpr (kEpi == LinearCudaEpilogue::kAddResidual) {
+    sum = cuda::ToFloat(*out) +
+          cuda::ToFloat(cuda::FromFloat<__nv_bfloat16>(sum));
+  }
+  *out = cuda::FromFloat<OutT>(sum);
 }
 
-template <int NT, typename OutT, bool kSiluAndMul>
+template <int NT, typename OutT, LinearCudaEpilogue kEpi, bool kNorm>
 cudaError_t LaunchForTokens(const LinearCudaParams& p, int k_split,
-                            bool programmatic, cudaStream_t stream) {
+                            cudaStream_t stream) {
+  constexpr bool kSiluAndMul = kEpi == LinearCudaEpilogue::kSiluAndMul;
   // Two rows per warp from 3 tokens up halves the L1 reads of X per weight
   // byte; fewer chunks in flight keep the registers of 8 tokens in budget.
   constexpr int R = NT >= 3 || kSiluAndMul ? 2 : 1;
@@ -182,38 +207,40 @@ cudaError_t LaunchForTokens(const LinearCudaParams& p, int k_split,
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(cuda::NumBlocks(units, units_per_cta));
   config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes =
+      kNorm ? sizeof(__nv_bfloat16) * p.num_tokens * p.in_features : 0;
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = programmatic ? 1 : 0;
+  config.numAttrs = p.programmatic_launch ? 1 : 0;
   return cudaLaunchKernelEx(
-      &config, SkinnyGemmKernel<NT, R, U, OutT, kSiluAndMul>, p.input, p.weight,
-      p.bias, static_cast<OutT*>(p.output), p.num_tokens, p.in_features,
-      p.out_features, k_split);
+      &config, SkinnyGemmKernel<NT, R, U, OutT, kEpi, kNorm>, p, k_split);
 }
 
-template <typename OutT, bool kSiluAndMul>
+template <typename OutT, LinearCudaEpilogue kEpi, bool kNorm>
 cudaError_t LaunchForOutput(const LinearCudaParams& p, int k_split,
-                            bool programmatic, cudaStream_t stream) {
+                            cudaStream_t stream) {
+  // The fusions of a decode step run at one token (SkinnyGemmFuses): the
+  // CUDA-core kernel is kAuto's choice there only.
+  if constexpr (kNorm || kEpi == LinearCudaEpilogue::kAddResidual) {
+    if (p.num_tokens != 1) return cudaErrorInvalidValue;
+    return LaunchForTokens<1, OutT, kEpi, kNorm>(p, k_split, stream);
+  }
   // Kernels for 1, 2, 4 and 8 tokens; 3, 5, 6 and 7 run the next one up
   // with its extra token rows skipped (the same operations per element:
   // rows stay bit-identical), which halves the instantiations nvcc builds.
   if (p.num_tokens == 1) {
-    return LaunchForTokens<1, OutT, kSiluAndMul>(p, k_split, programmatic,
-                                                 stream);
+    return LaunchForTokens<1, OutT, kEpi, kNorm>(p, k_split, stream);
   }
   if (p.num_tokens == 2) {
-    return LaunchForTokens<2, OutT, kSiluAndMul>(p, k_split, programmatic,
-                                                 stream);
+    return LaunchForTokens<2, OutT, kEpi, kNorm>(p, k_split, stream);
   }
   if (p.num_tokens <= 4) {
-    return LaunchForTokens<4, OutT, kSiluAndMul>(p, k_split, programmatic,
-                                                 stream);
+    return LaunchForTokens<4, OutT, kEpi, kNorm>(p, k_split, stream);
   }
-  return LaunchForTokens<8, OutT, kSiluAndMul>(p, k_split, programmatic,
-                                               stream);
+  return LaunchForTokens<8, OutT, kEpi, kNorm>(p, k_split, stream);
 }
 
 }  // namespace
@@ -242,23 +269,29 @@ bool SkinnyGemmSupports(const LinearCudaParams& p) {
 cudaError_t LaunchSkinnyGemmCuda(const LinearCudaParams& p, int k_split,
                                  cudaStream_t stream) {
   if (!SkinnyGemmSupports(p) || k_split < 1 || k_split > kWarps ||
-      (k_split & (k_split - 1)) != 0) {
+      (k_split & (k_split - 1)) != 0 ||
+      !SkinnyFusionSupports(p, LinearCudaKernel::kSkinnyGemm)) {
     return cudaErrorInvalidValue;
   }
-  const bool programmatic = p.programmatic_launch;
-  if (p.epilogue == LinearCudaEpilogue::kSiluAndMul) {
-    if (p.output_type != LinearCudaOutput::kBFloat16 ||
-        p.out_features % 2 != 0) {
-      return cudaErrorInvalidValue;
-    }
-    return LaunchForOutput<__nv_bfloat16, true>(p, k_split, programmatic,
-                                                stream);
+  using E = LinearCudaEpilogue;
+  using bf16 = __nv_bfloat16;
+  const bool norm = p.prologue == LinearCudaPrologue::kRmsNorm;
+  switch (p.epilogue) {
+    case E::kSiluAndMul:
+      return norm ? LaunchForOutput<bf16, E::kSiluAndMul, true>(p, k_split,
+                                                                stream)
+                  : LaunchForOutput<bf16, E::kSiluAndMul, false>(p, k_split,
+                                                                 stream);
+    case E::kAddResidual:
+      return LaunchForOutput<bf16, E::kAddResidual, false>(p, k_split, stream);
+    case E::kNone:
+      break;
   }
+  if (norm) return LaunchForOutput<bf16, E::kNone, true>(p, k_split, stream);
   if (p.output_type == LinearCudaOutput::kFloat32) {
-    return LaunchForOutput<float, false>(p, k_split, programmatic, stream);
+    return LaunchForOutput<float, E::kNone, false>(p, k_split, stream);
   }
-  return LaunchForOutput<__nv_bfloat16, false>(p, k_split, programmatic,
-                                               stream);
+  return LaunchForOutput<bf16, E::kNone, false>(p, k_split, stream);
 }
 
 }  // namespace kernels

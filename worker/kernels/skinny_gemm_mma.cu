@@ -37,6 +37,7 @@
 // loads are issued before cuda::WaitForPreviousKernel, X after it.
 #include "worker/kernels/cuda_common.cuh"
 #include "worker/kernels/linear_cuda.h"
+#include "worker/kernels/rms_norm_row.cuh"
 
 namespace pdworker {
 namespace kernels {
@@ -49,23 +50,35 @@ constexpr int kTokens = 8;         // mma N: the tokens of one launch
 constexpr int kChunk = 4 * 8;      // k per warp-wide load: 4 lanes × 8 bf16
 constexpr int kMaxChunksInFlight = 8;  // per warp, per row block
 
-// kSiluAndMul: W is [gate; up] (2 · half rows); block b of the warp is gate
-// rows b·16 .. +15 (r = 0) and up rows half + b·16 .. +15 (r = 1), and
+// kEpi kSiluAndMul: W is [gate; up] (2 · half rows); block b of the warp is
+// gate rows b·16 .. +15 (r = 0) and up rows half + b·16 .. +15 (r = 1), and
 // Y[T, half] = silu(gate) · up, each of gate and up (+ bias) rounded to bf16
 // first, as the unfused GEMM writes them.
+// kEpi kAddResidual: Y (bf16) is the residual stream, updated in place, Y =
+// bf16(Y + bf16(x·w + b)) (one thread reads and writes each element).
+// kNorm: x is the pre-norm residual; the CTA writes RMSNorm(x) into shared
+// memory first (rms_norm_row.cuh: the RMSNorm kernel's bits), rows padded
+// to in_features + 8 so that the 8 token rows a warp reads at once start in
+// different banks. Dynamic shared memory: num_tokens · (in_features + 8)
+// bf16.
 // RB: row blocks per warp (kSiluAndMul: 2); U: chunks per batch of loads.
 // grid: [ceil(blocks / (kWarps / S))] with blocks = ceil(O / 16)
 // (kSiluAndMul: ceil(half / 16)); block: kThreads.
-template <int RB, int U, typename OutT, bool kSiluAndMul>
+template <int RB, int U, typename OutT, LinearCudaEpilogue kEpi, bool kNorm>
 __global__ void __launch_bounds__(kThreads)
-    SkinnyMmaKernel(const __nv_bfloat16* __restrict__ x,
-                    const __nv_bfloat16* __restrict__ w,
-                    const __nv_bfloat16* __restrict__ bias,
-                    OutT* __restrict__ y, int num_tokens, int in_features,
-                    int out_features, int k_split) {
+    SkinnyMmaKernel(const LinearCudaParams p, int k_split) {
+  constexpr bool kSiluAndMul = kEpi == LinearCudaEpilogue::kSiluAndMul;
   static_assert(!kSiluAndMul || RB == 2, "silu-and-mul pairs gate and up");
   // [warp][row block][row in block][token]
   __shared__ float partial[kWarps][RB][kRowsPerBlock][kTokens];
+  __shared__ float scratch[32];
+  extern __shared__ uint4 normed[];  // kNorm: [num_tokens, in_features + 8]
+  const __nv_bfloat16* __restrict__ w = p.weight;
+  const __nv_bfloat16* __restrict__ bias = p.bias;
+  OutT* __restrict__ y = static_cast<OutT*>(p.output);
+  const int num_tokens = p.num_tokens, in_features = p.in_features;
+  const int out_features = p.out_features;
+  const int x_stride = kNorm ? in_features + 8 : in_features;
   const int warp = threadIdx.x / cuda::kWarpSize;
   const int lane = threadIdx.x % cuda::kWarpSize;
   const int g = lane / 4, c = lane % 4;
@@ -125,17 +138,24 @@ __global__ void __launch_bounds__(kThreads)
   // Column g of B is token g; the columns past num_tokens re-read the last
   // token (their sums are dropped).
   const __nv_bfloat16* x_row =
-      x + static_cast<int64_t>(min(g, num_tokens - 1)) * in_features;
+      (kNorm ? reinterpret_cast<const __nv_bfloat16*>(normed) : p.input) +
+      static_cast<int64_t>(min(g, num_tokens - 1)) * x_stride;
   load_weights(0);
   cuda::WaitForPreviousKernel();
+  if constexpr (kNorm) {
+    cuda::RmsNormRowsToShared(
+        p.input, p.norm_weight, reinterpret_cast<__nv_bfloat16*>(normed),
+        num_tokens, in_features, x_stride, p.norm_epsilon, scratch);
+  }
   for (int first = 0; first < my_chunks; first += U) {
     if (first > 0) load_weights(first);
     uint4 xv[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = (first_chunk + first + u) * kChunk + 8 * c;
+      const uint4* xp = reinterpret_cast<const uint4*>(x_row + k);
       xv[u] = first + u < my_chunks && k < in_features
-                  ? __ldg(reinterpret_cast<const uint4*>(x_row + k))
+                  ? (kNorm ? *xp : __ldg(xp))
                   : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
@@ -204,13 +224,19 @@ __global__ void __launch_bounds__(kThreads)
     if (o >= out_features || t >= num_tokens) continue;
     float sum = slice_sum(gr, j / kRowsPerBlock, j % kRowsPerBlock, t);
     if (bias != nullptr) sum += cuda::ToFloat(bias[o]);
-    y[static_cast<int64_t>(t) * out_features + o] = cuda::FromFloat<OutT>(sum);
+    OutT* out = y + static_cast<int64_t>(t) * out_features + o;
+    if constexpr (kEpi == LinearCudaEpilogue::kAddResidual) {
+      sum = cuda::ToFloat(*out) +
+            cuda::ToFloat(cuda::FromFloat<__nv_bfloat16>(sum));
+    }
+    *out = cuda::FromFloat<OutT>(sum);
   }
 }
 
-template <typename OutT, bool kSiluAndMul>
+template <typename OutT, LinearCudaEpilogue kEpi, bool kNorm>
 cudaError_t Launch(const LinearCudaParams& p, int k_split,
                    cudaStream_t stream) {
+  constexpr bool kSiluAndMul = kEpi == LinearCudaEpilogue::kSiluAndMul;
   // silu-and-mul holds two row blocks' loads per chunk: half as many chunks
   // in flight keeps the same bytes (and registers) per warp.
   constexpr int RB = kSiluAndMul ? 2 : 1;
@@ -220,16 +246,16 @@ cudaError_t Launch(const LinearCudaParams& p, int k_split,
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(cuda::NumBlocks(units, kWarps / k_split));
   config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes =
+      kNorm ? sizeof(__nv_bfloat16) * p.num_tokens * (p.in_features + 8) : 0;
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = p.programmatic_launch ? 1 : 0;
-  return cudaLaunchKernelEx(&config, SkinnyMmaKernel<RB, U, OutT, kSiluAndMul>,
-                            p.input, p.weight, p.bias,
-                            static_cast<OutT*>(p.output), p.num_tokens,
-                            p.in_features, p.out_features, k_split);
+  return cudaLaunchKernelEx(&config, SkinnyMmaKernel<RB, U, OutT, kEpi, kNorm>,
+                            p, k_split);
 }
 
 }  // namespace
@@ -258,20 +284,27 @@ bool SkinnyMmaSupports(const LinearCudaParams& p) {
 cudaError_t LaunchSkinnyMmaCuda(const LinearCudaParams& p, int k_split,
                                 cudaStream_t stream) {
   if (!SkinnyMmaSupports(p) || k_split < 1 || k_split > kWarps ||
-      (k_split & (k_split - 1)) != 0) {
+      (k_split & (k_split - 1)) != 0 ||
+      !SkinnyFusionSupports(p, LinearCudaKernel::kSkinnyMma)) {
     return cudaErrorInvalidValue;
   }
-  if (p.epilogue == LinearCudaEpilogue::kSiluAndMul) {
-    if (p.output_type != LinearCudaOutput::kBFloat16 ||
-        p.out_features % 2 != 0) {
-      return cudaErrorInvalidValue;
-    }
-    return Launch<__nv_bfloat16, true>(p, k_split, stream);
+  using E = LinearCudaEpilogue;
+  using bf16 = __nv_bfloat16;
+  const bool norm = p.prologue == LinearCudaPrologue::kRmsNorm;
+  switch (p.epilogue) {
+    case E::kSiluAndMul:
+      return norm ? Launch<bf16, E::kSiluAndMul, true>(p, k_split, stream)
+                  : Launch<bf16, E::kSiluAndMul, false>(p, k_split, stream);
+    case E::kAddResidual:
+      return Launch<bf16, E::kAddResidual, false>(p, k_split, stream);
+    case E::kNone:
+      break;
   }
+  if (norm) return Launch<bf16, E::kNone, true>(p, k_split, stream);
   if (p.output_type == LinearCudaOutput::kFloat32) {
-    return Launch<float, false>(p, k_split, stream);
+    return Launch<float, E::kNone, false>(p, k_split, stream);
   }
-  return Launch<__nv_bfloat16, false>(p, k_split, stream);
+  return Launch<bf16, E::kNone, false>(p, k_split, stream);
 }
 
 }  // namespace kernels

@@ -244,67 +244,103 @@ kernels::LinearKernel LlamaForward::LinearKernelFor(int rows) const {
              : k;
 }
 
-absl::Status LlamaForward::RunQkv(int layer, int num_tokens) {
-  const LlamaLayerWeights& w = weights_.layers[layer];
-  const DType dtype = weights_.dtype;
-  // {input, weight, bias, output, num_tokens, in_features, out_features,
-  //  dtype, output_dtype}
-  const kernels::LinearParams qkv{
-      act_.hidden,
-      w.qkv,
-      w.qkv_bias,
-      act_.qkv,
-      num_tokens,
-      static_cast<int>(config_.hidden_size),
-      static_cast<int>(config_.q_size() + 2 * config_.kv_size()),
-      dtype,
-      dtype,
-      LinearKernelFor(num_tokens)};
-  return kernels::LaunchLinear(stream_, qkv);
-}
-
-absl::Status LlamaForward::RunOutputAndMlp(int layer, int num_tokens) {
+LlamaForward::LayerLinears LlamaForward::Linears(int layer, int num_tokens,
+                                                 bool fused) const {
   const LlamaLayerWeights& w = weights_.layers[layer];
   const int hidden = static_cast<int>(config_.hidden_size);
   const int inter = static_cast<int>(config_.intermediate_size);
   const int q_size = static_cast<int>(config_.q_size());
+  const int qkv_size =
+      static_cast<int>(config_.q_size() + 2 * config_.kv_size());
   const float eps = static_cast<float>(config_.rms_norm_eps);
   const DType dtype = weights_.dtype;
-
-  // Linear params: {input, weight, bias, output, num_tokens, in, out,
-  // dtype, output_dtype}.
   const kernels::LinearKernel kernel = LinearKernelFor(num_tokens);
-  const kernels::LinearParams o{act_.attn_out, w.o_proj, w.o_bias, act_.hidden,
-                                num_tokens,    q_size,   hidden,   dtype,
-                                dtype,         kernel};
-  PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, o));
+  // {input, weight, bias, output, num_tokens, in_features, out_features,
+  //  dtype, output_dtype, kernel}
+  LayerLinears l{{act_.hidden, w.qkv, w.qkv_bias, act_.qkv, num_tokens, hidden,
+                  qkv_size, dtype, dtype, kernel},
+                 {act_.attn_out, w.o_proj, w.o_bias, act_.hidden, num_tokens,
+                  q_size, hidden, dtype, dtype, kernel},
+                 {act_.hidden,
+                  w.gate_up,
+                  {},
+                  act_.gate_up,
+                  num_tokens,
+                  hidden,
+                  2 * inter,
+                  dtype,
+                  dtype,
+                  kernel},
+                 {act_.mlp_act,
+                  w.down,
+                  {},
+                  act_.hidden,
+                  num_tokens,
+                  inter,
+                  hidden,
+                  dtype,
+                  dtype,
+                  kernel}};
+  if (!fused) return l;
+  auto normalize_input = [&](kernels::LinearParams& p, DeviceBuffer weight) {
+    p.input = act_.residual;
+    p.prologue = kernels::LinearPrologue::kRmsNorm;
+    p.norm_weight = weight;
+    p.norm_epsilon = eps;
+  };
+  normalize_input(l.qkv, w.input_norm);
+  normalize_input(l.gate_up, w.post_norm);
+  l.gate_up.output = act_.mlp_act;
+  l.gate_up.epilogue = kernels::LinearEpilogue::kSiluAndMul;
+  for (kernels::LinearParams* p : {&l.o_proj, &l.down}) {
+    p->output = act_.residual;
+    p->epilogue = kernels::LinearEpilogue::kAddResidual;
+  }
+  return l;
+}
 
+bool LlamaForward::FusesNorms(int num_tokens) const {
+  if (options_.norm_fusion == NormFusion::kOff) return false;
+  const LayerLinears l = Linears(0, num_tokens, /*fused=*/true);
+  for (const kernels::LinearParams* p :
+       {&l.qkv, &l.o_proj, &l.gate_up, &l.down}) {
+    if (!kernels::LinearCanFuse(stream_, *p)) return false;
+  }
+  return true;
+}
+
+absl::Status LlamaForward::RunOutputAndMlp(int layer, int num_tokens,
+                                           bool fused) {
+  const LayerLinears l = Linears(layer, num_tokens, fused);
+  PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, l.o_proj));
+  if (fused) {
+    // o_proj added itself to the residual; gate_up normalizes it.
+    PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, l.gate_up));
+    return kernels::LaunchLinear(stream_, l.down);
+  }
+  const int hidden = static_cast<int>(config_.hidden_size);
+  const int inter = static_cast<int>(config_.intermediate_size);
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  const DType dtype = weights_.dtype;
   // residual += attention output; hidden = post_norm(residual).
-  kernels::FusedAddRmsNormParams post{act_.hidden, act_.residual, w.post_norm,
-                                      act_.hidden, num_tokens,    hidden,
-                                      eps,         dtype};
+  kernels::FusedAddRmsNormParams post{
+      act_.hidden, act_.residual, weights_.layers[layer].post_norm,
+      act_.hidden, num_tokens,    hidden,
+      eps,         dtype};
   PDW_RETURN_IF_ERROR(kernels::LaunchFusedAddRmsNorm(stream_, post));
-
-  const kernels::LinearParams gate_up{
-      act_.hidden, w.gate_up, {},    act_.gate_up, num_tokens,
-      hidden,      2 * inter, dtype, dtype,        kernel};
-  if (kernels::LinearFusesSiluAndMul(stream_, gate_up)) {
+  kernels::LinearParams fused_silu = l.gate_up;
+  fused_silu.output = act_.mlp_act;
+  fused_silu.epilogue = kernels::LinearEpilogue::kSiluAndMul;
+  if (kernels::LinearCanFuse(stream_, fused_silu)) {
     // One kernel: the skinny GEMM's epilogue writes silu(gate) · up.
-    kernels::LinearParams fused = gate_up;
-    fused.output = act_.mlp_act;
-    fused.epilogue = kernels::LinearEpilogue::kSiluAndMul;
-    PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, fused));
+    PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, fused_silu));
   } else {
-    PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, gate_up));
+    PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, l.gate_up));
     kernels::SiluAndMulParams silu{act_.gate_up, act_.mlp_act, num_tokens,
                                    inter, dtype};
     PDW_RETURN_IF_ERROR(kernels::LaunchSiluAndMul(stream_, silu));
   }
-
-  const kernels::LinearParams down{act_.mlp_act, w.down, {},     act_.hidden,
-                                   num_tokens,   inter,  hidden, dtype,
-                                   dtype,        kernel};
-  return kernels::LaunchLinear(stream_, down);
+  return kernels::LaunchLinear(stream_, l.down);
 }
 
 absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
@@ -313,6 +349,9 @@ absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
   const int hidden = static_cast<int>(config_.hidden_size);
   const float eps = static_cast<float>(config_.rms_norm_eps);
   const DType dtype = weights_.dtype;
+  // A function of the token count alone, so every piece of a step, its
+  // graph and its eager run agree.
+  const bool fused = FusesNorms(num_tokens);
 
   if (i == 0) {
     // residual = embed(tokens); hidden = input_norm[0](residual).
@@ -324,30 +363,43 @@ absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
                                    hidden,
                                    dtype};
     PDW_RETURN_IF_ERROR(kernels::LaunchEmbedding(stream_, embed));
-    kernels::RmsNormParams norm{act_.residual, weights_.layers[0].input_norm,
-                                act_.hidden,   num_tokens,
-                                hidden,        eps,
-                                dtype};
-    PDW_RETURN_IF_ERROR(kernels::LaunchRmsNorm(stream_, norm));
-    return RunQkv(0, num_tokens);
+    if (!fused) {
+      kernels::RmsNormParams norm{act_.residual, weights_.layers[0].input_norm,
+                                  act_.hidden,   num_tokens,
+                                  hidden,        eps,
+                                  dtype};
+      PDW_RETURN_IF_ERROR(kernels::LaunchRmsNorm(stream_, norm));
+    }
+    return kernels::LaunchLinear(stream_, Linears(0, num_tokens, fused).qkv);
   }
 
-  PDW_RETURN_IF_ERROR(RunOutputAndMlp(i - 1, num_tokens));
+  PDW_RETURN_IF_ERROR(RunOutputAndMlp(i - 1, num_tokens, fused));
   if (i < num_layers) {
-    // residual += mlp output; hidden = input_norm[i](residual).
-    kernels::FusedAddRmsNormParams next{
-        act_.hidden, act_.residual, weights_.layers[i].input_norm,
-        act_.hidden, num_tokens,    hidden,
-        eps,         dtype};
-    PDW_RETURN_IF_ERROR(kernels::LaunchFusedAddRmsNorm(stream_, next));
-    return RunQkv(i, num_tokens);
+    if (!fused) {
+      // residual += mlp output; hidden = input_norm[i](residual).
+      kernels::FusedAddRmsNormParams next{
+          act_.hidden, act_.residual, weights_.layers[i].input_norm,
+          act_.hidden, num_tokens,    hidden,
+          eps,         dtype};
+      PDW_RETURN_IF_ERROR(kernels::LaunchFusedAddRmsNorm(stream_, next));
+    }
+    return kernels::LaunchLinear(stream_, Linears(i, num_tokens, fused).qkv);
   }
   // Last piece: final norm, then logits for each request's last token.
-  kernels::FusedAddRmsNormParams final_norm{
-      act_.hidden, act_.residual, weights_.final_norm,
-      act_.hidden, num_tokens,    hidden,
-      eps,         dtype};
-  PDW_RETURN_IF_ERROR(kernels::LaunchFusedAddRmsNorm(stream_, final_norm));
+  if (fused) {
+    // down already added itself to the residual.
+    kernels::RmsNormParams final_norm{act_.residual, weights_.final_norm,
+                                      act_.hidden,   num_tokens,
+                                      hidden,        eps,
+                                      dtype};
+    PDW_RETURN_IF_ERROR(kernels::LaunchRmsNorm(stream_, final_norm));
+  } else {
+    kernels::FusedAddRmsNormParams final_norm{
+        act_.hidden, act_.residual, weights_.final_norm,
+        act_.hidden, num_tokens,    hidden,
+        eps,         dtype};
+    PDW_RETURN_IF_ERROR(kernels::LaunchFusedAddRmsNorm(stream_, final_norm));
+  }
   kernels::LmHeadParams head;
   head.hidden = act_.hidden;
   head.logits_indices = step_.logits_indices;

@@ -7,6 +7,12 @@
 //   ...
 //   piece L      o_proj[L-1] -> post_norm -> MLP -> final norm -> lm_head
 //
+// Fused decode steps (CUDA, where the skinny GEMMs run, NormFusion::kAuto):
+// each RMSNorm rides in the next projection's prologue (qkv, gate_up) and
+// each residual add in the previous one's epilogue (o_proj, down), so a
+// layer is qkv -> attention -> o_proj -> gate_up -> down with no norm
+// kernels; the final norm stays. Bit-identical to the unfused sequence.
+//
 // A FULL GraphWrapper wraps the whole sequence; a PIECEWISE GraphWrapper
 // wraps each piece. The ForwardContext decides which one fires: FULL -> the
 // outer graph (pieces run directly inside its capture), PIECEWISE -> each
@@ -32,6 +38,8 @@
 
 namespace pdworker {
 
+enum class NormFusion { kAuto, kOff };
+
 struct LlamaForwardOptions {
   int max_num_tokens = 0;  // padded query tokens per step
   int max_num_seqs = 0;    // requests per step
@@ -46,6 +54,10 @@ struct LlamaForwardOptions {
   // (prefill, wide batches) use kAuto, so a benchmark can force it for a
   // whole model run.
   kernels::LinearKernel linear_kernel = kernels::LinearKernel::kAuto;
+  // kAuto: fuse the norms and residual adds into the projections wherever
+  // kernels::LinearCanFuse allows it for the step's token count (see the
+  // file comment); kOff: never (tests and benchmarks compare the two).
+  NormFusion norm_fusion = NormFusion::kAuto;
 };
 
 // Static activations, reused by every step and every graph. Element type:
@@ -116,6 +128,10 @@ class LlamaForward {
   const std::vector<DeviceBuffer>& value_caches() const { return value_cache_; }
   // Element type of the weights, activations and KV cache.
   DType dtype() const { return weights_.dtype; }
+  // True when a step of `num_tokens` runs fused (the file comment):
+  // NormFusion::kAuto and LinearCanFuse for every projection (the layers
+  // share shapes and the weights' alignment).
+  bool FusesNorms(int num_tokens) const;
 
  private:
   LlamaForward(const ModelConfig& config, const LlamaWeights& weights,
@@ -127,12 +143,19 @@ class LlamaForward {
   // Piece `i` in [0, num_layers]; see the file comment.
   absl::Status RunPiece(int i, const ForwardContext& context);
   absl::Status RunAttention(int layer, const ForwardContext& context);
+  // The four projections of a layer. Unfused: qkv reads act_.hidden (the
+  // normalized residual), o_proj and down write act_.hidden (the residual's
+  // update), gate_up writes act_.gate_up. Fused: qkv and gate_up read
+  // act_.residual with an RMSNorm prologue (gate_up also SiLU-and-mul into
+  // act_.mlp_act), o_proj and down add into act_.residual.
+  struct LayerLinears {
+    kernels::LinearParams qkv, o_proj, gate_up, down;
+  };
+  LayerLinears Linears(int layer, int num_tokens, bool fused) const;
   // The tail of a piece: o_proj and MLP of `layer`.
-  absl::Status RunOutputAndMlp(int layer, int num_tokens);
-  // qkv projection of `layer` from act_.hidden.
+  absl::Status RunOutputAndMlp(int layer, int num_tokens, bool fused);
   // options_.linear_kernel for a launch of `rows` rows (see the option).
   kernels::LinearKernel LinearKernelFor(int rows) const;
-  absl::Status RunQkv(int layer, int num_tokens);
 
   const ModelConfig config_;
   const LlamaWeights& weights_;

@@ -64,6 +64,9 @@ struct ModelRunnerOptions {
   // shape; kCublas / kSkinnyGemm force one on CUDA (benchmarks). The CPU
   // backend accepts kAuto only.
   kernels::LinearKernel linear_kernel = kernels::LinearKernel::kAuto;
+  // Norms and residual adds fused into the projections where the skinny
+  // GEMMs run (LlamaForwardOptions::norm_fusion); kOff for comparisons.
+  NormFusion norm_fusion = NormFusion::kAuto;
   // Automatic prefix caching (KvCacheManager): a sequence a step creates
   // starts with its longest cached prefix, and the step computes only the
   // rest. Hashes are salted with model_fingerprint(). Needs block_size <=
