@@ -82,7 +82,7 @@ ABSL_FLAG(std::string, linear_kernel, "auto",
           "The projections' GEMM: auto, cublas, skinny_gemm or skinny_mma "
           "(kernels::LinearKernel; a skinny one runs launches of <= 8 rows, "
           "auto the rest), to compare step times side by side.");
-ABSL_FLAG(std::string, norm_fusion, "auto",
+ABSL_FLAG(std::string, decode_fusion, "auto",
           "auto: RMSNorms and residual adds fused into the skinny GEMMs' "
           "prologues and epilogues where they run; off: separate kernels.");
 ABSL_FLAG(std::string, json_out, "",
@@ -171,10 +171,10 @@ std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
                         ? kernels::LinearKernel::kSkinnyGemm
                     : kernel == "skinny_mma" ? kernels::LinearKernel::kSkinnyMma
                                              : kernels::LinearKernel::kAuto;
-  const std::string fusion = absl::GetFlag(FLAGS_norm_fusion);
+  const std::string fusion = absl::GetFlag(FLAGS_decode_fusion);
   CHECK(fusion == "auto" || fusion == "off")
-      << "--norm_fusion: auto or off, got " << fusion;
-  o.norm_fusion = fusion == "off" ? NormFusion::kOff : NormFusion::kAuto;
+      << "--decode_fusion: auto or off, got " << fusion;
+  o.decode_fusion = fusion == "off" ? DecodeFusion::kOff : DecodeFusion::kAuto;
   auto runner = ModelRunner::Create(device, dir, o);
   CHECK(runner.ok()) << runner.status();
   return std::move(*runner);
@@ -412,7 +412,7 @@ void PrintTables(const std::vector<std::string>& modes,
       "Decode step (ModelRunner::Execute), context %d tokens, median of %d "
       "steps, linear kernel %s, norm fusion %s, ms:\n\n| batch |",
       context, reps, absl::GetFlag(FLAGS_linear_kernel).c_str(),
-      absl::GetFlag(FLAGS_norm_fusion).c_str());
+      absl::GetFlag(FLAGS_decode_fusion).c_str());
   for (const auto& mode : modes) std::printf(" %s |", mode.c_str());
   const bool ratio = results.count("NONE") && results.count("FULL");
   std::printf("%s ran as |\n| ---: |", ratio ? " FULL vs NONE |" : "");
@@ -476,7 +476,7 @@ void WriteJson(const std::string& path, const std::string& device,
   using Json = nlohmann::json;
   Json root = {{"device", device},
                {"linear_kernel", absl::GetFlag(FLAGS_linear_kernel)},
-               {"norm_fusion", absl::GetFlag(FLAGS_norm_fusion)},
+               {"decode_fusion", absl::GetFlag(FLAGS_decode_fusion)},
                {"model_dir", dir},
                {"context", context},
                {"weight_bytes", weight_bytes},

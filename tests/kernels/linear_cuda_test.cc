@@ -18,6 +18,7 @@
 #include "tests/kernels/cuda_kernel_test_util.h"
 #include "worker/kernels/linear.h"
 #include "worker/kernels/rms_norm.h"
+#include "worker/kernels/rope_kv_cache.h"
 #include "worker/kernels/silu_and_mul.h"
 
 namespace pdworker {
@@ -465,6 +466,200 @@ TEST_F(CudaKernelTest,
       }
     }
   }
+}
+
+// The qkv projection with the RoPE + KV-cache epilogue (alone, and after
+// the RMSNorm prologue) against the projection followed by
+// LaunchRopeKvCache, bit for bit: the rotated q and k and the untouched v
+// in the qkv rows, and every byte of both caches (poisoned alike first):
+// the slots written, a padding token's -1 slot and a slot past the cache
+// skipped. Both skinny kernels; the 0.5B / 1B head layouts (14 / 32 heads
+// over 2 / 8 kv heads, head_dim 64, qkv bias on the first) and head_dim
+// 128; positions far apart so every frequency turns.
+TEST_F(CudaKernelTest, SkinnyGemmRopeKvCacheEpilogueMatchesTheTwoKernels) {
+  struct Case {
+    int hidden, heads, kv_heads, head_dim;
+    bool bias;
+  };
+  constexpr int kBlockSize = 16, kNumBlocks = 8;
+  const float eps = 1e-6f;
+  for (const LinearKernel kernel : {kSkinny, kMma}) {
+    for (const Case& c :
+         {Case{896, 14, 2, 64, true}, Case{2048, 32, 8, 64, false},
+          Case{256, 4, 1, 128, false}}) {
+      const int out = (c.heads + 2 * c.kv_heads) * c.head_dim;
+      RopeConfig config;
+      config.head_dim = c.head_dim;
+      config.theta = 500000.0;
+      const DeviceBuffer inv_freq = gpu().Upload(ComputeRopeInvFreq(config));
+      const DeviceBuffer w = GpuBf16(RandomBf16Floats(out * c.hidden, 91));
+      const DeviceBuffer bias =
+          c.bias ? GpuBf16(RandomBf16Floats(out, 92)) : DeviceBuffer();
+      const DeviceBuffer norm_weight =
+          GpuBf16(RandomBf16Floats(c.hidden, 93, 0.5f, 1.5f));
+      for (const LinearPrologue prologue :
+           {LinearPrologue::kNone, LinearPrologue::kRmsNorm}) {
+        for (int tokens = 1; tokens <= (kernel == kSkinny ? 1 : 8);
+             tokens += 3) {
+          SCOPED_TRACE(absl::StrFormat(
+              "%s heads %d/%d d %d tokens %d%s", KernelName(kernel), c.heads,
+              c.kv_heads, c.head_dim, tokens,
+              prologue == LinearPrologue::kRmsNorm ? " with the norm" : ""));
+          const std::vector<float> x =
+              RandomBf16Floats(tokens * c.hidden, 94, -3.0f, 3.0f);
+          const DeviceBuffer input = GpuBf16(x);
+          std::vector<int32_t> positions(tokens), slots(tokens);
+          for (int t = 0; t < tokens; ++t) {
+            positions[t] = 1 + 977 * t;
+            slots[t] = (t * 37 + 5) % (kBlockSize * kNumBlocks);
+          }
+          if (tokens > 1) slots[1] = -1;                           // padding
+          if (tokens > 4) slots[4] = kBlockSize * kNumBlocks + 3;  // past it
+          const int cache_elements =
+              kNumBlocks * kBlockSize * c.kv_heads * c.head_dim;
+
+          // Reference: [RMSNorm,] the projection, then the RoPE kernel.
+          DeviceBuffer gemm_input = input;
+          if (prologue == LinearPrologue::kRmsNorm) {
+            gemm_input = gpu().Alloc(2 * tokens * c.hidden);
+            ASSERT_TRUE(LaunchRmsNorm(*gpu().stream,
+                                      {input, norm_weight, gemm_input, tokens,
+                                       c.hidden, eps, DType::kBFloat16})
+                            .ok());
+          }
+          auto rope_for = [&](DeviceBuffer qkv, DeviceBuffer key_cache,
+                              DeviceBuffer value_cache) {
+            const size_t q_bytes = 2 * c.heads * c.head_dim;
+            const size_t kv_bytes = 2 * c.kv_heads * c.head_dim;
+            RopeKvCacheParams r;
+            r.positions = gpu().Upload(positions);
+            r.slot_mapping = gpu().Upload(slots);
+            r.inv_freq = inv_freq;
+            r.query = qkv;
+            r.key = qkv.Slice(q_bytes, qkv.size_bytes() - q_bytes);
+            r.value = qkv.Slice(q_bytes + kv_bytes,
+                                qkv.size_bytes() - q_bytes - kv_bytes);
+            r.key_cache = key_cache;
+            r.value_cache = value_cache;
+            r.num_tokens = tokens;
+            r.num_heads = c.heads;
+            r.num_kv_heads = c.kv_heads;
+            r.head_dim = c.head_dim;
+            r.block_size = kBlockSize;
+            r.num_blocks = kNumBlocks;
+            r.query_row_stride = out;
+            r.key_row_stride = out;
+            r.value_row_stride = out;
+            r.dtype = DType::kBFloat16;
+            return r;
+          };
+          LinearParams p{
+              gemm_input,       w,        bias, gpu().Alloc(2 * tokens * out),
+              tokens,           c.hidden, out,  DType::kBFloat16,
+              DType::kBFloat16, kernel};
+          ASSERT_TRUE(LaunchLinear(*gpu().stream, p).ok());
+          const RopeKvCacheParams want_rope =
+              rope_for(p.output, gpu().Alloc(2 * cache_elements),
+                       gpu().Alloc(2 * cache_elements));
+          ASSERT_TRUE(LaunchRopeKvCache(*gpu().stream, want_rope).ok());
+
+          LinearParams fused = p;
+          fused.output = gpu().Alloc(2 * tokens * out);
+          fused.epilogue = LinearEpilogue::kRopeKvCache;
+          fused.rope = rope_for(fused.output, gpu().Alloc(2 * cache_elements),
+                                gpu().Alloc(2 * cache_elements));
+          if (prologue == LinearPrologue::kRmsNorm) {
+            fused.input = input;
+            fused.prologue = LinearPrologue::kRmsNorm;
+            fused.norm_weight = norm_weight;
+            fused.norm_epsilon = eps;
+          }
+          ASSERT_TRUE(LinearCanFuse(*gpu().stream, fused));
+          ASSERT_TRUE(LaunchLinear(*gpu().stream, fused).ok());
+          EXPECT_TRUE(SameBits(ReadGpuBf16(fused.output, tokens * out),
+                               ReadGpuBf16(p.output, tokens * out)))
+              << "qkv rows";
+          const std::vector<float> want_k =
+              ReadGpuBf16(want_rope.key_cache, cache_elements);
+          EXPECT_TRUE(SameBits(
+              ReadGpuBf16(fused.rope.key_cache, cache_elements), want_k))
+              << "key cache";
+          EXPECT_TRUE(
+              SameBits(ReadGpuBf16(fused.rope.value_cache, cache_elements),
+                       ReadGpuBf16(want_rope.value_cache, cache_elements)))
+              << "value cache";
+          // Something was written (not NaN poison everywhere).
+          int written = 0;
+          for (const float v : want_k) written += v == v;
+          EXPECT_GT(written, 0);
+        }
+      }
+    }
+  }
+}
+
+// The RoPE epilogue is refused when `rope` does not describe the output
+// (another buffer's rows, a wrong stride), when the head layout does not
+// add up to out_features, and on cuBLAS.
+TEST_F(CudaKernelTest, RopeKvCacheEpilogueIsRefusedWhenItDoesNotFit) {
+  const int hidden = 64, heads = 2, kv_heads = 1, d = 16;
+  const int out = (heads + 2 * kv_heads) * d;
+  RopeConfig config;
+  config.head_dim = d;
+  LinearParams p{GpuBf16(RandomBf16Floats(hidden, 95)),
+                 GpuBf16(RandomBf16Floats(out * hidden, 96)),
+                 DeviceBuffer(),
+                 gpu().Alloc(2 * out),
+                 1,
+                 hidden,
+                 out,
+                 DType::kBFloat16,
+                 DType::kBFloat16,
+                 LinearKernel::kAuto,
+                 LinearEpilogue::kRopeKvCache};
+  RopeKvCacheParams& r = p.rope;
+  r.positions = gpu().Upload(std::vector<int32_t>{3});
+  r.slot_mapping = gpu().Upload(std::vector<int32_t>{0});
+  r.inv_freq = gpu().Upload(ComputeRopeInvFreq(config));
+  r.query = p.output;
+  r.key = p.output.Slice(2 * heads * d, 2 * (out - heads * d));
+  r.value = p.output.Slice(2 * (heads + kv_heads) * d, 2 * kv_heads * d);
+  r.key_cache = gpu().Alloc(2 * 4 * kv_heads * d);
+  r.value_cache = gpu().Alloc(2 * 4 * kv_heads * d);
+  r.num_tokens = 1;
+  r.num_heads = heads;
+  r.num_kv_heads = kv_heads;
+  r.head_dim = d;
+  r.block_size = 4;
+  r.num_blocks = 1;
+  r.query_row_stride = out;
+  r.key_row_stride = out;
+  r.value_row_stride = out;
+  r.dtype = DType::kBFloat16;
+  ASSERT_TRUE(LinearCanFuse(*gpu().stream, p));
+  ASSERT_TRUE(LaunchLinear(*gpu().stream, p).ok());
+  auto refused = [&](const LinearParams& bad, const char* why) {
+    SCOPED_TRACE(why);
+    const absl::Status status = LaunchLinear(*gpu().stream, bad);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_THAT(status.message(), ::testing::HasSubstr("rope_kv_cache"));
+  };
+  LinearParams bad = p;
+  bad.rope.query = gpu().Alloc(2 * out);
+  refused(bad, "rope.query is another buffer");
+  bad = p;
+  bad.rope.key_row_stride = 0;  // dense: not the fused rows
+  refused(bad, "key stride");
+  bad = p;
+  bad.kernel = LinearKernel::kCublas;
+  EXPECT_FALSE(LinearCanFuse(*gpu().stream, bad));
+  refused(bad, "cuBLAS");
+  bad = p;
+  bad.rope.num_kv_heads = 2;  // 2 + 2 * 2 heads of 16 != out_features
+  bad.rope.key_cache = gpu().Alloc(2 * 4 * 2 * d);
+  bad.rope.value_cache = gpu().Alloc(2 * 4 * 2 * d);
+  bad.rope.value = p.output;
+  refused(bad, "head layout");
 }
 
 // Fusions a kernel cannot run are refused, naming the fusion, and

@@ -165,6 +165,11 @@ TEST_F(LinearErrorsTest, RejectsBadBuffers) {
   bad.norm_weight = AllocElements<float>(p.in_features - 1);
   EXPECT_THAT(LaunchLinear(stream(), bad),
               IsInvalidArgumentMentioning("'norm_weight'"));
+  bad = p;
+  bad.epilogue = LinearEpilogue::kRopeKvCache;  // rope left empty
+  EXPECT_FALSE(LinearCanFuse(stream(), bad));
+  EXPECT_THAT(LaunchLinear(stream(), bad),
+              IsInvalidArgumentMentioning("rope_kv_cache"));
   EXPECT_TRUE(LinearCanFuse(stream(), p));  // nothing to fuse
   bad = p;
   bad.in_features = -1;

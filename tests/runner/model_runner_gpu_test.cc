@@ -235,11 +235,11 @@ TEST_P(RunnerGpuTest, EveryModeMatchesEagerAndReportsBitIdentity) {
 
 // The decode-step fusions (RMSNorm in the qkv / gate_up prologues, residual
 // adds in the o_proj / down epilogues) change no bit of any logit: the same
-// steps with NormFusion kAuto and kOff, eager and in FULL graphs, with the
+// steps with DecodeFusion kAuto and kOff, eager and in FULL graphs, with the
 // default kernels (fused at one token) and with the tensor-core skinny GEMM
-// forced (fused at 1..8 tokens). FusesNorms must be true where the fusion is
+// forced (fused at 1..8 tokens). FusesDecodeLayers must be true where the fusion is
 // expected, so the comparison cannot pass by running unfused twice.
-TEST_P(RunnerGpuTest, NormFusionLeavesEveryLogitBitIdentical) {
+TEST_P(RunnerGpuTest, DecodeFusionLeavesEveryLogitBitIdentical) {
   const std::vector<std::vector<SequenceStep>> batches = {
       {Seq("a", {5, 17, 42, 8, 99, 3, 61})},
       {Seq("a", {12})},
@@ -255,20 +255,20 @@ TEST_P(RunnerGpuTest, NormFusionLeavesEveryLogitBitIdentical) {
                                             ? " auto"
                                             : " skinny_mma"));
       std::vector<std::vector<float>> logits[2];
-      for (const NormFusion fusion : {NormFusion::kAuto, NormFusion::kOff}) {
+      for (const DecodeFusion fusion : {DecodeFusion::kAuto, DecodeFusion::kOff}) {
         ModelRunnerOptions o =
             SmallOptions(R"({"cudagraph_mode":")" + std::string(mode) +
                          R"(","cudagraph_capture_sizes":[1,2,4,8]})");
         o.linear_kernel = kernel;
-        o.norm_fusion = fusion;
+        o.decode_fusion = fusion;
         auto runner = ModelRunner::Create(*cuda_, dir_, o);
         ASSERT_TRUE(runner.ok()) << runner.status();
         ASSERT_TRUE((*runner)->CaptureGraphs().ok());
-        const bool on = fusion == NormFusion::kAuto;
-        EXPECT_EQ((*runner)->forward().FusesNorms(1), on);
-        EXPECT_EQ((*runner)->forward().FusesNorms(4),
+        const bool on = fusion == DecodeFusion::kAuto;
+        EXPECT_EQ((*runner)->forward().FusesDecodeLayers(1), on);
+        EXPECT_EQ((*runner)->forward().FusesDecodeLayers(4),
                   on && kernel == kernels::LinearKernel::kSkinnyMma);
-        EXPECT_FALSE((*runner)->forward().FusesNorms(16));
+        EXPECT_FALSE((*runner)->forward().FusesDecodeLayers(16));
         for (const auto& batch : batches) {
           ASSERT_TRUE((*runner)->Execute(batch).ok());
           std::vector<float> l;

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 #include "pdw_cuda_config.h"  // PDW_HAVE_CUDA, PDW_HAVE_NCCL
 #include "worker/kernels/kernel_checks.h"
 
@@ -112,6 +113,10 @@ LinearCudaParams ToCudaParams(const LinearParams& p) {
     case LinearEpilogue::kAddResidual:
       c.epilogue = LinearCudaEpilogue::kAddResidual;
       break;
+    case LinearEpilogue::kRopeKvCache:
+      c.epilogue = LinearCudaEpilogue::kRopeKvCache;
+      c.rope = ToRopeKvCacheCudaParams(p.rope);
+      break;
   }
   if (p.prologue == LinearPrologue::kRmsNorm) {
     c.prologue = LinearCudaPrologue::kRmsNorm;
@@ -135,6 +140,13 @@ absl::Status LinearOnCuda(Stream& stream, const LinearParams& p) {
         "%s: epilogue add_residual needs a skinny GEMM (num_tokens=%d; one "
         "token on skinny_gemm), bf16 output and no prologue",
         kOp, p.num_tokens));
+  }
+  if (p.epilogue == LinearEpilogue::kRopeKvCache && !LinearCanFuse(stream, p)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: epilogue rope_kv_cache needs a skinny GEMM (num_tokens=%d; one "
+        "token on skinny_gemm), bf16 output and out_features = (num_heads + "
+        "2 * num_kv_heads) * head_dim (got %d)",
+        kOp, p.num_tokens, p.out_features));
   }
   if (p.prologue == LinearPrologue::kRmsNorm && !LinearCanFuse(stream, p)) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -163,6 +175,33 @@ absl::Status LinearOnCuda(Stream& stream, const LinearParams& p) {
   });
 }
 #endif
+
+// kRopeKvCache: `rope` passes LaunchRopeKvCache's checks and describes
+// exactly the output's rows, so the fused epilogue writes what the RoPE
+// kernel would.
+absl::Status CheckRopeEpilogue(const Stream& stream, const LinearParams& p) {
+  PDW_ASSIGN_OR_RETURN(const RopeKvCacheParams r,
+                       ResolveRopeKvCache(stream, p.rope));
+  const size_t element = DTypeSize(p.dtype);
+  const int q_width = r.num_heads * r.head_dim;
+  const int kv_width = r.num_kv_heads * r.head_dim;
+  const char* base = static_cast<const char*>(p.output.data());
+  if (r.dtype != p.dtype || r.num_tokens != p.num_tokens ||
+      p.out_features != q_width + 2 * kv_width || r.query.data() != base ||
+      r.key.data() != base + element * q_width ||
+      r.value.data() != base + element * (q_width + kv_width) ||
+      r.query_row_stride != p.out_features ||
+      r.key_row_stride != p.out_features ||
+      r.value_row_stride != p.out_features) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: epilogue rope_kv_cache needs rope.query / key / value to be the "
+        "output's column slices at 0, %d and %d with row stride "
+        "out_features=%d, and rope's num_tokens and dtype to be the layer's "
+        "(num_tokens=%d)",
+        kOp, q_width, q_width + kv_width, p.out_features, p.num_tokens));
+  }
+  return absl::OkStatus();
+}
 
 // CPU: fp32 only. CUDA: bf16 operands, bf16 or fp32 output.
 absl::Status CheckLinearDTypes(const Stream& stream, const LinearParams& p) {
@@ -265,6 +304,9 @@ absl::Status LaunchLinear(Stream& stream, const LinearParams& p) {
            : absl::OkStatus(),
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
+  if (p.epilogue == LinearEpilogue::kRopeKvCache) {
+    PDW_RETURN_IF_ERROR(CheckRopeEpilogue(stream, p));
+  }
 #if PDW_HAVE_CUDA
   if (stream.kind() == DeviceKind::kCuda) return LinearOnCuda(stream, p);
 #endif

@@ -102,6 +102,16 @@ bool SkinnyFusionSupports(const LinearCudaParams& p, LinearCudaKernel kernel) {
         return false;
       }
       break;
+    case E::kRopeKvCache: {
+      const RopeKvCacheCudaParams& r = p.rope;
+      if (!bf16_out || (one_token_only && p.num_tokens != 1) ||
+          r.head_dim <= 0 || r.head_dim % 2 != 0 || r.num_heads <= 0 ||
+          r.num_kv_heads <= 0 ||
+          p.out_features != (r.num_heads + 2 * r.num_kv_heads) * r.head_dim) {
+        return false;
+      }
+      break;
+    }
   }
   if (!norm) return true;
   const int64_t normed_bytes = int64_t{2} * p.num_tokens * (p.in_features + 8);

@@ -5,6 +5,7 @@
 #define PDWORKER_WORKER_KERNELS_LINEAR_H_
 
 #include "absl/status/status.h"
+#include "worker/kernels/rope_kv_cache.h"
 #include "worker/model/dtype.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
@@ -30,8 +31,12 @@ constexpr int kLinearSkinnyMaxTokens = 8;
 // followed by LaunchSiluAndMul. kAddResidual: `output` is the residual
 // stream, read and overwritten with bf16(output + bf16(x·w + b)),
 // bit-identical to the layer followed by the residual add of
-// LaunchFusedAddRmsNorm. One kernel instead of two.
-enum class LinearEpilogue { kNone, kSiluAndMul, kAddResidual };
+// LaunchFusedAddRmsNorm. kRopeKvCache: `output` is a fused qkv projection
+// and `rope` describes exactly its rows (query, key and value: the output's
+// column slices at 0, q and q + kv, row strides out_features); the layer
+// then does what LaunchRopeKvCache(rope) does, bit for bit. One kernel
+// instead of two.
+enum class LinearEpilogue { kNone, kSiluAndMul, kAddResidual, kRopeKvCache };
 
 // What the layer does with its input first (CUDA, where a skinny GEMM runs).
 // kRmsNorm: `input` is the pre-norm residual stream and the layer multiplies
@@ -61,6 +66,7 @@ struct LinearParams {
   LinearPrologue prologue = LinearPrologue::kNone;
   DeviceBuffer norm_weight = {};  // kRmsNorm: [in_features] of `dtype`
   float norm_epsilon = 0.0f;      // kRmsNorm
+  RopeKvCacheParams rope = {};    // kRopeKvCache
 };
 
 // True when p's prologue and epilogue, as set, can run on `stream`: CUDA, a

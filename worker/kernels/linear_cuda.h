@@ -9,6 +9,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include "worker/kernels/rope_kv_cache_cuda.h"
+
 namespace pdworker {
 namespace kernels {
 
@@ -26,8 +28,16 @@ enum class LinearCudaKernel { kAuto, kCublas, kSkinnyGemm, kSkinnyMma };
 // followed by the SiLU-and-mul kernel. kAddResidual: the bf16 output is the
 // residual stream, read and overwritten: output = bf16(output + bf16(x·w +
 // b)), bit-identical to the GEMM followed by the residual add of the fused
-// add + RMSNorm kernel. cuBLAS runs kNone only.
-enum class LinearCudaEpilogue { kNone, kSiluAndMul, kAddResidual };
+// add + RMSNorm kernel. kRopeKvCache: the output is a fused qkv projection
+// [num_tokens, (heads + 2 · kv_heads) · head_dim]; q and k are rotated in
+// place and k and v written to the KV cache (`rope`), bit-identical to the
+// GEMM followed by the RoPE + KV-cache kernel. cuBLAS runs kNone only.
+enum class LinearCudaEpilogue {
+  kNone,
+  kSiluAndMul,
+  kAddResidual,
+  kRopeKvCache
+};
 
 // What the skinny GEMMs do with their input first. kRmsNorm: `input` is the
 // pre-norm residual stream and the GEMM multiplies RMSNorm(input) ·
@@ -71,6 +81,10 @@ struct LinearCudaParams {
   LinearCudaPrologue prologue = LinearCudaPrologue::kNone;
   const __nv_bfloat16* norm_weight = nullptr;  // [in_features], kRmsNorm
   float norm_epsilon = 0.0f;                   // kRmsNorm
+  // kRopeKvCache: positions, slot_mapping, inv_freq, the caches, heads,
+  // kv heads, head_dim and num_slots (query / key / value are the output's
+  // rows and are not read).
+  RopeKvCacheCudaParams rope;
   // Skinny GEMMs only: launch with programmatic stream serialization, so it
   // may start (and issue its weight loads) before the previous kernel ends;
   // it reads the input only after griddepcontrol.wait.
@@ -99,10 +113,13 @@ bool SkinnyGemmSupports(const LinearCudaParams& p);
 
 // True when `kernel` (kSkinnyGemm or kSkinnyMma) can run p's prologue and
 // epilogue: kNone / kNone always; kSiluAndMul: bf16 output, even
-// out_features; kAddResidual: bf16 output, no prologue; kRmsNorm: bf16
+// out_features; kAddResidual: bf16 output, no prologue; kRopeKvCache: bf16
+// output, out_features = (heads + 2 · kv_heads) · head_dim, head_dim even;
+// kRmsNorm: bf16
 // output, a 16-byte aligned norm_weight, num_tokens · (in_features + 8) · 2
-// <= kSkinnyNormMaxBytes, with the epilogue kNone or kSiluAndMul. The CUDA-core
-// kernel runs kRmsNorm and kAddResidual at one token only.
+// <= kSkinnyNormMaxBytes, with the epilogue kNone, kSiluAndMul or
+// kRopeKvCache. The CUDA-core kernel runs kRmsNorm, kAddResidual and
+// kRopeKvCache at one token only.
 bool SkinnyFusionSupports(const LinearCudaParams& p, LinearCudaKernel kernel);
 
 // The skinny GEMM with an explicit split-K factor (benchmarks sweep it;

@@ -6,12 +6,12 @@
 #include <string>
 
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 #include "glog/logging.h"
 #include "pdw_cuda_config.h"  // PDW_HAVE_CUDA, PDW_HAVE_NCCL
 #include "worker/kernels/kernel_checks.h"
 
 #if PDW_HAVE_CUDA
-#include "worker/kernels/rope_kv_cache_cuda.h"
 #include "worker/runtime/cuda_status.h"
 #endif
 
@@ -74,6 +74,19 @@ void RopeKvCacheCpu(const RopeKvCacheParams& p) {
 
 #if PDW_HAVE_CUDA
 absl::Status RopeKvCacheOnCuda(Stream& stream, const RopeKvCacheParams& p) {
+  const RopeKvCacheCudaParams c = ToRopeKvCacheCudaParams(p);
+  return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
+    return CudaStatus(
+        LaunchRopeKvCacheCuda(c, static_cast<cudaStream_t>(ctx.cuda_stream)),
+        kOp);
+  });
+}
+#endif
+
+}  // namespace
+
+#if PDW_HAVE_CUDA
+RopeKvCacheCudaParams ToRopeKvCacheCudaParams(const RopeKvCacheParams& p) {
   RopeKvCacheCudaParams c;
   c.positions = p.positions.as<const int32_t>();
   c.slot_mapping = p.slot_mapping.as<const int32_t>();
@@ -91,15 +104,9 @@ absl::Status RopeKvCacheOnCuda(Stream& stream, const RopeKvCacheParams& p) {
   c.query_row_stride = p.query_row_stride;
   c.key_row_stride = p.key_row_stride;
   c.value_row_stride = p.value_row_stride;
-  return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
-    return CudaStatus(
-        LaunchRopeKvCacheCuda(c, static_cast<cudaStream_t>(ctx.cuda_stream)),
-        kOp);
-  });
+  return c;
 }
 #endif
-
-}  // namespace
 
 absl::Status ValidateRopeConfig(const RopeConfig& config) {
   if (config.head_dim <= 0 || config.head_dim % 2 != 0 ||
@@ -165,7 +172,8 @@ std::vector<float> ComputeRopeInvFreq(const RopeConfig& config) {
   return inv_freq;
 }
 
-absl::Status LaunchRopeKvCache(Stream& stream, const RopeKvCacheParams& p) {
+absl::StatusOr<RopeKvCacheParams> ResolveRopeKvCache(
+    const Stream& stream, const RopeKvCacheParams& p) {
   absl::Status status =
       FirstError({CheckPositive(kOp, "num_tokens", p.num_tokens),
                   CheckPositive(kOp, "num_heads", p.num_heads),
@@ -240,6 +248,12 @@ absl::Status LaunchRopeKvCache(Stream& stream, const RopeKvCacheParams& p) {
                    cache_layout),
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
+  return resolved;
+}
+
+absl::Status LaunchRopeKvCache(Stream& stream, const RopeKvCacheParams& p) {
+  PDW_ASSIGN_OR_RETURN(const RopeKvCacheParams resolved,
+                       ResolveRopeKvCache(stream, p));
 #if PDW_HAVE_CUDA
   if (stream.kind() == DeviceKind::kCuda) {
     return RopeKvCacheOnCuda(stream, resolved);

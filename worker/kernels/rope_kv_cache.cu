@@ -2,6 +2,7 @@
 // cache, on CUDA: bf16 storage, fp32 rotation.
 #include "worker/kernels/cuda_common.cuh"
 #include "worker/kernels/rope_kv_cache_cuda.h"
+#include "worker/kernels/rope_kv_row.cuh"
 
 namespace pdworker {
 namespace kernels {
@@ -14,14 +15,12 @@ constexpr int kThreads = 128;
 constexpr int kMaxHalf = 256;  // head_dim <= 512, as the CPU kernel
 
 // Rotates the pair (x[i], x[i + half]) of one head in place and returns the
-// rotated, rounded values (the ones written to the cache for k).
+// rotated, rounded values (the ones written to the cache for k). The math is
+// rope_kv_row.cuh's, shared with the skinny GEMMs' fused qkv epilogue.
 __device__ __forceinline__ void RotatePair(__nv_bfloat16* lo, int half, float c,
                                            float s, __nv_bfloat16* out_lo,
                                            __nv_bfloat16* out_hi) {
-  const float a = ToFloat(lo[0]);
-  const float b = ToFloat(lo[half]);
-  *out_lo = FromFloat<__nv_bfloat16>(a * c - b * s);
-  *out_hi = FromFloat<__nv_bfloat16>(b * c + a * s);
+  cuda::RopeRotate(ToFloat(lo[0]), ToFloat(lo[half]), c, s, out_lo, out_hi);
   lo[0] = *out_lo;
   lo[half] = *out_hi;
 }
@@ -34,11 +33,8 @@ __global__ void RopeKvCacheKernel(RopeKvCacheCudaParams p) {
   __shared__ float sin_half[kMaxHalf];
   const int t = blockIdx.x;
   const int half = p.head_dim / 2;
-  // The angle is the fp32 product float(position) * inv_freq, as Hugging
-  // Face and vLLM compute it; sincosf is the accurate (non fast-math) one.
-  const float position = static_cast<float>(p.positions[t]);
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    sincosf(position * p.inv_freq[i], &sin_half[i], &cos_half[i]);
+    cuda::RopeCosSin(p.positions[t], p.inv_freq[i], &cos_half[i], &sin_half[i]);
   }
   __syncthreads();
 

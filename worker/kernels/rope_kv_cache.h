@@ -7,9 +7,15 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "pdw_cuda_config.h"  // PDW_HAVE_CUDA
 #include "worker/model/dtype.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
+
+#if PDW_HAVE_CUDA
+#include "worker/kernels/rope_kv_cache_cuda.h"
+#endif
 
 namespace pdworker {
 namespace kernels {
@@ -88,6 +94,17 @@ struct RopeKvCacheParams {
 };
 
 absl::Status LaunchRopeKvCache(Stream& stream, const RopeKvCacheParams& p);
+
+// LaunchRopeKvCache's checks (each refusal names the field), without the
+// launch: `p` with its row strides resolved (0 -> dense). Also what a
+// projection with the fused RoPE + KV-cache epilogue checks (linear.h).
+absl::StatusOr<RopeKvCacheParams> ResolveRopeKvCache(
+    const Stream& stream, const RopeKvCacheParams& p);
+
+#if PDW_HAVE_CUDA
+// The CUDA launcher's params for resolved `p` (bf16 buffers).
+RopeKvCacheCudaParams ToRopeKvCacheCudaParams(const RopeKvCacheParams& p);
+#endif
 
 }  // namespace kernels
 }  // namespace pdworker

@@ -31,6 +31,7 @@
 #include "worker/kernels/cuda_common.cuh"
 #include "worker/kernels/linear_cuda.h"
 #include "worker/kernels/rms_norm_row.cuh"
+#include "worker/kernels/rope_kv_row.cuh"
 
 namespace pdworker {
 namespace kernels {
@@ -48,6 +49,10 @@ constexpr int kChunk = cuda::kWarpSize * 8;  // k elements per warp-wide load
 // kEpi kAddResidual: Y (bf16) is the residual stream, updated in place:
 // Y = bf16(Y + bf16(x·w + b)), what the GEMM followed by the fused add of
 // the residual computes (each element is read and written by one thread).
+// kEpi kRopeKvCache: Y is the fused qkv row of each token; a warp owns the
+// pair (i, i + head_dim / 2) of one head (R = 2), which the epilogue
+// rotates (q, k) and writes to the KV cache (k, v) as the RoPE kernel would
+// (rope_kv_row.cuh).
 // kNorm: x is the pre-norm residual; the CTA first writes RMSNorm(x) into
 // shared memory (rms_norm_row.cuh: the RMSNorm kernel's bits) and reads its
 // X from there. Dynamic shared memory: num_tokens · in_features bf16.
@@ -58,7 +63,9 @@ template <int NT, int R, int U, typename OutT, LinearCudaEpilogue kEpi,
 __global__ void __launch_bounds__(kThreads)
     SkinnyGemmKernel(const LinearCudaParams p, int k_split) {
   constexpr bool kSiluAndMul = kEpi == LinearCudaEpilogue::kSiluAndMul;
-  static_assert(!kSiluAndMul || R == 2, "silu-and-mul pairs gate and up");
+  constexpr bool kRope = kEpi == LinearCudaEpilogue::kRopeKvCache;
+  constexpr bool kPaired = kSiluAndMul || kRope;
+  static_assert(!kPaired || R == 2, "paired epilogues own two rows a warp");
   __shared__ float partial[kWarps][R * NT];
   __shared__ float scratch[32];
   extern __shared__ uint4 normed[];  // kNorm: [num_tokens, in_features] bf16
@@ -76,13 +83,21 @@ __global__ void __launch_bounds__(kThreads)
   const int unit = blockIdx.x * groups + group;
   const int half = out_features / 2;
   const int num_chunks = (in_features + kChunk - 1) / kChunk;
+  // Paired epilogues: pair j (< half) is rows PairRow(j) and PairRow(j) +
+  // pair_offset (silu-and-mul: gate j and up j; rope: elements i and i +
+  // head_dim / 2 of one head).
+  const int head_half = kRope ? p.rope.head_dim / 2 : 1;
+  const int pair_offset = kRope ? head_half : half;
+  auto pair_row = [&](int j) {
+    return kRope ? j / head_half * p.rope.head_dim + j % head_half : j;
+  };
 
   const __nv_bfloat16* w_row[R];
   bool row_ok[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int row = kSiluAndMul ? unit + r * half : unit * R + r;
-    row_ok[r] = kSiluAndMul ? unit < half : row < out_features;
+    const int row = kPaired ? pair_row(unit) + r * pair_offset : unit * R + r;
+    row_ok[r] = kPaired ? unit < half : row < out_features;
     w_row[r] = w + static_cast<int64_t>(row_ok[r] ? row : 0) * in_features;
   }
 
@@ -155,13 +170,15 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
-  if constexpr (kSiluAndMul) {
-    // One thread per (group, token): gate and up, each summed over the
-    // slices in order, + bias, rounded to bf16; then silu(gate) · up.
+  if constexpr (kPaired) {
+    // One thread per (group, token): both rows of the pair, each summed
+    // over the slices in order, + bias, rounded to bf16; then silu(gate) ·
+    // up, or RoPE + the KV-cache write.
     if (threadIdx.x >= groups * NT) return;
     const int g = threadIdx.x / NT, t = threadIdx.x % NT;
     const int o = blockIdx.x * groups + g;
     if (o >= half || t >= num_tokens) return;
+    const int row0 = pair_row(o);
     float sums[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -169,11 +186,18 @@ __global__ void __launch_bounds__(kThreads)
       for (int s = 1; s < k_split; ++s) {
         sum += partial[g * k_split + s][r * NT + t];
       }
-      if (bias != nullptr) sum += cuda::ToFloat(bias[o + r * half]);
+      if (bias != nullptr) sum += cuda::ToFloat(bias[row0 + r * pair_offset]);
       sums[r] = cuda::ToFloat(cuda::FromFloat<__nv_bfloat16>(sum));
     }
-    y[static_cast<int64_t>(t) * half + o] =
-        cuda::FromFloat<OutT>(cuda::SiluMul(sums[0], sums[1]));
+    if constexpr (kRope) {
+      cuda::StoreQkvPair(p.rope,
+                         reinterpret_cast<__nv_bfloat16*>(y) +
+                             static_cast<int64_t>(t) * out_features,
+                         t, row0, sums[0], sums[1]);
+    } else {
+      y[static_cast<int64_t>(t) * half + o] =
+          cuda::FromFloat<OutT>(cuda::SiluMul(sums[0], sums[1]));
+    }
     return;
   }
   // One thread per (group, row, token) adds the slices in order.
@@ -197,13 +221,14 @@ __global__ void __launch_bounds__(kThreads)
 template <int NT, typename OutT, LinearCudaEpilogue kEpi, bool kNorm>
 cudaError_t LaunchForTokens(const LinearCudaParams& p, int k_split,
                             cudaStream_t stream) {
-  constexpr bool kSiluAndMul = kEpi == LinearCudaEpilogue::kSiluAndMul;
+  constexpr bool kPaired = kEpi == LinearCudaEpilogue::kSiluAndMul ||
+                           kEpi == LinearCudaEpilogue::kRopeKvCache;
   // Two rows per warp from 3 tokens up halves the L1 reads of X per weight
   // byte; fewer chunks in flight keep the registers of 8 tokens in budget.
-  constexpr int R = NT >= 3 || kSiluAndMul ? 2 : 1;
+  constexpr int R = NT >= 3 || kPaired ? 2 : 1;
   constexpr int U = NT >= 5 ? 2 : 4;
-  const int units = kSiluAndMul ? p.out_features / 2 : p.out_features;
-  const int units_per_cta = (kSiluAndMul ? 1 : R) * (kWarps / k_split);
+  const int units = kPaired ? p.out_features / 2 : p.out_features;
+  const int units_per_cta = (kPaired ? 1 : R) * (kWarps / k_split);
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(cuda::NumBlocks(units, units_per_cta));
   config.blockDim = dim3(kThreads);
@@ -222,25 +247,27 @@ cudaError_t LaunchForTokens(const LinearCudaParams& p, int k_split,
 template <typename OutT, LinearCudaEpilogue kEpi, bool kNorm>
 cudaError_t LaunchForOutput(const LinearCudaParams& p, int k_split,
                             cudaStream_t stream) {
-  // The fusions of a decode step run at one token (SkinnyGemmFuses): the
-  // CUDA-core kernel is kAuto's choice there only.
-  if constexpr (kNorm || kEpi == LinearCudaEpilogue::kAddResidual) {
+  // The fusions of a decode step run at one token (SkinnyFusionSupports):
+  // the CUDA-core kernel is kAuto's choice there only.
+  if constexpr (kNorm || kEpi == LinearCudaEpilogue::kAddResidual ||
+                kEpi == LinearCudaEpilogue::kRopeKvCache) {
     if (p.num_tokens != 1) return cudaErrorInvalidValue;
     return LaunchForTokens<1, OutT, kEpi, kNorm>(p, k_split, stream);
+  } else {
+    // Kernels for 1, 2, 4 and 8 tokens; 3, 5, 6 and 7 run the next one up
+    // with its extra token rows skipped (the same operations per element:
+    // rows stay bit-identical), which halves the instantiations nvcc builds.
+    if (p.num_tokens == 1) {
+      return LaunchForTokens<1, OutT, kEpi, kNorm>(p, k_split, stream);
+    }
+    if (p.num_tokens == 2) {
+      return LaunchForTokens<2, OutT, kEpi, kNorm>(p, k_split, stream);
+    }
+    if (p.num_tokens <= 4) {
+      return LaunchForTokens<4, OutT, kEpi, kNorm>(p, k_split, stream);
+    }
+    return LaunchForTokens<8, OutT, kEpi, kNorm>(p, k_split, stream);
   }
-  // Kernels for 1, 2, 4 and 8 tokens; 3, 5, 6 and 7 run the next one up
-  // with its extra token rows skipped (the same operations per element:
-  // rows stay bit-identical), which halves the instantiations nvcc builds.
-  if (p.num_tokens == 1) {
-    return LaunchForTokens<1, OutT, kEpi, kNorm>(p, k_split, stream);
-  }
-  if (p.num_tokens == 2) {
-    return LaunchForTokens<2, OutT, kEpi, kNorm>(p, k_split, stream);
-  }
-  if (p.num_tokens <= 4) {
-    return LaunchForTokens<4, OutT, kEpi, kNorm>(p, k_split, stream);
-  }
-  return LaunchForTokens<8, OutT, kEpi, kNorm>(p, k_split, stream);
 }
 
 }  // namespace
@@ -284,6 +311,11 @@ cudaError_t LaunchSkinnyGemmCuda(const LinearCudaParams& p, int k_split,
                                                                  stream);
     case E::kAddResidual:
       return LaunchForOutput<bf16, E::kAddResidual, false>(p, k_split, stream);
+    case E::kRopeKvCache:
+      return norm ? LaunchForOutput<bf16, E::kRopeKvCache, true>(p, k_split,
+                                                                 stream)
+                  : LaunchForOutput<bf16, E::kRopeKvCache, false>(p, k_split,
+                                                                  stream);
     case E::kNone:
       break;
   }

@@ -38,6 +38,7 @@
 #include "worker/kernels/cuda_common.cuh"
 #include "worker/kernels/linear_cuda.h"
 #include "worker/kernels/rms_norm_row.cuh"
+#include "worker/kernels/rope_kv_row.cuh"
 
 namespace pdworker {
 namespace kernels {
@@ -56,6 +57,10 @@ constexpr int kMaxChunksInFlight = 8;  // per warp, per row block
 // first, as the unfused GEMM writes them.
 // kEpi kAddResidual: Y (bf16) is the residual stream, updated in place, Y =
 // bf16(Y + bf16(x·w + b)) (one thread reads and writes each element).
+// kEpi kRopeKvCache: Y is the fused qkv row of each token; block r = 0 holds
+// 16 pairs' first elements (i of a head, i < head_dim / 2), r = 1 their
+// partners (i + head_dim / 2), which the epilogue rotates (q, k) and writes
+// to the KV cache (k, v) as the RoPE kernel would (rope_kv_row.cuh).
 // kNorm: x is the pre-norm residual; the CTA writes RMSNorm(x) into shared
 // memory first (rms_norm_row.cuh: the RMSNorm kernel's bits), rows padded
 // to in_features + 8 so that the 8 token rows a warp reads at once start in
@@ -68,7 +73,9 @@ template <int RB, int U, typename OutT, LinearCudaEpilogue kEpi, bool kNorm>
 __global__ void __launch_bounds__(kThreads)
     SkinnyMmaKernel(const LinearCudaParams p, int k_split) {
   constexpr bool kSiluAndMul = kEpi == LinearCudaEpilogue::kSiluAndMul;
-  static_assert(!kSiluAndMul || RB == 2, "silu-and-mul pairs gate and up");
+  constexpr bool kRope = kEpi == LinearCudaEpilogue::kRopeKvCache;
+  constexpr bool kPaired = kSiluAndMul || kRope;
+  static_assert(!kPaired || RB == 2, "paired epilogues own two row blocks");
   // [warp][row block][row in block][token]
   __shared__ float partial[kWarps][RB][kRowsPerBlock][kTokens];
   __shared__ float scratch[32];
@@ -90,6 +97,15 @@ __global__ void __launch_bounds__(kThreads)
   const int per_slice = (num_chunks + k_split - 1) / k_split;
   const int first_chunk = slice * per_slice;
   const int my_chunks = max(0, min(per_slice, num_chunks - first_chunk));
+  // Paired epilogues: pair j (< half) is rows pair_row(j) and pair_row(j) +
+  // pair_offset (silu-and-mul: gate j and up j; rope: elements i and i +
+  // head_dim / 2 of one head). Any 16 pairs make a row block: each lane
+  // loads its own rows.
+  const int head_half = kRope ? p.rope.head_dim / 2 : 1;
+  const int pair_offset = kRope ? head_half : half;
+  auto pair_row = [&](int j) {
+    return kRope ? j / head_half * p.rope.head_dim + j % head_half : j;
+  };
 
   // Rows g and g + 8 of each of the warp's row blocks.
   const __nv_bfloat16* w_row[RB][2];
@@ -99,9 +115,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int in_block = unit * kRowsPerBlock + g + 8 * h;
-      const int row = kSiluAndMul ? in_block + r * half
-                                  : (unit * RB + r) * kRowsPerBlock + g + 8 * h;
-      row_ok[r][h] = kSiluAndMul ? in_block < half : row < out_features;
+      const int row = kPaired ? pair_row(in_block) + r * pair_offset
+                              : (unit * RB + r) * kRowsPerBlock + g + 8 * h;
+      row_ok[r][h] = kPaired ? in_block < half : row < out_features;
       w_row[r][h] =
           w + static_cast<int64_t>(row_ok[r][h] ? row : 0) * in_features;
     }
@@ -194,7 +210,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     return sum;
   };
-  if constexpr (kSiluAndMul) {
+  if constexpr (kPaired) {
     for (int i = threadIdx.x; i < groups * kTokens * kRowsPerBlock;
          i += kThreads) {
       const int gr = i / (kTokens * kRowsPerBlock);
@@ -202,15 +218,23 @@ __global__ void __launch_bounds__(kThreads)
       const int row = i % kRowsPerBlock;
       const int o = (blockIdx.x * groups + gr) * kRowsPerBlock + row;
       if (o >= half || t >= num_tokens) continue;
+      const int row0 = pair_row(o);
       float sums[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float sum = slice_sum(gr, r, row, t);
-        if (bias != nullptr) sum += cuda::ToFloat(bias[o + r * half]);
+        if (bias != nullptr) sum += cuda::ToFloat(bias[row0 + r * pair_offset]);
         sums[r] = cuda::ToFloat(cuda::FromFloat<__nv_bfloat16>(sum));
       }
-      y[static_cast<int64_t>(t) * half + o] =
-          cuda::FromFloat<OutT>(cuda::SiluMul(sums[0], sums[1]));
+      if constexpr (kRope) {
+        cuda::StoreQkvPair(p.rope,
+                           reinterpret_cast<__nv_bfloat16*>(y) +
+                               static_cast<int64_t>(t) * out_features,
+                           t, row0, sums[0], sums[1]);
+      } else {
+        y[static_cast<int64_t>(t) * half + o] =
+            cuda::FromFloat<OutT>(cuda::SiluMul(sums[0], sums[1]));
+      }
     }
     return;
   }
@@ -236,12 +260,13 @@ __global__ void __launch_bounds__(kThreads)
 template <typename OutT, LinearCudaEpilogue kEpi, bool kNorm>
 cudaError_t Launch(const LinearCudaParams& p, int k_split,
                    cudaStream_t stream) {
-  constexpr bool kSiluAndMul = kEpi == LinearCudaEpilogue::kSiluAndMul;
-  // silu-and-mul holds two row blocks' loads per chunk: half as many chunks
-  // in flight keeps the same bytes (and registers) per warp.
-  constexpr int RB = kSiluAndMul ? 2 : 1;
+  constexpr bool kPaired = kEpi == LinearCudaEpilogue::kSiluAndMul ||
+                           kEpi == LinearCudaEpilogue::kRopeKvCache;
+  // A paired epilogue holds two row blocks' loads per chunk: half as many
+  // chunks in flight keeps the same bytes (and registers) per warp.
+  constexpr int RB = kPaired ? 2 : 1;
   constexpr int U = kMaxChunksInFlight / RB;
-  const int rows = kSiluAndMul ? p.out_features / 2 : p.out_features;
+  const int rows = kPaired ? p.out_features / 2 : p.out_features;
   const int units = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(cuda::NumBlocks(units, kWarps / k_split));
@@ -297,6 +322,9 @@ cudaError_t LaunchSkinnyMmaCuda(const LinearCudaParams& p, int k_split,
                   : Launch<bf16, E::kSiluAndMul, false>(p, k_split, stream);
     case E::kAddResidual:
       return Launch<bf16, E::kAddResidual, false>(p, k_split, stream);
+    case E::kRopeKvCache:
+      return norm ? Launch<bf16, E::kRopeKvCache, true>(p, k_split, stream)
+                  : Launch<bf16, E::kRopeKvCache, false>(p, k_split, stream);
     case E::kNone:
       break;
   }

@@ -289,6 +289,8 @@ LlamaForward::LayerLinears LlamaForward::Linears(int layer, int num_tokens,
     p.norm_epsilon = eps;
   };
   normalize_input(l.qkv, w.input_norm);
+  l.qkv.epilogue = kernels::LinearEpilogue::kRopeKvCache;
+  l.qkv.rope = RopeParams(layer, num_tokens);
   normalize_input(l.gate_up, w.post_norm);
   l.gate_up.output = act_.mlp_act;
   l.gate_up.epilogue = kernels::LinearEpilogue::kSiluAndMul;
@@ -299,8 +301,8 @@ LlamaForward::LayerLinears LlamaForward::Linears(int layer, int num_tokens,
   return l;
 }
 
-bool LlamaForward::FusesNorms(int num_tokens) const {
-  if (options_.norm_fusion == NormFusion::kOff) return false;
+bool LlamaForward::FusesDecodeLayers(int num_tokens) const {
+  if (options_.decode_fusion == DecodeFusion::kOff) return false;
   const LayerLinears l = Linears(0, num_tokens, /*fused=*/true);
   for (const kernels::LinearParams* p :
        {&l.qkv, &l.o_proj, &l.gate_up, &l.down}) {
@@ -351,7 +353,7 @@ absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
   const DType dtype = weights_.dtype;
   // A function of the token count alone, so every piece of a step, its
   // graph and its eager run agree.
-  const bool fused = FusesNorms(num_tokens);
+  const bool fused = FusesDecodeLayers(num_tokens);
 
   if (i == 0) {
     // residual = embed(tokens); hidden = input_norm[0](residual).
@@ -415,9 +417,8 @@ absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
   return kernels::LaunchLmHead(stream_, head);
 }
 
-absl::Status LlamaForward::RunAttention(int layer,
-                                        const ForwardContext& context) {
-  const int num_tokens = context.batch_descriptor.num_tokens;
+kernels::RopeKvCacheParams LlamaForward::RopeParams(int layer,
+                                                    int num_tokens) const {
   const int heads = static_cast<int>(config_.num_attention_heads);
   const int kv_heads = static_cast<int>(config_.num_key_value_heads);
   const int head_dim = static_cast<int>(config_.head_dim);
@@ -428,19 +429,15 @@ absl::Status LlamaForward::RunAttention(int layer,
   const size_t row_bytes =
       static_cast<size_t>(num_tokens) * qkv_stride * element;
   // q, k and v are column slices of the fused qkv rows.
-  DeviceBuffer qkv = act_.qkv.Slice(0, row_bytes);
-  DeviceBuffer q = qkv;
-  DeviceBuffer k = qkv.Slice(q_size * element, row_bytes - q_size * element);
-  DeviceBuffer v = qkv.Slice((q_size + kv_size) * element,
-                             row_bytes - (q_size + kv_size) * element);
-
+  const DeviceBuffer qkv = act_.qkv.Slice(0, row_bytes);
   kernels::RopeKvCacheParams rope;
   rope.positions = step_.positions;
   rope.slot_mapping = step_.slot_mapping;
   rope.inv_freq = act_.inv_freq;
-  rope.query = q;
-  rope.key = k;
-  rope.value = v;
+  rope.query = qkv;
+  rope.key = qkv.Slice(q_size * element, row_bytes - q_size * element);
+  rope.value = qkv.Slice((q_size + kv_size) * element,
+                         row_bytes - (q_size + kv_size) * element);
   rope.key_cache = key_cache_[layer];
   rope.value_cache = value_cache_[layer];
   rope.num_tokens = num_tokens;
@@ -453,7 +450,23 @@ absl::Status LlamaForward::RunAttention(int layer,
   rope.key_row_stride = qkv_stride;
   rope.value_row_stride = qkv_stride;
   rope.dtype = dtype;
-  PDW_RETURN_IF_ERROR(kernels::LaunchRopeKvCache(stream_, rope));
+  return rope;
+}
+
+absl::Status LlamaForward::RunAttention(int layer,
+                                        const ForwardContext& context) {
+  const int num_tokens = context.batch_descriptor.num_tokens;
+  const int heads = static_cast<int>(config_.num_attention_heads);
+  const int kv_heads = static_cast<int>(config_.num_key_value_heads);
+  const int head_dim = static_cast<int>(config_.head_dim);
+  const int qkv_stride = (heads + 2 * kv_heads) * head_dim;
+  const DType dtype = weights_.dtype;
+  const kernels::RopeKvCacheParams rope = RopeParams(layer, num_tokens);
+  // A fused step's qkv projection rotated q and k and wrote the KV cache.
+  if (!FusesDecodeLayers(num_tokens)) {
+    PDW_RETURN_IF_ERROR(kernels::LaunchRopeKvCache(stream_, rope));
+  }
+  const DeviceBuffer q = rope.query;
 
   kernels::PagedAttentionParams attn;
   attn.num_reqs = step_.num_reqs;

@@ -7,11 +7,13 @@
 //   ...
 //   piece L      o_proj[L-1] -> post_norm -> MLP -> final norm -> lm_head
 //
-// Fused decode steps (CUDA, where the skinny GEMMs run, NormFusion::kAuto):
-// each RMSNorm rides in the next projection's prologue (qkv, gate_up) and
-// each residual add in the previous one's epilogue (o_proj, down), so a
-// layer is qkv -> attention -> o_proj -> gate_up -> down with no norm
-// kernels; the final norm stays. Bit-identical to the unfused sequence.
+// Fused decode steps (CUDA, where the skinny GEMMs run, DecodeFusion::kAuto):
+// each RMSNorm rides in the next projection's prologue (qkv, gate_up), each
+// residual add in the previous one's epilogue (o_proj, down), and RoPE with
+// the KV-cache write in qkv's epilogue, so a layer is qkv -> paged attention
+// -> o_proj -> gate_up -> down with no norm or RoPE kernels; the final norm
+// stays. Bit-identical to the unfused sequence. (In PIECEWISE graphs the KV
+// write then sits inside the piece before the attention split op.)
 //
 // A FULL GraphWrapper wraps the whole sequence; a PIECEWISE GraphWrapper
 // wraps each piece. The ForwardContext decides which one fires: FULL -> the
@@ -38,7 +40,7 @@
 
 namespace pdworker {
 
-enum class NormFusion { kAuto, kOff };
+enum class DecodeFusion { kAuto, kOff };
 
 struct LlamaForwardOptions {
   int max_num_tokens = 0;  // padded query tokens per step
@@ -57,7 +59,7 @@ struct LlamaForwardOptions {
   // kAuto: fuse the norms and residual adds into the projections wherever
   // kernels::LinearCanFuse allows it for the step's token count (see the
   // file comment); kOff: never (tests and benchmarks compare the two).
-  NormFusion norm_fusion = NormFusion::kAuto;
+  DecodeFusion decode_fusion = DecodeFusion::kAuto;
 };
 
 // Static activations, reused by every step and every graph. Element type:
@@ -129,9 +131,9 @@ class LlamaForward {
   // Element type of the weights, activations and KV cache.
   DType dtype() const { return weights_.dtype; }
   // True when a step of `num_tokens` runs fused (the file comment):
-  // NormFusion::kAuto and LinearCanFuse for every projection (the layers
+  // DecodeFusion::kAuto and LinearCanFuse for every projection (the layers
   // share shapes and the weights' alignment).
-  bool FusesNorms(int num_tokens) const;
+  bool FusesDecodeLayers(int num_tokens) const;
 
  private:
   LlamaForward(const ModelConfig& config, const LlamaWeights& weights,
@@ -146,12 +148,15 @@ class LlamaForward {
   // The four projections of a layer. Unfused: qkv reads act_.hidden (the
   // normalized residual), o_proj and down write act_.hidden (the residual's
   // update), gate_up writes act_.gate_up. Fused: qkv and gate_up read
-  // act_.residual with an RMSNorm prologue (gate_up also SiLU-and-mul into
-  // act_.mlp_act), o_proj and down add into act_.residual.
+  // act_.residual with an RMSNorm prologue (qkv also RoPE + the KV-cache
+  // write, gate_up SiLU-and-mul into act_.mlp_act), o_proj and down add
+  // into act_.residual.
   struct LayerLinears {
     kernels::LinearParams qkv, o_proj, gate_up, down;
   };
   LayerLinears Linears(int layer, int num_tokens, bool fused) const;
+  // RoPE + KV-cache write of `layer` on act_.qkv's first num_tokens rows.
+  kernels::RopeKvCacheParams RopeParams(int layer, int num_tokens) const;
   // The tail of a piece: o_proj and MLP of `layer`.
   absl::Status RunOutputAndMlp(int layer, int num_tokens, bool fused);
   // options_.linear_kernel for a launch of `rows` rows (see the option).

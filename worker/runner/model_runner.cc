@@ -216,7 +216,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   fo.uniform_decode_query_len = options.uniform_decode_query_len;
   fo.input_address_check = options.input_address_check;
   fo.linear_kernel = options.linear_kernel;
-  fo.norm_fusion = options.norm_fusion;
+  fo.decode_fusion = options.decode_fusion;
   PDW_ASSIGN_OR_RETURN(
       r->forward_,
       LlamaForward::Create(c, r->weights_, r->inputs_->buffers(), fo, device,

@@ -65,8 +65,8 @@ struct ModelRunnerOptions {
   // backend accepts kAuto only.
   kernels::LinearKernel linear_kernel = kernels::LinearKernel::kAuto;
   // Norms and residual adds fused into the projections where the skinny
-  // GEMMs run (LlamaForwardOptions::norm_fusion); kOff for comparisons.
-  NormFusion norm_fusion = NormFusion::kAuto;
+  // GEMMs run (LlamaForwardOptions::decode_fusion); kOff for comparisons.
+  DecodeFusion decode_fusion = DecodeFusion::kAuto;
   // Automatic prefix caching (KvCacheManager): a sequence a step creates
   // starts with its longest cached prefix, and the step computes only the
   // rest. Hashes are salted with model_fingerprint(). Needs block_size <=
