@@ -41,7 +41,8 @@ struct Sampled {
 
 class SamplingCudaTest : public CudaKernelTest {
  protected:
-  Sampled Run(Backend& b, const std::vector<Row>& rows, LogprobMode mode) {
+  Sampled Run(Backend& b, const std::vector<Row>& rows, LogprobMode mode,
+              SamplingPath path = SamplingPath::kGeneral) {
     const int n = static_cast<int>(rows.size());
     const int vocab = static_cast<int>(rows[0].logits.size());
     std::vector<float> flat, temperature, top_p;
@@ -71,6 +72,11 @@ class SamplingCudaTest : public CudaKernelTest {
     p.num_reqs = n;
     p.vocab_size = vocab;
     p.logprob_mode = mode;
+    p.path = path;
+    if (path == SamplingPath::kGreedy) {  // reads the logits alone
+      p.temperature = p.top_k = p.top_p = p.seeds = p.positions = p.workspace =
+          DeviceBuffer();
+    }
     const absl::Status status = LaunchSampling(*b.stream, p);
     EXPECT_TRUE(status.ok()) << status;
     return {b.Read<int32_t>(p.sampled_token_ids, n),
@@ -180,6 +186,47 @@ TEST_F(SamplingCudaTest, LargeVocabularyTopPAndTopKSampleLikeTheCpu) {
     rows.push_back(r);
   }
   ExpectSameSamples(rows, "vocab 128256");
+}
+
+// SamplingPath::kGreedy (fp32, one pass, nothing but the logits read)
+// against the CPU's general path on greedy rows: the same tokens (ties to
+// the lowest id, NaN never wins, all -inf -> token 0), and the logprob of
+// an fp32 log-sum-exp over up to 128,256 logits within 1e-5 (relative and
+// absolute) of the double one.
+TEST_F(SamplingCudaTest, GreedyPathSamplesLikeTheCpu) {
+  std::vector<Row> rows;
+  for (const int vocab : {6, 1000, 128256}) {
+    rows.clear();
+    for (uint32_t seed = 0; seed < 5; ++seed) {
+      Row row;
+      row.logits = RandomLogits(vocab, 300 + seed, seed == 0 ? 0.1f : 4.0f);
+      row.temperature = 0.0f;
+      rows.push_back(row);
+    }
+    rows[1].logits[vocab / 2] = rows[1].logits[vocab - 1] = 100.0f;  // tie
+    rows[2].logits.assign(vocab, -kInf);
+    rows[3].logits[0] = kNaN;
+    rows[3].logits[vocab - 1] = 50.0f;
+    for (const LogprobMode mode :
+         {LogprobMode::kProcessed, LogprobMode::kRaw}) {
+      const Sampled want = Run(cpu(), rows, mode);
+      const Sampled got = Run(gpu(), rows, mode, SamplingPath::kGreedy);
+      ASSERT_EQ(got.tokens.size(), rows.size());
+      for (size_t r = 0; r < rows.size(); ++r) {
+        SCOPED_TRACE(::testing::Message() << "vocab " << vocab << " row " << r);
+        EXPECT_EQ(got.tokens[r], want.tokens[r]);
+        if (std::isinf(want.logprobs[r])) {
+          EXPECT_EQ(got.logprobs[r], want.logprobs[r]);
+        } else {
+          EXPECT_NEAR(got.logprobs[r], want.logprobs[r],
+                      1e-5 * std::fabs(want.logprobs[r]) + 1e-5);
+        }
+      }
+      EXPECT_EQ(got.tokens[1], vocab / 2);
+      EXPECT_EQ(got.tokens[2], 0);
+      EXPECT_EQ(got.tokens[3], vocab - 1);
+    }
+  }
 }
 
 TEST_F(SamplingCudaTest, RefusedWhileCapturing) {

@@ -157,6 +157,51 @@ TEST_F(SamplingTest, GreedyIsArgmaxWithTiesToTheLowestId) {
   }
 }
 
+// SamplingPath::kGreedy reads the logits alone (every option buffer left
+// empty) and gives what kGeneral gives greedy untruncated rows, in both
+// logprob modes: ties to the lowest id, NaN never wins, an all -inf row is
+// token 0 with logprob -inf.
+TEST_F(SamplingTest, GreedyPathMatchesTheGeneralPathOnGreedyRows) {
+  std::vector<std::vector<float>> logits = {{0.1f, 3.0f, -2.0f, 3.0f},
+                                            {5.0f, 5.0f, 5.0f, 5.0f},
+                                            {-1.0f, kNaN, -0.5f, -3.0f},
+                                            {-kInf, -kInf, -kInf, -kInf},
+                                            {2.0f, -7.5f, 0.25f, 1.0f}};
+  const int n = static_cast<int>(logits.size());
+  std::vector<float> flat;
+  for (const auto& row : logits)
+    flat.insert(flat.end(), row.begin(), row.end());
+  SamplingParams p;
+  p.logits = Upload(flat);
+  p.sampled_token_ids = AllocElements<int32_t>(n);
+  p.sampled_logprobs = AllocElements<float>(n);
+  p.num_reqs = n;
+  p.vocab_size = 4;
+  p.path = SamplingPath::kGreedy;
+  ASSERT_TRUE(LaunchSampling(stream(), p).ok());
+  const std::vector<int32_t> tokens = Read<int32_t>(p.sampled_token_ids);
+  const std::vector<float> logprobs = Read<float>(p.sampled_logprobs);
+  for (const LogprobMode mode : {LogprobMode::kProcessed, LogprobMode::kRaw}) {
+    RowParams greedy;
+    greedy.temperature = 0.0f;
+    const Sampled want = Run(logits, std::vector<RowParams>(n, greedy), mode);
+    EXPECT_EQ(tokens, want.tokens);
+    for (int r = 0; r < n; ++r) {
+      if (std::isinf(want.logprobs[r])) {
+        EXPECT_EQ(logprobs[r], want.logprobs[r]) << "row " << r;
+      } else {
+        EXPECT_NEAR(logprobs[r], want.logprobs[r], 1e-6) << "row " << r;
+      }
+    }
+  }
+  EXPECT_EQ(tokens, (std::vector<int32_t>{1, 0, 2, 0, 0}));
+  EXPECT_EQ(logprobs[3], -kInf);
+  // The general path still needs its options.
+  p.path = SamplingPath::kGeneral;
+  EXPECT_EQ(LaunchSampling(stream(), p).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(SamplingTest, SameSeedAndPositionGiveTheSameDrawAnywhereInTheBatch) {
   const std::vector<float> logits = RandomFloats(100, 61, -2.0f, 2.0f);
   RowParams mine;

@@ -187,6 +187,27 @@ void SamplingCpu(const SamplingParams& p) {
   }
 }
 
+// SamplingPath::kGreedy on the CPU: the argmax and RawLogprob (the value
+// kGeneral gives a greedy untruncated row), without reading the per-row
+// options.
+void GreedySamplingCpu(const SamplingParams& p) {
+  for (int r = 0; r < p.num_reqs; ++r) {
+    const float* row =
+        p.logits.as<const float>() + static_cast<int64_t>(r) * p.vocab_size;
+    int32_t token = 0;
+    float best = kNegInf;
+    for (int v = 0; v < p.vocab_size; ++v) {
+      if (Logit(row, v) > best) {  // ascending: ties keep the lowest id
+        best = Logit(row, v);
+        token = v;
+      }
+    }
+    p.sampled_token_ids.as<int32_t>()[r] = token;
+    p.sampled_logprobs.as<float>()[r] =
+        best == kNegInf ? kNegInf : RawLogprob(row, p.vocab_size, token);
+  }
+}
+
 #if PDW_HAVE_CUDA
 absl::Status SamplingOnCuda(Stream& stream, const SamplingParams& p) {
   SamplingCudaParams c;
@@ -203,9 +224,12 @@ absl::Status SamplingOnCuda(Stream& stream, const SamplingParams& p) {
   c.vocab_size = p.vocab_size;
   c.raw_logprobs = p.logprob_mode == LogprobMode::kRaw;
   c.greedy_temperature = kGreedyTemperature;
-  return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
-    return CudaStatus(
-        LaunchSamplingCuda(c, static_cast<cudaStream_t>(ctx.cuda_stream)), kOp);
+  const bool greedy = p.path == SamplingPath::kGreedy;
+  return LaunchCudaOp(stream, kOp, [c, greedy](const OpContext& ctx) {
+    const auto cuda_stream = static_cast<cudaStream_t>(ctx.cuda_stream);
+    return CudaStatus(greedy ? LaunchGreedySamplingCuda(c, cuda_stream)
+                             : LaunchSamplingCuda(c, cuda_stream),
+                      kOp);
   });
 }
 #endif
@@ -263,6 +287,24 @@ absl::Status LaunchSampling(Stream& stream, const SamplingParams& p) {
                   CheckPositive(kOp, "vocab_size", p.vocab_size)});
   if (!status.ok()) return status;
   const int n = p.num_reqs;
+  if (p.path == SamplingPath::kGreedy) {
+    status = FirstError(
+        {CheckBuffer(kOp, "logits", p.logits,
+                     static_cast<int64_t>(n) * p.vocab_size, sizeof(float),
+                     absl::StrFormat("[num_reqs=%d, vocab_size=%d] fp32", n,
+                                     p.vocab_size)),
+         CheckBuffer(kOp, "sampled_token_ids", p.sampled_token_ids, n,
+                     sizeof(int32_t),
+                     absl::StrFormat("[num_reqs=%d] int32", n)),
+         CheckBuffer(kOp, "sampled_logprobs", p.sampled_logprobs, n,
+                     sizeof(float), absl::StrFormat("[num_reqs=%d] fp32", n)),
+         CheckBackendImplemented(stream, kOp)});
+    if (!status.ok()) return status;
+#if PDW_HAVE_CUDA
+    if (stream.kind() == DeviceKind::kCuda) return SamplingOnCuda(stream, p);
+#endif
+    return stream.Launch(kOp, [p](const OpContext&) { GreedySamplingCpu(p); });
+  }
   status = FirstError(
       {CheckBuffer(kOp, "logits", p.logits,
                    static_cast<int64_t>(n) * p.vocab_size, sizeof(float),

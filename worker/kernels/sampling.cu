@@ -411,7 +411,56 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// --- Greedy rows (SamplingPath::kGreedy): one block per request. ----------
+
+// The argmax (ties to the lowest id) and log_softmax at it, in fp32: the
+// exps are summed per thread in strided id order, then by cuda::BlockSum (a
+// fixed order), so the logprob is the same on every run.
+__global__ void __launch_bounds__(kThreads)
+    GreedyKernel(const float* __restrict__ logits, int vocab,
+                 int32_t* __restrict__ token_ids,
+                 float* __restrict__ logprobs) {
+  __shared__ typename BlockArgMax::TempStorage argmax_temp;
+  __shared__ ArgMax best_shared;
+  __shared__ float scratch[32];
+  const int r = blockIdx.x;
+  const float* row = logits + static_cast<int64_t>(r) * vocab;
+  ArgMax local{kNegInf, INT_MAX};
+  for (int v = threadIdx.x; v < vocab; v += kThreads) {
+    const float l = Logit(row[v]);
+    if (l > local.value) local = {l, v};  // strided ascending: lowest id
+  }
+  const ArgMax best = BlockArgMax(argmax_temp).Reduce(local, ArgMaxOp());
+  if (threadIdx.x == 0) best_shared = best;
+  __syncthreads();
+  const float max_logit = best_shared.value;
+  if (max_logit == kNegInf) {  // nothing has mass: token 0, logprob -inf
+    if (threadIdx.x == 0) {
+      token_ids[r] = 0;
+      logprobs[r] = kNegInf;
+    }
+    return;
+  }
+  float sum = 0.0f;
+  for (int v = threadIdx.x; v < vocab; v += kThreads) {
+    sum += expf(Logit(row[v]) - max_logit);  // -inf -> 0
+  }
+  sum = cuda::BlockSum(sum, scratch);
+  if (threadIdx.x == 0) {
+    token_ids[r] = best_shared.index;
+    // logit[token] - max is exactly 0 for the argmax.
+    logprobs[r] = -logf(sum);
+  }
+}
+
 }  // namespace
+
+cudaError_t LaunchGreedySamplingCuda(const SamplingCudaParams& p,
+                                     cudaStream_t stream) {
+  GreedyKernel<<<p.num_reqs, kThreads, 0, stream>>>(
+      p.logits, p.vocab_size, p.sampled_token_ids, p.sampled_logprobs);
+  return cudaGetLastError();
+}
 
 cudaError_t SamplingCudaWorkspaceBytes(int vocab_size, int max_num_reqs,
                                        size_t* bytes) {

@@ -39,6 +39,17 @@ enum class LogprobMode {
   kRaw,
 };
 
+// How LaunchSampling picks. kGeneral: per row, as below. kGreedy: every row
+// greedy over the whole vocabulary — the token is the argmax (ties to the
+// lowest id) and its logprob is log_softmax(logits)[token], which is what
+// kGeneral gives a greedy row without top-k / top-p in either LogprobMode.
+// temperature, top_k, top_p, seeds, positions and workspace are not read
+// (they may be empty). One pass per row, no sort and, on CUDA, no host
+// round trip and no double precision (fp32 log-sum-exp: the logprob within
+// ~1e-6 of kGeneral's). The caller (the runner's Sampler) takes it when
+// every request of the step is greedy and untruncated.
+enum class SamplingPath { kGeneral, kGreedy };
+
 // Per request r < num_reqs (row r of every buffer):
 //  - temperature[r] < kGreedyTemperature (or NaN): greedy, argmax of the
 //    logits, ties to the lowest token id; top_k/top_p do not change the token.
@@ -71,6 +82,7 @@ struct SamplingParams {
   int num_reqs = 0;
   int vocab_size = 0;
   LogprobMode logprob_mode = LogprobMode::kProcessed;
+  SamplingPath path = SamplingPath::kGeneral;
 };
 
 // The CPU kernel's workspace.

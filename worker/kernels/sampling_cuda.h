@@ -33,6 +33,11 @@ struct SamplingCudaParams {
   float greedy_temperature = 0.0f;  // kGreedyTemperature
 };
 
+// SamplingPath::kGreedy: one block per row, argmax and an fp32 log-sum-exp;
+// reads logits only (the other inputs of SamplingCudaParams may be null).
+cudaError_t LaunchGreedySamplingCuda(const SamplingCudaParams& p,
+                                     cudaStream_t stream);
+
 // Workspace bytes for `vocab_size` and up to `max_num_reqs` rows per
 // launch: kCudaSamplingSortRows rows of sort keys and ids (twice: in and
 // out), segment offsets, the list of rows that truncate, and cub's

@@ -93,21 +93,34 @@ absl::Status Sampler::Launch(Stream& stream, DeviceBuffer logits,
         absl::StrCat("Sampler: ", num_bans,
                      " banned tokens in one step; at most ", max_bans_));
   }
-  for (int r = 0; r < n; ++r) {
-    h_temperature_[r] = batch.options[r].temperature;
-    h_top_k_[r] = batch.options[r].top_k;
-    h_top_p_[r] = batch.options[r].top_p;
-    h_seeds_[r] = batch.options[r].seed;
-    h_positions_[r] = batch.positions[r];
+  // Every request greedy and untruncated (top-k and top-p change a greedy
+  // row's processed logprob): the one-pass greedy kernel, which reads only
+  // the logits, so the per-request options are not even uploaded.
+  bool all_greedy = true;
+  for (int r = 0; r < n && all_greedy; ++r) {
+    const SamplingOptions& o = batch.options[r];
+    all_greedy = !(o.temperature >= kernels::kGreedyTemperature) &&
+                 !(o.top_k > 0 && o.top_k < vocab_size_) &&
+                 !(o.top_p < 1.0f);  // NaN: off, as the kernels read it
   }
-  const size_t f = n * sizeof(float), i = n * sizeof(int32_t);
-  PDW_RETURN_IF_ERROR(
-      stream.CopyToDevice(temperature_, h_temperature_.data(), f));
-  PDW_RETURN_IF_ERROR(stream.CopyToDevice(top_k_, h_top_k_.data(), i));
-  PDW_RETURN_IF_ERROR(stream.CopyToDevice(top_p_, h_top_p_.data(), f));
-  PDW_RETURN_IF_ERROR(
-      stream.CopyToDevice(seeds_, h_seeds_.data(), n * sizeof(uint64_t)));
-  PDW_RETURN_IF_ERROR(stream.CopyToDevice(positions_, h_positions_.data(), i));
+  if (!all_greedy) {
+    for (int r = 0; r < n; ++r) {
+      h_temperature_[r] = batch.options[r].temperature;
+      h_top_k_[r] = batch.options[r].top_k;
+      h_top_p_[r] = batch.options[r].top_p;
+      h_seeds_[r] = batch.options[r].seed;
+      h_positions_[r] = batch.positions[r];
+    }
+    const size_t f = n * sizeof(float), i = n * sizeof(int32_t);
+    PDW_RETURN_IF_ERROR(
+        stream.CopyToDevice(temperature_, h_temperature_.data(), f));
+    PDW_RETURN_IF_ERROR(stream.CopyToDevice(top_k_, h_top_k_.data(), i));
+    PDW_RETURN_IF_ERROR(stream.CopyToDevice(top_p_, h_top_p_.data(), f));
+    PDW_RETURN_IF_ERROR(
+        stream.CopyToDevice(seeds_, h_seeds_.data(), n * sizeof(uint64_t)));
+    PDW_RETURN_IF_ERROR(
+        stream.CopyToDevice(positions_, h_positions_.data(), i));
+  }
 
   if (num_bans > 0) {
     const size_t b = num_bans * sizeof(int32_t);
@@ -165,6 +178,8 @@ absl::Status Sampler::Launch(Stream& stream, DeviceBuffer logits,
   p.sampled_logprobs = logprobs;
   p.num_reqs = n;
   p.vocab_size = vocab_size_;
+  p.path = all_greedy ? kernels::SamplingPath::kGreedy
+                      : kernels::SamplingPath::kGeneral;
   return kernels::LaunchSampling(stream, p);
 }
 
