@@ -364,6 +364,65 @@ TEST_P(PagedAttentionCudaTest, VarlenGraphReplayIsBitIdenticalToEager) {
   EXPECT_TRUE(SameBits(GpuOutput(mixed), replayed));
 }
 
+// The tensor-core split kernel (decode_kernel kTensorCores) against the
+// CPU on the decode batches above (k = 1 and 3, padding requests, contexts
+// of 1 to 1,500 tokens, 17k where the config allows), against the CUDA-core
+// split kernel within tolerance, and graph replay bit-identical to eager.
+// Configs it does not cover (head_dim other than 64 / 128, more than 16
+// query rows per kv head) are refused with InvalidArgument, output
+// untouched.
+TEST_P(PagedAttentionCudaTest, TensorCoreSplitKDecodeMatchesCpu) {
+  gpu_.decode_kernel = DecodeAttentionKernel::kTensorCores;
+  const int group = c_.heads / c_.kv_heads;
+  for (const Batch& batch : {kDecodeK1, kDecodeK3}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "uniform_query_len " << batch.uniform_query_len);
+    const bool covered = (c_.head_dim == 64 || c_.head_dim == 128) &&
+                         group * batch.uniform_query_len <= 16;
+    if (!covered) {
+      WriteStep(batch, 800);
+      const absl::Status status = Run(gpu(), gpu_, batch);
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+      for (float v : GpuOutput(batch)) ASSERT_TRUE(std::isnan(v));
+      continue;
+    }
+    const std::vector<float> got =
+        ExpectGpuMatchesCpu(batch, 810, "tensor-core split-K decode");
+    const int real_rows =
+        static_cast<int>(batch.requests.size()) * batch.uniform_query_len;
+    for (size_t i = real_rows * RowElements(); i < got.size(); ++i) {
+      ASSERT_EQ(got[i], 0.0f) << "padding request row, element " << i;
+    }
+    gpu_.decode_kernel = DecodeAttentionKernel::kCudaCores;
+    ASSERT_TRUE(Run(gpu(), gpu_, batch).ok());
+    ExpectClose(GpuOutput(batch), got, kRel, kAbs,
+                "CUDA cores vs tensor cores");
+    gpu_.decode_kernel = DecodeAttentionKernel::kTensorCores;
+  }
+  if (!(c_.head_dim == 64 || c_.head_dim == 128) || group > 16) return;
+  if (c_.max_context >= 17000) {
+    const Batch longest = {{{1, 17000}, {1, 16385}, {1, 1}}, 4, 1};
+    ExpectGpuMatchesCpu(longest, 820, "tensor-core split-K, 17k context");
+  }
+  // Graph replay on another batch of the same shape == eager, bit for bit.
+  WriteStep(kDecodeK1, 830);
+  Stream& stream = *gpu().stream;
+  ASSERT_TRUE(Run(gpu(), gpu_, kDecodeK1).ok());
+  ASSERT_TRUE(stream.BeginCapture().ok());
+  ASSERT_TRUE(Run(gpu(), gpu_, kDecodeK1).ok());
+  auto graph = stream.EndCapture();
+  ASSERT_TRUE(graph.ok()) << graph.status();
+  const Batch next = {{{1, 30}, {1, 1537}, {1, 16}}, 8, 1};
+  WriteStep(next, 831);
+  ASSERT_TRUE((*graph)->Replay().ok());
+  const std::vector<float> replayed = GpuOutput(next);
+  ASSERT_TRUE(Run(cpu(), cpu_, next).ok());
+  ExpectClose(replayed, CpuOutput(next), kRel, kAbs, "replay vs cpu");
+  WriteStep(next, 831);
+  ASSERT_TRUE(Run(gpu(), gpu_, next).ok());
+  EXPECT_TRUE(SameBits(GpuOutput(next), replayed));
+}
+
 // The launch needs (head_dim + 2) floats per (token, head, split); one
 // float less is refused before anything runs.
 TEST_P(PagedAttentionCudaTest, DecodeRefusesATooSmallWorkspace) {

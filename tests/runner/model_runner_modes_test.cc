@@ -230,8 +230,9 @@ TEST_P(ModesTest, StepsBeforeCaptureRunEagerlyWithTheReason) {
   }
 }
 
-// The CPU backend has one GEMM: forcing a CUDA kernel is refused up front,
-// naming the option, before any memory is allocated.
+// The CPU backend has one GEMM and one attention routine: forcing a CUDA
+// kernel is refused up front, naming the option, before any memory is
+// allocated.
 TEST(ModelRunnerOptionsTest, ForcedLinearKernelIsRefusedOnTheCpuBackend) {
   auto dir = TinyModelDir(TinyShape::kGqa);
   ASSERT_TRUE(dir.ok()) << dir.status();
@@ -244,6 +245,14 @@ TEST(ModelRunnerOptionsTest, ForcedLinearKernelIsRefusedOnTheCpuBackend) {
   EXPECT_THAT(runner.status().message(),
               ::testing::HasSubstr("linear_kernel must be auto"));
   options.linear_kernel = kernels::LinearKernel::kAuto;
+  options.decode_attention_kernel =
+      kernels::DecodeAttentionKernel::kTensorCores;
+  runner = ModelRunner::Create(device, *dir, options);
+  ASSERT_FALSE(runner.ok());
+  EXPECT_EQ(runner.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(runner.status().message(),
+              ::testing::HasSubstr("decode_attention_kernel must be auto"));
+  options.decode_attention_kernel = kernels::DecodeAttentionKernel::kAuto;
   EXPECT_TRUE(ModelRunner::Create(device, *dir, options).ok());
 }
 

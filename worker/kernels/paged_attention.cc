@@ -514,7 +514,18 @@ absl::Status LaunchPagedAttentionUniformDecode(Stream& stream,
   if (!status.ok()) return status;
 #if PDW_HAVE_CUDA
   if (stream.kind() == DeviceKind::kCuda) {
-    const PagedAttentionCudaParams c = ToCudaParams(resolved);
+    PagedAttentionCudaParams c = ToCudaParams(resolved);
+    c.decode_tensor_cores =
+        resolved.decode_kernel == DecodeAttentionKernel::kTensorCores;
+    if (c.decode_tensor_cores && !PagedAttentionDecodeMmaSupports(c)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: decode_kernel kTensorCores covers head_dim 64 or 128 with at "
+          "most 16 query rows per kv head and 16-byte aligned query rows; got "
+          "head_dim %d, %d heads over %d kv heads, uniform_query_len %d, "
+          "query_row_stride %d",
+          kOp, p.head_dim, p.num_heads, p.num_kv_heads, p.uniform_query_len,
+          resolved.query_row_stride));
+    }
     return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
       return CudaStatus(LaunchPagedAttentionDecodeCuda(
                             c, static_cast<cudaStream_t>(ctx.cuda_stream)),

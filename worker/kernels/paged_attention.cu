@@ -534,13 +534,17 @@ cudaError_t LaunchPagedAttentionDecodeCuda(const PagedAttentionCudaParams& p,
   const int heads_per_cta = max(1, min(group_size, kMaxRows / k));
   const dim3 grid(p.num_tokens / k,
                   p.num_kv_heads * NumChunks(p, heads_per_cta), p.num_splits);
-  if (heads_per_cta * k <= 4) {
+  cudaError_t error = cudaSuccess;
+  if (p.decode_tensor_cores) {
+    error = LaunchPagedAttentionDecodeSplitMmaCuda(p, stream);
+  } else if (heads_per_cta * k <= 4) {
     DecodeSplitKernel<4><<<grid, kThreads, 0, stream>>>(p, heads_per_cta);
+    error = cudaGetLastError();
   } else {
     DecodeSplitKernel<kMaxRows>
         <<<grid, kThreads, 0, stream>>>(p, heads_per_cta);
+    error = cudaGetLastError();
   }
-  cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) return error;
   const dim3 reduce_grid(p.num_tokens, p.num_heads);
   DecodeReduceKernel<<<reduce_grid, kReduceThreads, 0, stream>>>(p);

@@ -94,6 +94,21 @@ enum class VarlenAttentionKernel {
   kCudaCores,
 };
 
+// Which CUDA kernel a uniform decode launch splits the keys with (the
+// reduce kernel is shared; the CPU backend has one routine).
+enum class DecodeAttentionKernel {
+  // The CUDA-core split kernel. The tensor-core one is not kAuto's choice
+  // until it is measured against it on the GPU (bench/gpu_decode_bench
+  // --attention_only, scripts/gpu-check decode).
+  kAuto,
+  // Tensor cores (paged_attention_decode_mma.cu): head_dim 64 or 128 and at
+  // most 16 query rows per kv head (GQA group × uniform_query_len);
+  // InvalidArgument elsewhere.
+  kTensorCores,
+  // The CUDA-core split kernel: the reference.
+  kCudaCores,
+};
+
 struct PagedAttentionParams {
   // --- Step metadata (int32), read at run time. ---
   // Real requests this step, [1]. Varlen only (uniform decode may leave it
@@ -139,6 +154,8 @@ struct PagedAttentionParams {
   DType dtype = DType::kFloat32;
   // CUDA varlen only: which kernel (uniform decode has one).
   VarlenAttentionKernel varlen_kernel = VarlenAttentionKernel::kAuto;
+  // CUDA uniform decode only: which split kernel.
+  DecodeAttentionKernel decode_kernel = DecodeAttentionKernel::kAuto;
   // CUDA tensor-core varlen only: query rows per warp (16 or 32); 0 takes
   // the measured default. Benchmarks and tests set it.
   int mma_warp_rows = 0;

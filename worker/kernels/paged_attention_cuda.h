@@ -55,6 +55,8 @@ struct PagedAttentionCudaParams {
   // the launch shape alone (CudaDecodeNumSplits), so one graph serves every
   // step of its shape.
   int num_splits = 0;
+  // Decode only: the tensor-core split kernel instead of the CUDA-core one.
+  bool decode_tensor_cores = false;
 };
 
 // Keys one decode split CTA takes from a context of `context_len` tokens:
@@ -111,10 +113,22 @@ cudaError_t LaunchPagedAttentionVarlenMmaCuda(const PagedAttentionCudaParams& p,
 
 // Uniform decode, flash-decoding: num_splits CTAs per (request, kv head [,
 // head chunk]) each write the normalized partial output of one slice of the
-// context, with its max and sum, into the workspace; a reduce kernel (one
-// CTA per (token, head)) combines each row's splits.
+// context, with its max and sum, into the workspace (the CUDA-core split
+// kernel, or the tensor-core one when decode_tensor_cores); a reduce kernel
+// (one CTA per (token, head)) combines each row's splits.
 cudaError_t LaunchPagedAttentionDecodeCuda(const PagedAttentionCudaParams& p,
                                            cudaStream_t stream);
+
+// The tensor-core split kernel of uniform decode (paged_attention_decode_
+// mma.cu): one CTA per (request, kv head, split), the G · k query rows of
+// the group as one m16 tile, K/V tiles of 64 positions through shared
+// memory, Q·Kᵀ and P·V on mma.sync. Writes the workspace the CUDA-core
+// split kernel writes (LaunchPagedAttentionDecodeCuda runs the reduce).
+// Covers head_dim 64 and 128 with G · k <= 16 and 16-byte aligned query
+// rows.
+bool PagedAttentionDecodeMmaSupports(const PagedAttentionCudaParams& p);
+cudaError_t LaunchPagedAttentionDecodeSplitMmaCuda(
+    const PagedAttentionCudaParams& p, cudaStream_t stream);
 
 }  // namespace kernels
 }  // namespace pdworker

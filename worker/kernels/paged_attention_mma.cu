@@ -41,66 +41,28 @@
 #include <cstdint>
 
 #include "worker/kernels/cuda_common.cuh"
+#include "worker/kernels/mma_tile.cuh"
 #include "worker/kernels/paged_attention_cuda.h"
 
 namespace pdworker {
 namespace kernels {
 namespace {
 
+using cuda::mma_tile::CommitCopies;
+using cuda::mma_tile::CopyAsync16;
+using cuda::mma_tile::kChunk;
+using cuda::mma_tile::LoadMatrixX4;
+using cuda::mma_tile::LoadMatrixX4Trans;
+using cuda::mma_tile::PackBf16x2;
+using cuda::mma_tile::SharedAddress;
+using cuda::mma_tile::Swizzled;
+using cuda::mma_tile::WaitCopies;
+
 constexpr int kThreads = 128;
 constexpr int kWarps = 4;
 constexpr int kTileKeys = 64;  // key positions per tile
-constexpr int kChunk = 8;      // bf16 per 16-byte chunk
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -INFINITY;
-
-// --- PTX wrappers ------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared; src_bytes 0 zero-fills the destination.
-__device__ __forceinline__ void CopyAsync16(uint32_t dst, const void* src,
-                                            int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
-               "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void CommitCopies() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-// Waits until at most N committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void WaitCopies() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void LoadMatrixX4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile(
-      "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-      : "r"(addr));
-}
-__device__ __forceinline__ void LoadMatrixX4Trans(uint32_t (&r)[4],
-                                                  uint32_t addr) {
-  asm volatile(
-      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, "
-      "[%4];\n"
-      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-      : "r"(addr));
-}
-
-__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of
-// rows kHeadDim elements wide.
-template <int kHeadDim>
-__device__ __forceinline__ int Swizzled(int row, int chunk) {
-  return row * kHeadDim + ((chunk ^ (row & 7)) * kChunk);
-}
 
 // Query rows per warp: 16 (one m16 tile) or 32 (two m16 tiles sharing every
 // K/V fragment: half the shared-memory reads per FLOP, but 255 registers at

@@ -496,6 +496,14 @@ absl::Status LlamaForward::RunAttention(int layer,
   // of the same key to agree bit for bit.
   if (context.batch_descriptor.uniform) {
     attn.uniform_query_len = options_.uniform_decode_query_len;
+    const bool tensor_cores_cover =
+        (head_dim == 64 || head_dim == 128) &&
+        heads / kv_heads * attn.uniform_query_len <= 16;
+    if (options_.decode_attention_kernel !=
+            kernels::DecodeAttentionKernel::kTensorCores ||
+        tensor_cores_cover) {
+      attn.decode_kernel = options_.decode_attention_kernel;
+    }
     return kernels::LaunchPagedAttentionUniformDecode(stream_, attn);
   }
   return kernels::LaunchPagedAttention(stream_, attn);

@@ -32,6 +32,7 @@
 #include "dispatcher/forward_context.h"
 #include "dispatcher/graph_wrapper.h"
 #include "worker/kernels/linear.h"
+#include "worker/kernels/paged_attention.h"
 #include "worker/model/llama_weights.h"
 #include "worker/model/model_config.h"
 #include "worker/model/step_buffers.h"
@@ -60,6 +61,12 @@ struct LlamaForwardOptions {
   // kernels::LinearCanFuse allows it for the step's token count (see the
   // file comment); kOff: never (tests and benchmarks compare the two).
   DecodeFusion decode_fusion = DecodeFusion::kAuto;
+  // The uniform-decode attention's split kernel on CUDA. kTensorCores runs
+  // the tensor-core one where it covers the model (head_dim 64 or 128, at
+  // most 16 query rows per kv head) and kAuto elsewhere, so a benchmark can
+  // ask for it for a whole model run.
+  kernels::DecodeAttentionKernel decode_attention_kernel =
+      kernels::DecodeAttentionKernel::kAuto;
 };
 
 // Static activations, reused by every step and every graph. Element type:

@@ -69,6 +69,14 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
         "linear_kernel must be auto on the ", DeviceKindName(device.kind()),
         " backend (it has one GEMM)"));
   }
+  if (device.kind() != DeviceKind::kCuda &&
+      options.decode_attention_kernel !=
+          kernels::DecodeAttentionKernel::kAuto) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("decode_attention_kernel must be auto on the ",
+                     DeviceKindName(device.kind()),
+                     " backend (it has one attention routine)"));
+  }
   std::unique_ptr<ModelRunner> r(new ModelRunner(device, options));
   PDW_ASSIGN_OR_RETURN(r->config_, LoadModelConfig(model_dir));
   const ModelConfig& c = r->config_;
@@ -217,6 +225,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   fo.input_address_check = options.input_address_check;
   fo.linear_kernel = options.linear_kernel;
   fo.decode_fusion = options.decode_fusion;
+  fo.decode_attention_kernel = options.decode_attention_kernel;
   PDW_ASSIGN_OR_RETURN(
       r->forward_,
       LlamaForward::Create(c, r->weights_, r->inputs_->buffers(), fo, device,

@@ -67,6 +67,10 @@ struct ModelRunnerOptions {
   // Norms and residual adds fused into the projections where the skinny
   // GEMMs run (LlamaForwardOptions::decode_fusion); kOff for comparisons.
   DecodeFusion decode_fusion = DecodeFusion::kAuto;
+  // The uniform-decode attention's split kernel
+  // (LlamaForwardOptions::decode_attention_kernel); benchmarks compare.
+  kernels::DecodeAttentionKernel decode_attention_kernel =
+      kernels::DecodeAttentionKernel::kAuto;
   // Automatic prefix caching (KvCacheManager): a sequence a step creates
   // starts with its longest cached prefix, and the step computes only the
   // rest. Hashes are salted with model_fingerprint(). Needs block_size <=
