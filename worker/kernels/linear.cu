@@ -81,9 +81,14 @@ cublasStatus_t BiasedBf16Gemm(const LinearCudaParams& p, cudaStream_t stream,
 
 LinearCudaKernel ChosenLinearCudaKernel(const LinearCudaParams& p) {
   if (p.kernel != LinearCudaKernel::kAuto) return p.kernel;
-  return p.num_tokens <= kSkinnyGemmAutoMaxTokens && SkinnyGemmSupports(p)
-             ? LinearCudaKernel::kSkinnyGemm
-             : LinearCudaKernel::kCublas;
+  if (p.num_tokens <= kSkinnyGemmAutoMaxTokens && SkinnyGemmSupports(p)) {
+    return LinearCudaKernel::kSkinnyGemm;
+  }
+  if (p.num_tokens >= kSkinnyMmaAutoMinTokens &&
+      p.num_tokens <= kSkinnyMmaAutoMaxTokens && SkinnyMmaSupports(p)) {
+    return LinearCudaKernel::kSkinnyMma;
+  }
+  return LinearCudaKernel::kCublas;
 }
 
 bool SkinnyFusionSupports(const LinearCudaParams& p, LinearCudaKernel kernel) {

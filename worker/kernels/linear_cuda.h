@@ -66,6 +66,11 @@ constexpr int kSkinnyNormMaxBytes = 36 * 1024;
 // 2, a capture size) so a row's kernel never depends on padding.
 constexpr int kSkinnyGemmMaxTokens = 8;
 constexpr int kSkinnyGemmAutoMaxTokens = 1;
+// kAuto's range for the tensor-core skinny GEMM: empty (min > max) until
+// linear_bench and gpu_decode_bench --linear_kernel=skinny_mma show it ahead
+// of cuBLAS at 2-8 tokens on every shape class; then 2..8.
+constexpr int kSkinnyMmaAutoMinTokens = 2;
+constexpr int kSkinnyMmaAutoMaxTokens = 0;
 
 struct LinearCudaParams {
   const __nv_bfloat16* input = nullptr;   // [num_tokens, in_features]

@@ -516,7 +516,9 @@ absl::Status LaunchPagedAttentionUniformDecode(Stream& stream,
   if (stream.kind() == DeviceKind::kCuda) {
     PagedAttentionCudaParams c = ToCudaParams(resolved);
     c.decode_tensor_cores =
-        resolved.decode_kernel == DecodeAttentionKernel::kTensorCores;
+        resolved.decode_kernel == DecodeAttentionKernel::kTensorCores ||
+        (resolved.decode_kernel == DecodeAttentionKernel::kAuto &&
+         kDecodeAttentionAutoTensorCores && PagedAttentionDecodeMmaSupports(c));
     if (c.decode_tensor_cores && !PagedAttentionDecodeMmaSupports(c)) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "%s: decode_kernel kTensorCores covers head_dim 64 or 128 with at "

@@ -97,9 +97,10 @@ enum class VarlenAttentionKernel {
 // Which CUDA kernel a uniform decode launch splits the keys with (the
 // reduce kernel is shared; the CPU backend has one routine).
 enum class DecodeAttentionKernel {
-  // The CUDA-core split kernel. The tensor-core one is not kAuto's choice
-  // until it is measured against it on the GPU (bench/gpu_decode_bench
-  // --attention_only, scripts/gpu-check decode).
+  // The CUDA-core split kernel, or the tensor-core one where it covers the
+  // launch once kDecodeAttentionAutoTensorCores is set (after it is
+  // measured: bench/gpu_decode_bench --attention_only, scripts/gpu-check
+  // decode).
   kAuto,
   // Tensor cores (paged_attention_decode_mma.cu): head_dim 64 or 128 and at
   // most 16 query rows per kv head (GQA group × uniform_query_len);
@@ -108,6 +109,11 @@ enum class DecodeAttentionKernel {
   // The CUDA-core split kernel: the reference.
   kCudaCores,
 };
+
+// kAuto's decode kernel: the tensor-core one where it covers the launch
+// once this is true, i.e. once gpu_decode_bench --attention_only shows it
+// ahead of the CUDA-core kernel at every batch and context it measures.
+inline constexpr bool kDecodeAttentionAutoTensorCores = false;
 
 struct PagedAttentionParams {
   // --- Step metadata (int32), read at run time. ---

@@ -31,7 +31,7 @@
 #include "worker/kernels/cuda_common.cuh"
 #include "worker/kernels/linear_cuda.h"
 #include "worker/kernels/rms_norm_row.cuh"
-#include "worker/kernels/rope_kv_row.cuh"
+#include "worker/kernels/skinny_epilogue.cuh"
 
 namespace pdworker {
 namespace kernels {
@@ -70,8 +70,6 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float scratch[32];
   extern __shared__ uint4 normed[];  // kNorm: [num_tokens, in_features] bf16
   const __nv_bfloat16* __restrict__ w = p.weight;
-  const __nv_bfloat16* __restrict__ bias = p.bias;
-  OutT* __restrict__ y = static_cast<OutT*>(p.output);
   const int num_tokens = p.num_tokens, in_features = p.in_features;
   const int out_features = p.out_features;
   const __nv_bfloat16* x =
@@ -172,13 +170,11 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   if constexpr (kPaired) {
     // One thread per (group, token): both rows of the pair, each summed
-    // over the slices in order, + bias, rounded to bf16; then silu(gate) ·
-    // up, or RoPE + the KV-cache write.
+    // over the slices in order; skinny_epilogue.cuh does the rest.
     if (threadIdx.x >= groups * NT) return;
     const int g = threadIdx.x / NT, t = threadIdx.x % NT;
     const int o = blockIdx.x * groups + g;
     if (o >= half || t >= num_tokens) return;
-    const int row0 = pair_row(o);
     float sums[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -186,18 +182,10 @@ __global__ void __launch_bounds__(kThreads)
       for (int s = 1; s < k_split; ++s) {
         sum += partial[g * k_split + s][r * NT + t];
       }
-      if (bias != nullptr) sum += cuda::ToFloat(bias[row0 + r * pair_offset]);
-      sums[r] = cuda::ToFloat(cuda::FromFloat<__nv_bfloat16>(sum));
+      sums[r] = sum;
     }
-    if constexpr (kRope) {
-      cuda::StoreQkvPair(p.rope,
-                         reinterpret_cast<__nv_bfloat16*>(y) +
-                             static_cast<int64_t>(t) * out_features,
-                         t, row0, sums[0], sums[1]);
-    } else {
-      y[static_cast<int64_t>(t) * half + o] =
-          cuda::FromFloat<OutT>(cuda::SiluMul(sums[0], sums[1]));
-    }
+    cuda::StoreSkinnyPair<kEpi>(p, t, o, pair_row(o), pair_offset, sums[0],
+                                sums[1]);
     return;
   }
   // One thread per (group, row, token) adds the slices in order.
@@ -209,13 +197,7 @@ __global__ void __launch_bounds__(kThreads)
   if (row >= out_features || t >= num_tokens) return;
   float sum = partial[g * k_split][j];
   for (int s = 1; s < k_split; ++s) sum += partial[g * k_split + s][j];
-  if (bias != nullptr) sum += cuda::ToFloat(bias[row]);
-  OutT* out = y + static_cast<int64_t>(t) * out_features + row;
-  if constexpr (kEpi == LinearCudaEpilogue::kAddResidual) {
-    sum = cuda::ToFloat(*out) +
-          cuda::ToFloat(cuda::FromFloat<__nv_bfloat16>(sum));
-  }
-  *out = cuda::FromFloat<OutT>(sum);
+  cuda::StoreSkinnyRow<OutT, kEpi>(p, t, row, sum);
 }
 
 template <int NT, typename OutT, LinearCudaEpilogue kEpi, bool kNorm>
@@ -270,6 +252,17 @@ cudaError_t LaunchForOutput(const LinearCudaParams& p, int k_split,
   }
 }
 
+// The variant cuda::DispatchSkinnyVariant picks.
+struct Launcher {
+  const LinearCudaParams& p;
+  int k_split;
+  cudaStream_t stream;
+  template <typename OutT, LinearCudaEpilogue kEpi, bool kNorm>
+  cudaError_t Run() const {
+    return LaunchForOutput<OutT, kEpi, kNorm>(p, k_split, stream);
+  }
+};
+
 }  // namespace
 
 int SkinnyGemmKSplit(int in_features, int out_features) {
@@ -300,30 +293,7 @@ cudaError_t LaunchSkinnyGemmCuda(const LinearCudaParams& p, int k_split,
       !SkinnyFusionSupports(p, LinearCudaKernel::kSkinnyGemm)) {
     return cudaErrorInvalidValue;
   }
-  using E = LinearCudaEpilogue;
-  using bf16 = __nv_bfloat16;
-  const bool norm = p.prologue == LinearCudaPrologue::kRmsNorm;
-  switch (p.epilogue) {
-    case E::kSiluAndMul:
-      return norm ? LaunchForOutput<bf16, E::kSiluAndMul, true>(p, k_split,
-                                                                stream)
-                  : LaunchForOutput<bf16, E::kSiluAndMul, false>(p, k_split,
-                                                                 stream);
-    case E::kAddResidual:
-      return LaunchForOutput<bf16, E::kAddResidual, false>(p, k_split, stream);
-    case E::kRopeKvCache:
-      return norm ? LaunchForOutput<bf16, E::kRopeKvCache, true>(p, k_split,
-                                                                 stream)
-                  : LaunchForOutput<bf16, E::kRopeKvCache, false>(p, k_split,
-                                                                  stream);
-    case E::kNone:
-      break;
-  }
-  if (norm) return LaunchForOutput<bf16, E::kNone, true>(p, k_split, stream);
-  if (p.output_type == LinearCudaOutput::kFloat32) {
-    return LaunchForOutput<float, E::kNone, false>(p, k_split, stream);
-  }
-  return LaunchForOutput<bf16, E::kNone, false>(p, k_split, stream);
+  return cuda::DispatchSkinnyVariant(p, Launcher{p, k_split, stream});
 }
 
 }  // namespace kernels

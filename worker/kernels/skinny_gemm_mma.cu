@@ -38,7 +38,7 @@
 #include "worker/kernels/cuda_common.cuh"
 #include "worker/kernels/linear_cuda.h"
 #include "worker/kernels/rms_norm_row.cuh"
-#include "worker/kernels/rope_kv_row.cuh"
+#include "worker/kernels/skinny_epilogue.cuh"
 
 namespace pdworker {
 namespace kernels {
@@ -81,8 +81,6 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float scratch[32];
   extern __shared__ uint4 normed[];  // kNorm: [num_tokens, in_features + 8]
   const __nv_bfloat16* __restrict__ w = p.weight;
-  const __nv_bfloat16* __restrict__ bias = p.bias;
-  OutT* __restrict__ y = static_cast<OutT*>(p.output);
   const int num_tokens = p.num_tokens, in_features = p.in_features;
   const int out_features = p.out_features;
   const int x_stride = kNorm ? in_features + 8 : in_features;
@@ -218,23 +216,9 @@ __global__ void __launch_bounds__(kThreads)
       const int row = i % kRowsPerBlock;
       const int o = (blockIdx.x * groups + gr) * kRowsPerBlock + row;
       if (o >= half || t >= num_tokens) continue;
-      const int row0 = pair_row(o);
-      float sums[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float sum = slice_sum(gr, r, row, t);
-        if (bias != nullptr) sum += cuda::ToFloat(bias[row0 + r * pair_offset]);
-        sums[r] = cuda::ToFloat(cuda::FromFloat<__nv_bfloat16>(sum));
-      }
-      if constexpr (kRope) {
-        cuda::StoreQkvPair(p.rope,
-                           reinterpret_cast<__nv_bfloat16*>(y) +
-                               static_cast<int64_t>(t) * out_features,
-                           t, row0, sums[0], sums[1]);
-      } else {
-        y[static_cast<int64_t>(t) * half + o] =
-            cuda::FromFloat<OutT>(cuda::SiluMul(sums[0], sums[1]));
-      }
+      cuda::StoreSkinnyPair<kEpi>(p, t, o, pair_row(o), pair_offset,
+                                  slice_sum(gr, 0, row, t),
+                                  slice_sum(gr, 1, row, t));
     }
     return;
   }
@@ -246,14 +230,8 @@ __global__ void __launch_bounds__(kThreads)
     const int j = i % kRowsPerUnit;
     const int o = (blockIdx.x * groups + gr) * kRowsPerUnit + j;
     if (o >= out_features || t >= num_tokens) continue;
-    float sum = slice_sum(gr, j / kRowsPerBlock, j % kRowsPerBlock, t);
-    if (bias != nullptr) sum += cuda::ToFloat(bias[o]);
-    OutT* out = y + static_cast<int64_t>(t) * out_features + o;
-    if constexpr (kEpi == LinearCudaEpilogue::kAddResidual) {
-      sum = cuda::ToFloat(*out) +
-            cuda::ToFloat(cuda::FromFloat<__nv_bfloat16>(sum));
-    }
-    *out = cuda::FromFloat<OutT>(sum);
+    cuda::StoreSkinnyRow<OutT, kEpi>(
+        p, t, o, slice_sum(gr, j / kRowsPerBlock, j % kRowsPerBlock, t));
   }
 }
 
@@ -283,6 +261,17 @@ cudaError_t Launch(const LinearCudaParams& p, int k_split,
                             p, k_split);
 }
 
+// The variant cuda::DispatchSkinnyVariant picks.
+struct Launcher {
+  const LinearCudaParams& p;
+  int k_split;
+  cudaStream_t stream;
+  template <typename OutT, LinearCudaEpilogue kEpi, bool kNorm>
+  cudaError_t Run() const {
+    return Launch<OutT, kEpi, kNorm>(p, k_split, stream);
+  }
+};
+
 }  // namespace
 
 int SkinnyMmaKSplit(int in_features, int out_features) {
@@ -301,9 +290,7 @@ int SkinnyMmaKSplit(int in_features, int out_features) {
 }
 
 bool SkinnyMmaSupports(const LinearCudaParams& p) {
-  return p.num_tokens >= 1 && p.num_tokens <= kSkinnyGemmMaxTokens &&
-         p.in_features % 8 == 0 && cuda::Aligned16(p.input) &&
-         cuda::Aligned16(p.weight);
+  return SkinnyGemmSupports(p);  // the same shapes and alignment
 }
 
 cudaError_t LaunchSkinnyMmaCuda(const LinearCudaParams& p, int k_split,
@@ -313,26 +300,7 @@ cudaError_t LaunchSkinnyMmaCuda(const LinearCudaParams& p, int k_split,
       !SkinnyFusionSupports(p, LinearCudaKernel::kSkinnyMma)) {
     return cudaErrorInvalidValue;
   }
-  using E = LinearCudaEpilogue;
-  using bf16 = __nv_bfloat16;
-  const bool norm = p.prologue == LinearCudaPrologue::kRmsNorm;
-  switch (p.epilogue) {
-    case E::kSiluAndMul:
-      return norm ? Launch<bf16, E::kSiluAndMul, true>(p, k_split, stream)
-                  : Launch<bf16, E::kSiluAndMul, false>(p, k_split, stream);
-    case E::kAddResidual:
-      return Launch<bf16, E::kAddResidual, false>(p, k_split, stream);
-    case E::kRopeKvCache:
-      return norm ? Launch<bf16, E::kRopeKvCache, true>(p, k_split, stream)
-                  : Launch<bf16, E::kRopeKvCache, false>(p, k_split, stream);
-    case E::kNone:
-      break;
-  }
-  if (norm) return Launch<bf16, E::kNone, true>(p, k_split, stream);
-  if (p.output_type == LinearCudaOutput::kFloat32) {
-    return Launch<float, E::kNone, false>(p, k_split, stream);
-  }
-  return Launch<bf16, E::kNone, false>(p, k_split, stream);
+  return cuda::DispatchSkinnyVariant(p, Launcher{p, k_split, stream});
 }
 
 }  // namespace kernels
