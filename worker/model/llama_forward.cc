@@ -207,6 +207,10 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
         },
         RuntimeMode::kPiecewise, &stream, &capture_lifecycle, piece_options}));
   }
+  for (int n = 1; n <= kernels::kLinearSkinnyMaxTokens; ++n) {
+    f->fuses_decode_layers_[n] =
+        n <= f->options_.max_num_tokens && f->CanFuseDecodeLayers(n);
+  }
   return f;
 }
 
@@ -301,7 +305,7 @@ LlamaForward::LayerLinears LlamaForward::Linears(int layer, int num_tokens,
   return l;
 }
 
-bool LlamaForward::FusesDecodeLayers(int num_tokens) const {
+bool LlamaForward::CanFuseDecodeLayers(int num_tokens) const {
   if (options_.decode_fusion == DecodeFusion::kOff) return false;
   const LayerLinears l = Linears(0, num_tokens, /*fused=*/true);
   for (const kernels::LinearParams* p :

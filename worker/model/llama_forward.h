@@ -22,6 +22,7 @@
 #ifndef PDWORKER_WORKER_MODEL_LLAMA_FORWARD_H_
 #define PDWORKER_WORKER_MODEL_LLAMA_FORWARD_H_
 
+#include <array>
 #include <cstddef>
 #include <memory>
 #include <vector>
@@ -140,7 +141,10 @@ class LlamaForward {
   // True when a step of `num_tokens` runs fused (the file comment):
   // DecodeFusion::kAuto and LinearCanFuse for every projection (the layers
   // share shapes and the weights' alignment).
-  bool FusesDecodeLayers(int num_tokens) const;
+  bool FusesDecodeLayers(int num_tokens) const {
+    return num_tokens >= 0 && num_tokens <= kernels::kLinearSkinnyMaxTokens &&
+           fuses_decode_layers_[num_tokens];
+  }
 
  private:
   LlamaForward(const ModelConfig& config, const LlamaWeights& weights,
@@ -164,6 +168,8 @@ class LlamaForward {
   LayerLinears Linears(int layer, int num_tokens, bool fused) const;
   // RoPE + KV-cache write of `layer` on act_.qkv's first num_tokens rows.
   kernels::RopeKvCacheParams RopeParams(int layer, int num_tokens) const;
+  // FusesDecodeLayers's answer, worked out from LinearCanFuse.
+  bool CanFuseDecodeLayers(int num_tokens) const;
   // The tail of a piece: o_proj and MLP of `layer`.
   absl::Status RunOutputAndMlp(int layer, int num_tokens, bool fused);
   // options_.linear_kernel for a launch of `rows` rows (see the option).
@@ -182,6 +188,10 @@ class LlamaForward {
   std::vector<std::unique_ptr<GraphWrapper>> pieces_;
   // Addresses every graph reads (for InputAddressCheck).
   std::vector<const void*> input_addresses_;
+  // FusesDecodeLayers for 0..kernels::kLinearSkinnyMaxTokens tokens, worked
+  // out once at Create (a step asks once per piece and per attention layer;
+  // larger steps never fuse: no skinny GEMM runs them).
+  std::array<bool, kernels::kLinearSkinnyMaxTokens + 1> fuses_decode_layers_{};
 };
 
 }  // namespace pdworker
