@@ -14,6 +14,7 @@ __global__ void EmbeddingKernel(const int32_t* __restrict__ token_ids,
                                 const __nv_bfloat16* __restrict__ table,
                                 __nv_bfloat16* __restrict__ output,
                                 int vocab_size, int hidden_size) {
+  cuda::AllowDependentLaunch();  // the first qkv projection (PDL) follows
   const int64_t t = blockIdx.x;
   const int32_t id = token_ids[t];
   __nv_bfloat16* dst = output + t * hidden_size;

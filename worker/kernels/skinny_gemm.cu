@@ -62,6 +62,11 @@ template <int NT, int R, int U, typename OutT, LinearCudaEpilogue kEpi,
           bool kNorm>
 __global__ void __launch_bounds__(kThreads)
     SkinnyGemmKernel(const LinearCudaParams p, int k_split) {
+  // A fused decode step chains skinny GEMMs back to back (o_proj -> gate_up
+  // -> down -> next qkv): let the next one be scheduled as soon as every
+  // CTA of this one has started, so its weight loads overlap this grid's
+  // tail. It reads nothing this grid writes before griddepcontrol.wait.
+  cuda::AllowDependentLaunch();
   constexpr bool kSiluAndMul = kEpi == LinearCudaEpilogue::kSiluAndMul;
   constexpr bool kRope = kEpi == LinearCudaEpilogue::kRopeKvCache;
   constexpr bool kPaired = kSiluAndMul || kRope;
