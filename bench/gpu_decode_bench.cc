@@ -82,9 +82,10 @@ ABSL_FLAG(std::string, linear_kernel, "auto",
           "The projections' GEMM: auto, cublas, skinny_gemm or skinny_mma "
           "(kernels::LinearKernel; a skinny one runs launches of <= 8 rows, "
           "auto the rest), to compare step times side by side.");
-ABSL_FLAG(std::string, decode_fusion, "auto",
-          "auto: RMSNorms and residual adds fused into the skinny GEMMs' "
-          "prologues and epilogues where they run; off: separate kernels.");
+ABSL_FLAG(std::string, decode_fusion, "off",
+          "on: RMSNorms, residual adds and RoPE + KV write fused into the "
+          "skinny GEMMs' prologues and epilogues where they run; off (the "
+          "default): separate kernels.");
 ABSL_FLAG(std::string, decode_attention, "auto",
           "The decode steps' attention split kernel: auto, cuda_cores or "
           "tensor_cores (where it covers the model).");
@@ -184,9 +185,9 @@ std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
       : attention == "cuda_cores" ? kernels::DecodeAttentionKernel::kCudaCores
                                   : kernels::DecodeAttentionKernel::kAuto;
   const std::string fusion = absl::GetFlag(FLAGS_decode_fusion);
-  CHECK(fusion == "auto" || fusion == "off")
-      << "--decode_fusion: auto or off, got " << fusion;
-  o.decode_fusion = fusion == "off" ? DecodeFusion::kOff : DecodeFusion::kAuto;
+  CHECK(fusion == "on" || fusion == "off")
+      << "--decode_fusion: on or off, got " << fusion;
+  o.decode_fusion = fusion == "on" ? DecodeFusion::kOn : DecodeFusion::kOff;
   auto runner = ModelRunner::Create(device, dir, o);
   CHECK(runner.ok()) << runner.status();
   return std::move(*runner);

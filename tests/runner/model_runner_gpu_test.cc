@@ -235,10 +235,10 @@ TEST_P(RunnerGpuTest, EveryModeMatchesEagerAndReportsBitIdentity) {
 
 // The decode-step fusions (RMSNorm in the qkv / gate_up prologues, residual
 // adds in the o_proj / down epilogues) change no bit of any logit: the same
-// steps with DecodeFusion kAuto and kOff, eager and in FULL graphs, with the
+// steps with DecodeFusion kOn and kOff, eager and in FULL graphs, with the
 // default kernels (fused at one token) and with the tensor-core skinny GEMM
-// forced (fused at 1..8 tokens). FusesDecodeLayers must be true where the fusion is
-// expected, so the comparison cannot pass by running unfused twice.
+// forced (fused at 1..8 tokens). FusesDecodeLayers must be true where the
+// fusion is expected, so the comparison cannot pass by running unfused twice.
 TEST_P(RunnerGpuTest, DecodeFusionLeavesEveryLogitBitIdentical) {
   const std::vector<std::vector<SequenceStep>> batches = {
       {Seq("a", {5, 17, 42, 8, 99, 3, 61})},
@@ -255,7 +255,8 @@ TEST_P(RunnerGpuTest, DecodeFusionLeavesEveryLogitBitIdentical) {
                                             ? " auto"
                                             : " skinny_mma"));
       std::vector<std::vector<float>> logits[2];
-      for (const DecodeFusion fusion : {DecodeFusion::kAuto, DecodeFusion::kOff}) {
+      for (const DecodeFusion fusion :
+           {DecodeFusion::kOn, DecodeFusion::kOff}) {
         ModelRunnerOptions o =
             SmallOptions(R"({"cudagraph_mode":")" + std::string(mode) +
                          R"(","cudagraph_capture_sizes":[1,2,4,8]})");
@@ -264,7 +265,7 @@ TEST_P(RunnerGpuTest, DecodeFusionLeavesEveryLogitBitIdentical) {
         auto runner = ModelRunner::Create(*cuda_, dir_, o);
         ASSERT_TRUE(runner.ok()) << runner.status();
         ASSERT_TRUE((*runner)->CaptureGraphs().ok());
-        const bool on = fusion == DecodeFusion::kAuto;
+        const bool on = fusion == DecodeFusion::kOn;
         EXPECT_EQ((*runner)->forward().FusesDecodeLayers(1), on);
         EXPECT_EQ((*runner)->forward().FusesDecodeLayers(4),
                   on && kernel == kernels::LinearKernel::kSkinnyMma);

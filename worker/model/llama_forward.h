@@ -7,7 +7,7 @@
 //   ...
 //   piece L      o_proj[L-1] -> post_norm -> MLP -> final norm -> lm_head
 //
-// Fused decode steps (CUDA, where the skinny GEMMs run, DecodeFusion::kAuto):
+// Fused decode steps (CUDA, where the skinny GEMMs run, DecodeFusion::kOn):
 // each RMSNorm rides in the next projection's prologue (qkv, gate_up), each
 // residual add in the previous one's epilogue (o_proj, down), and RoPE with
 // the KV-cache write in qkv's epilogue, so a layer is qkv -> paged attention
@@ -42,7 +42,7 @@
 
 namespace pdworker {
 
-enum class DecodeFusion { kAuto, kOff };
+enum class DecodeFusion { kOff, kOn };
 
 struct LlamaForwardOptions {
   int max_num_tokens = 0;  // padded query tokens per step
@@ -58,10 +58,12 @@ struct LlamaForwardOptions {
   // (prefill, wide batches) use kAuto, so a benchmark can force it for a
   // whole model run.
   kernels::LinearKernel linear_kernel = kernels::LinearKernel::kAuto;
-  // kAuto: fuse the norms and residual adds into the projections wherever
-  // kernels::LinearCanFuse allows it for the step's token count (see the
-  // file comment); kOff: never (tests and benchmarks compare the two).
-  DecodeFusion decode_fusion = DecodeFusion::kAuto;
+  // kOn: fuse the norms, residual adds and RoPE + KV write into the
+  // projections wherever kernels::LinearCanFuse allows it for the step's
+  // token count (see the file comment); kOff: never. kOff by default until
+  // the fused kernels have run on a GPU (written without one, 2026-11-27:
+  // bench/RESULTS.md); tests and benchmarks compare the two.
+  DecodeFusion decode_fusion = DecodeFusion::kOff;
   // The uniform-decode attention's split kernel on CUDA. kTensorCores runs
   // the tensor-core one where it covers the model (head_dim 64 or 128, at
   // most 16 query rows per kv head) and kAuto elsewhere, so a benchmark can
@@ -139,7 +141,7 @@ class LlamaForward {
   // Element type of the weights, activations and KV cache.
   DType dtype() const { return weights_.dtype; }
   // True when a step of `num_tokens` runs fused (the file comment):
-  // DecodeFusion::kAuto and LinearCanFuse for every projection (the layers
+  // DecodeFusion::kOn and LinearCanFuse for every projection (the layers
   // share shapes and the weights' alignment).
   bool FusesDecodeLayers(int num_tokens) const {
     return num_tokens >= 0 && num_tokens <= kernels::kLinearSkinnyMaxTokens &&

@@ -64,9 +64,10 @@ struct ModelRunnerOptions {
   // shape; kCublas / kSkinnyGemm force one on CUDA (benchmarks). The CPU
   // backend accepts kAuto only.
   kernels::LinearKernel linear_kernel = kernels::LinearKernel::kAuto;
-  // Norms and residual adds fused into the projections where the skinny
-  // GEMMs run (LlamaForwardOptions::decode_fusion); kOff for comparisons.
-  DecodeFusion decode_fusion = DecodeFusion::kAuto;
+  // Norms, residual adds and RoPE + KV write fused into the projections
+  // where the skinny GEMMs run (LlamaForwardOptions::decode_fusion; off by
+  // default until measured on a GPU).
+  DecodeFusion decode_fusion = DecodeFusion::kOff;
   // The uniform-decode attention's split kernel
   // (LlamaForwardOptions::decode_attention_kernel); benchmarks compare.
   kernels::DecodeAttentionKernel decode_attention_kernel =
