@@ -82,7 +82,7 @@ ABSL_FLAG(std::string, linear_kernel, "auto",
           "The projections' GEMM: auto, cublas, skinny_gemm or skinny_mma "
           "(kernels::LinearKernel; a skinny one runs launches of <= 8 rows, "
           "auto the rest), to compare step times side by side.");
-ABSL_FLAG(std::string, decode_fusion, "off",
+ABSL_FLAG(std::string, decode_fusion, "on",
           "on: RMSNorms, residual adds and RoPE + KV write fused into the "
           "skinny GEMMs' prologues and epilogues where they run; off (the "
           "default): separate kernels.");

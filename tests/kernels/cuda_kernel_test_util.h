@@ -62,7 +62,7 @@ struct Backend {
 class CudaKernelTest : public ::testing::Test {
  protected:
   static constexpr size_t kCpuArenaBytes = size_t{64} << 20;
-  static constexpr size_t kGpuArenaBytes = size_t{256} << 20;
+  static constexpr size_t kGpuArenaBytes = size_t{4} << 30;
 
   void SetUp() override;
 

@@ -97,10 +97,8 @@ enum class VarlenAttentionKernel {
 // Which CUDA kernel a uniform decode launch splits the keys with (the
 // reduce kernel is shared; the CPU backend has one routine).
 enum class DecodeAttentionKernel {
-  // The CUDA-core split kernel, or the tensor-core one where it covers the
-  // launch once kDecodeAttentionAutoTensorCores is set (after it is
-  // measured: bench/gpu_decode_bench --attention_only, scripts/gpu-check
-  // decode).
+  // The tensor-core split kernel where it covers the launch
+  // (kDecodeAttentionAutoTensorCores), the CUDA-core one elsewhere.
   kAuto,
   // Tensor cores (paged_attention_decode_mma.cu): head_dim 64 or 128 and at
   // most 16 query rows per kv head (GQA group × uniform_query_len);
@@ -110,10 +108,12 @@ enum class DecodeAttentionKernel {
   kCudaCores,
 };
 
-// kAuto's decode kernel: the tensor-core one where it covers the launch
-// once this is true, i.e. once gpu_decode_bench --attention_only shows it
-// ahead of the CUDA-core kernel at every batch and context it measures.
-inline constexpr bool kDecodeAttentionAutoTensorCores = false;
+// kAuto's decode kernel: the tensor-core one where it covers the launch.
+// On the H200 it is ahead of the CUDA-core kernel at every batch and
+// context gpu_decode_bench --attention_only measures (1.4x at batch 1 ×
+// 1k, 2.8x at batch 32 × 16k: 73% of HBM against 26%; bench/RESULTS.md,
+// 2026-11-27). false brings back the CUDA-core kernel everywhere.
+inline constexpr bool kDecodeAttentionAutoTensorCores = true;
 
 struct PagedAttentionParams {
   // --- Step metadata (int32), read at run time. ---

@@ -65,9 +65,8 @@ struct ModelRunnerOptions {
   // backend accepts kAuto only.
   kernels::LinearKernel linear_kernel = kernels::LinearKernel::kAuto;
   // Norms, residual adds and RoPE + KV write fused into the projections
-  // where the skinny GEMMs run (LlamaForwardOptions::decode_fusion; off by
-  // default until measured on a GPU).
-  DecodeFusion decode_fusion = DecodeFusion::kOff;
+  // where the skinny GEMMs run (LlamaForwardOptions::decode_fusion).
+  DecodeFusion decode_fusion = DecodeFusion::kOn;
   // The uniform-decode attention's split kernel
   // (LlamaForwardOptions::decode_attention_kernel); benchmarks compare.
   kernels::DecodeAttentionKernel decode_attention_kernel =
