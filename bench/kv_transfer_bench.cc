@@ -323,10 +323,14 @@ class DecodeLoad {
   int steps() const { return steps_; }
 
  private:
+  // Each generation's last step releases its sequences, also when stop_
+  // comes mid-generation: a generation left alive would keep its KV on the
+  // worker and collide with the next DecodeLoad's ids ("load-G-i").
   void Run() {
     while (!stop_) {
       std::vector<int32_t> next(n_);
-      for (int step = 0; step < 256 && !stop_; ++step) {
+      for (int step = 0; step < 256; ++step) {
+        const bool last = step == 255 || stop_;
         v1::ForwardRequest request;
         for (int i = 0; i < n_; ++i) {
           v1::SequenceInput* in = request.add_sequences();
@@ -337,7 +341,7 @@ class DecodeLoad {
             in->add_token_ids(next[i]);
           }
           in->set_start(step == 0);
-          in->set_release_after_step(step == 255 || stop_);
+          in->set_release_after_step(last);
         }
         grpc::ClientContext context;
         v1::ForwardResponse response;
@@ -345,7 +349,7 @@ class DecodeLoad {
         CHECK(s.ok()) << "decode load: " << s.error_message();
         for (int i = 0; i < n_; ++i) next[i] = response.sequences(i).token_id();
         ++steps_;
-        if (request.sequences(0).release_after_step()) break;
+        if (last) break;
       }
       ++generation_;
     }
