@@ -99,7 +99,9 @@ skip() {
 # Environment record: GPU, driver, versions, commit, date.
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+  # The binaries' commit (scripts/gpu-bundle writes it); the device
+  # machine's .git can be older than the tree it was sent.
+  echo "commit: $(cat "$BIN/../commit.txt" 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory \
     --format=csv 2>/dev/null || echo "nvidia-smi unavailable"
   "$PY" -c 'import sys, torch; print("python", sys.version.split()[0]); print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1
