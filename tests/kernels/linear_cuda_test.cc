@@ -143,16 +143,17 @@ INSTANTIATE_TEST_SUITE_P(
 // Every token count 1..8 computes each row with the same operations: row t
 // at T tokens is bit-identical to row t at 8 (a decode batch padded from 5
 // to 8 in its graph and run eagerly at 5 would agree bit for bit). Shapes
-// with split-K factors 1, 2 and 4 (SkinnyGemmKSplit), and 1..8 for the
-// tensor-core kernel (SkinnyMmaKSplit), whose rows must not see the other
-// columns of its mma either.
+// with split-K factors 1, 2 and 4 (SkinnyGemmKSplit), and 1, 2, 4 and 8 for
+// the tensor-core kernel (SkinnyMmaKSplit: in 24, 64, 128 and the rest),
+// whose rows must not see the other columns of its mma either.
 TEST_F(CudaKernelTest, SkinnyGemmRowsAreBatchInvariantFrom1To8Tokens) {
   for (const LinearKernel kernel : {kSkinny, kMma}) {
     for (const Shape& s :
          {Shape{8, 2048, 3072, true}, Shape{8, 8192, 2048, false},
           Shape{8, 896, 9728, false}, Shape{8, 2048, 16384, false},
           Shape{8, 1000, 333, true}, Shape{8, 4864, 896, true},
-          Shape{8, 24, 40, true}}) {
+          Shape{8, 24, 40, true}, Shape{8, 64, 48, false},
+          Shape{8, 128, 40, true}}) {
       SCOPED_TRACE(
           absl::StrFormat("%s in %d out %d", KernelName(kernel), s.in, s.out));
       const std::vector<float> x = RandomBf16Floats(8 * s.in, 21);

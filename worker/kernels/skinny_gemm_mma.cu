@@ -49,7 +49,12 @@ constexpr int kThreads = kWarps * cuda::kWarpSize;
 constexpr int kRowsPerBlock = 16;  // mma M
 constexpr int kTokens = 8;         // mma N: the tokens of one launch
 constexpr int kChunk = 4 * 8;      // k per warp-wide load: 4 lanes × 8 bf16
-constexpr int kMaxChunksInFlight = 8;  // per warp, per row block
+// Chunks of weights a warp holds in registers per row block: two buffers of
+// half as many (ping-pong), so one buffer's loads are in flight while the
+// tensor cores consume the other. Measured on the H200 (2026-11-27) with a
+// single buffer of 8 (load 8, consume 8, load the next 8): every load batch
+// waited a full memory latency, 1.1-2.9 TB/s against cuBLAS's 3.8.
+constexpr int kMaxChunksInFlight = 8;
 
 // kEpi kSiluAndMul: W is [gate; up] (2 · half rows); block b of the warp is
 // gate rows b·16 .. +15 (r = 0) and up rows half + b·16 .. +15 (r = 1), and
@@ -66,7 +71,8 @@ constexpr int kMaxChunksInFlight = 8;  // per warp, per row block
 // to in_features + 8 so that the 8 token rows a warp reads at once start in
 // different banks. Dynamic shared memory: num_tokens · (in_features + 8)
 // bf16.
-// RB: row blocks per warp (kSiluAndMul: 2); U: chunks per batch of loads.
+// RB: row blocks per warp (kSiluAndMul: 2); U: chunks per load buffer (two
+// buffers).
 // grid: [ceil(blocks / (kWarps / S))] with blocks = ceil(O / 16)
 // (kSiluAndMul: ceil(half / 16)); block: kThreads.
 template <int RB, int U, typename OutT, LinearCudaEpilogue kEpi, bool kNorm>
@@ -133,11 +139,11 @@ __global__ void __launch_bounds__(kThreads)
     for (int e = 0; e < 4; ++e) acc[r][e] = 0.0f;
   }
 
-  // Weights of U chunks (first .. first + U - 1 of this slice): k of chunk
-  // i is (first_chunk + i) · kChunk + 8c; in_features % 8 == 0, so a 16-byte
-  // vector is all in range or all out.
-  uint4 wv[U][RB][2];
-  auto load_weights = [&](int first) {
+  // Weights of U chunks (first .. first + U - 1 of this slice) into one of
+  // the two buffers: k of chunk i is (first_chunk + i) · kChunk + 8c;
+  // in_features % 8 == 0, so a 16-byte vector is all in range or all out.
+  uint4 wa[U][RB][2], wb[U][RB][2];
+  auto load_weights = [&](uint4(&wv)[U][RB][2], int first) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = (first_chunk + first + u) * kChunk + 8 * c;
@@ -159,15 +165,15 @@ __global__ void __launch_bounds__(kThreads)
   const __nv_bfloat16* x_row =
       (kNorm ? reinterpret_cast<const __nv_bfloat16*>(normed) : p.input) +
       static_cast<int64_t>(min(g, num_tokens - 1)) * x_stride;
-  load_weights(0);
+  load_weights(wa, 0);
   cuda::WaitForPreviousKernel();
   if constexpr (kNorm) {
     cuda::RmsNormRowsToShared(
         p.input, p.norm_weight, reinterpret_cast<__nv_bfloat16*>(normed),
         num_tokens, in_features, x_stride, p.norm_epsilon, scratch);
   }
-  for (int first = 0; first < my_chunks; first += U) {
-    if (first > 0) load_weights(first);
+  // Multiplies the U chunks from `first` held in `wv` into acc.
+  auto consume = [&](const uint4(&wv)[U][RB][2], int first) {
     uint4 xv[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -191,6 +197,16 @@ __global__ void __launch_bounds__(kThreads)
         cuda::Mma16816(acc[r], a1, xv[u].z, xv[u].w);
       }
     }
+  };
+  // Ping-pong: the next buffer's loads are issued before the current one is
+  // consumed. Which chunks are multiplied, and in what order, depends on
+  // my_chunks (the shape and S) alone, never on T.
+  for (int first = 0; first < my_chunks; first += 2 * U) {
+    const bool second = first + U < my_chunks;
+    if (second) load_weights(wb, first + U);
+    consume(wa, first);
+    if (first + 2 * U < my_chunks) load_weights(wa, first + 2 * U);
+    if (second) consume(wb, first + U);
   }
 
   // acc[r] = {D[g][2c], D[g][2c+1], D[g+8][2c], D[g+8][2c+1]}.
@@ -248,7 +264,7 @@ cudaError_t Launch(const LinearCudaParams& p, int k_split,
   // A paired epilogue holds two row blocks' loads per chunk: half as many
   // chunks in flight keeps the same bytes (and registers) per warp.
   constexpr int RB = kPaired ? 2 : 1;
-  constexpr int U = kMaxChunksInFlight / RB;
+  constexpr int U = kMaxChunksInFlight / RB / 2;  // per buffer
   const int rows = kPaired ? p.out_features / 2 : p.out_features;
   const int units = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
   cudaLaunchConfig_t config = {};
@@ -280,17 +296,16 @@ struct Launcher {
 }  // namespace
 
 int SkinnyMmaKSplit(int in_features, int out_features) {
-  // Enough warps to keep ~4,096 row-block slices in flight (the CUDA-core
-  // kernel's measured sweet spot, bench/RESULTS.md), each slice with at
-  // least two batches of kMaxChunksInFlight chunks to overlap. A function
-  // of the shape alone.
+  // From linear_bench on the H200 (2026-11-27, bench/RESULTS.md): a warp's
+  // serial walk over its chunks bounds these kernels, so S = 8 was the
+  // fastest split on 31 of 40 rows (the 0.5B and 1B projections at 1-8
+  // tokens), the LM heads (>= 4,096 row blocks, enough warps without it)
+  // excepted, where S = 4 was. No more slices than chunks. A function of
+  // the shape alone (batch invariance).
   const int64_t units = (out_features + kRowsPerBlock - 1) / kRowsPerBlock;
   const int num_chunks = (in_features + kChunk - 1) / kChunk;
-  int k_split = 1;
-  while (k_split < kWarps && units * k_split < 4096 &&
-         num_chunks >= 2 * kMaxChunksInFlight * 2 * k_split) {
-    k_split *= 2;
-  }
+  int k_split = units >= 4096 ? kWarps / 2 : kWarps;
+  while (k_split > 1 && k_split > num_chunks) k_split /= 2;
   return k_split;
 }
 
