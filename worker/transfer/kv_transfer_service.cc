@@ -429,6 +429,15 @@ class PullReactor final : public MessageWriter {
       LOG(WARNING) << "KV pull of lease " << lease_id_ << " failed after "
                    << bytes_ << " bytes: " << status;
     }
+    // A complete pull ends its lease before the puller hears OK: a
+    // ReleaseKv sent right after the stream (the decode worker's, after its
+    // import) then frees the blocks at once and reports them, instead of
+    // finding the lease still being pulled (freed later at OnDone, reported
+    // as 0 freed). Everything was sent; nothing reads the blocks any more.
+    if (status.ok() && sent_all_ && !lease_id_.empty()) {
+      leases_.EndPull(lease_id_, /*sent_all=*/true);
+      lease_id_.clear();  // OnDone must not end it twice
+    }
     Finish(ToGrpcStatus(status));
   }
 
