@@ -74,6 +74,25 @@ __device__ __forceinline__ void WaitForPreviousKernel() {
 #endif
 }
 
+// A two-buffer software pipeline over `num` items (a warp's k chunks) in
+// groups of `group`: group g + 1's loads are issued before group g is
+// consumed, so the loads stay in flight while the warp computes. The
+// caller has loaded group 0 into `a` (before WaitForPreviousKernel, say).
+// Groups are consumed in order: the same operation sequence as one buffer.
+// load(buffer, first) and consume(buffer, first) take a buffer by reference.
+template <typename Buffer, typename Load, typename Consume>
+__device__ __forceinline__ void PingPong(int num, int group, Buffer& a,
+                                         Buffer& b, const Load& load,
+                                         const Consume& consume) {
+  for (int first = 0; first < num; first += 2 * group) {
+    const bool second = first + group < num;
+    if (second) load(b, first + group);
+    consume(a, first);
+    if (first + 2 * group < num) load(a, first + 2 * group);
+    if (second) consume(b, first + group);
+  }
+}
+
 // A 16-byte load of data read once per kernel (a decode step's weights):
 // through the read-only path, not allocated in L1, so the activations every
 // warp re-reads stay there.

@@ -169,13 +169,7 @@ __global__ void __launch_bounds__(kThreads)
   // The chunks are still multiplied in increasing k (the same fmaf sequence
   // as one buffer: the bits do not change), the next buffer's loads issued
   // before the current one is consumed.
-  for (int first = 0; first < my_chunks; first += 2 * U) {
-    const bool second = first + U < my_chunks;
-    if (second) load_weights(wb, first + U);
-    consume(wa, first);
-    if (first + 2 * U < my_chunks) load_weights(wa, first + 2 * U);
-    if (second) consume(wb, first + U);
-  }
+  cuda::PingPong(my_chunks, U, wa, wb, load_weights, consume);
 
 #pragma unroll
   for (int r = 0; r < R; ++r) {

@@ -201,13 +201,7 @@ __global__ void __launch_bounds__(kThreads)
   // Ping-pong: the next buffer's loads are issued before the current one is
   // consumed. Which chunks are multiplied, and in what order, depends on
   // my_chunks (the shape and S) alone, never on T.
-  for (int first = 0; first < my_chunks; first += 2 * U) {
-    const bool second = first + U < my_chunks;
-    if (second) load_weights(wb, first + U);
-    consume(wa, first);
-    if (first + 2 * U < my_chunks) load_weights(wa, first + 2 * U);
-    if (second) consume(wb, first + U);
-  }
+  cuda::PingPong(my_chunks, U, wa, wb, load_weights, consume);
 
   // acc[r] = {D[g][2c], D[g][2c+1], D[g+8][2c], D[g+8][2c+1]}.
 #pragma unroll
