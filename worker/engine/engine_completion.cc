@@ -81,14 +81,7 @@ void Engine::FinishRequest(Request& r, std::optional<FinishReason> reason,
     }
     metrics_->ObserveRequestEnd(r.times, end, now);
   }
-  RequestUpdate update;
-  update.new_token_ids = r.new_tokens;
-  update.new_logprobs = r.new_logprobs;
-  update.new_token_logprobs = r.new_token_logprobs;
-  update.num_prompt_tokens = r.stop.num_prompt_tokens;
-  update.num_output_tokens = r.num_outputs();
-  update.num_cached_tokens = r.num_cached_tokens;
-  update.step = steps_;
+  RequestUpdate update = r.Update(steps_);
   update.finish_reason = reason;
   update.matched_token_id = matched_token_id;
   update.lease = std::move(lease);
@@ -128,14 +121,7 @@ std::chrono::steady_clock::time_point Engine::ObserveNewTokens(Request& r) {
 void Engine::SendUpdate(Request& r) {
   if (r.new_tokens.empty()) return;
   if (metrics_ != nullptr) ObserveNewTokens(r);
-  RequestUpdate update;
-  update.new_token_ids = r.new_tokens;
-  update.new_logprobs = r.new_logprobs;
-  update.new_token_logprobs = r.new_token_logprobs;
-  update.num_prompt_tokens = r.stop.num_prompt_tokens;
-  update.num_output_tokens = r.num_outputs();
-  update.num_cached_tokens = r.num_cached_tokens;
-  update.step = steps_;
+  RequestUpdate update = r.Update(steps_);
   r.call->on_update(update);
   r.new_tokens.clear();
   r.new_logprobs.clear();

@@ -107,6 +107,18 @@ struct Engine::Request {
   int32_t num_outputs() const {
     return static_cast<int32_t>(tokens.size()) - stop.num_prompt_tokens;
   }
+  // The update streaming the outputs not yet streamed, read at `step`.
+  RequestUpdate Update(int64_t step) const {
+    RequestUpdate update;
+    update.new_token_ids = new_tokens;
+    update.new_logprobs = new_logprobs;
+    update.new_token_logprobs = new_token_logprobs;
+    update.num_prompt_tokens = stop.num_prompt_tokens;
+    update.num_output_tokens = num_outputs();
+    update.num_cached_tokens = num_cached_tokens;
+    update.step = step;
+    return update;
+  }
 };
 
 // One row of a step: a call's sequence or a request.
