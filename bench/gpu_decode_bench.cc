@@ -83,9 +83,9 @@ ABSL_FLAG(std::string, linear_kernel, "auto",
           "(kernels::LinearKernel; a skinny one runs launches of <= 8 rows, "
           "auto the rest), to compare step times side by side.");
 ABSL_FLAG(std::string, decode_fusion, "on",
-          "on: RMSNorms, residual adds and RoPE + KV write fused into the "
-          "skinny GEMMs' prologues and epilogues where they run; off (the "
-          "default): separate kernels.");
+          "on (the default): RMSNorms, residual adds and RoPE + KV write "
+          "fused into the skinny GEMMs' prologues and epilogues where they "
+          "run; off: separate kernels.");
 ABSL_FLAG(std::string, decode_attention, "auto",
           "The decode steps' attention split kernel: auto, cuda_cores or "
           "tensor_cores (where it covers the model).");

@@ -2,13 +2,10 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
-#include <future>
 #include <optional>
 #include <string>
 #include <utility>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "glog/logging.h"

@@ -4,13 +4,11 @@
 // metrics). Engine-thread only, like the loop (engine.cc).
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <optional>
 #include <string>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
-#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "glog/logging.h"
 #include "worker/engine/engine.h"

@@ -8,8 +8,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
-#include "glog/logging.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/engine_work.h"
 

@@ -43,9 +43,10 @@ constexpr int kChunk = cuda::kWarpSize * 8;  // k elements per warp-wide load
 
 // Up to NT tokens (num_tokens of them), R rows per warp, U chunks per load
 // buffer; two buffers ping-pong, so the next U chunks' loads are in flight
-// while the current ones are multiplied (with one buffer, each batch of
-// loads waited a full memory latency: the 1B down projection, 16 chunks per
-// slice, reached 2.4 TB/s on the H200 against gate_up's 3.8).
+// while the current ones are multiplied. With one buffer the 1B down
+// projection (16 chunks per slice, so 4 batches each waiting for its loads)
+// reached 2.4 TB/s on the H200 against gate_up's 3.8 (2 batches); not yet
+// measured with two.
 // kEpi kSiluAndMul: W is [gate; up] (2 · half rows), a warp owns gate row o
 // and up row o + half (R = 2), and Y[T, half] = silu(gate) · up, each of
 // gate and up rounded to bf16 first, as the unfused GEMM writes them.

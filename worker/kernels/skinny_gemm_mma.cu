@@ -51,9 +51,10 @@ constexpr int kTokens = 8;         // mma N: the tokens of one launch
 constexpr int kChunk = 4 * 8;      // k per warp-wide load: 4 lanes × 8 bf16
 // Chunks of weights a warp holds in registers per row block: two buffers of
 // half as many (ping-pong), so one buffer's loads are in flight while the
-// tensor cores consume the other. Measured on the H200 (2026-11-27) with a
-// single buffer of 8 (load 8, consume 8, load the next 8): every load batch
-// waited a full memory latency, 1.1-2.9 TB/s against cuBLAS's 3.8.
+// tensor cores consume the other. With a single buffer of 8 (load 8,
+// consume 8, load the next 8) it reached 1.1-2.9 TB/s on the H200
+// (2026-11-27) against cuBLAS's 3.8; each batch waiting a full memory
+// latency is the likely cause, not yet confirmed by a run of this version.
 constexpr int kMaxChunksInFlight = 8;
 
 // kEpi kSiluAndMul: W is [gate; up] (2 · half rows); block b of the warp is
