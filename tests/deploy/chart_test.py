@@ -77,7 +77,7 @@ def render(values_files=(), release="pdworker", namespace="default",
 
 
 def pdworker_flags():
-    """Flag names defined in worker/main.cc, from `pdworker --help` (which
+    """Flag names defined in worker/worker_flags.cc, from `pdworker --help` (which
     lists exactly those, grouped, as "  --name (default: ...)")."""
     proc = subprocess.run([ARGS.pdworker, "--help"], capture_output=True,
                           text=True, timeout=60)

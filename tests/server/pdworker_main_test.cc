@@ -269,11 +269,11 @@ TEST(PdworkerMainTest, BadConfigurationFailsAtStartupNamingTheFlag) {
   }
 }
 
-// `pdworker --help` lists every flag worker/main.cc defines, with its
+// `pdworker --help` lists every flag worker/worker_flags.cc defines, with its
 // default, and exits 0 (the README promises it; Abseil's own --help finds
 // none of them and exits 1).
 TEST(PdworkerMainTest, HelpListsEveryFlagWithItsDefaultAndExitsZero) {
-  std::ifstream source(RunfilePath("worker/main.cc"));
+  std::ifstream source(RunfilePath("worker/worker_flags.cc"));
   ASSERT_TRUE(source.good());
   std::stringstream text;
   text << source.rdbuf();
