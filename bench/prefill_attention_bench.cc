@@ -1,9 +1,11 @@
 // Prefill attention throughput (issue 22): one fresh prompt of N tokens
 // attending causally to itself through the paged KV cache (block size 16,
 // blocks in random order), 32 query heads over 8 kv heads (Llama-3.2-1B at
-// head_dim 64, Llama-3-8B's layout at 128), for the tensor-core kernel and
-// the CUDA-core kernel. Prints a Markdown table; --jsonl appends one
-// bench/results/gpu.jsonl record per figure (metric attention_tflops).
+// head_dim 64, Llama-3-8B's layout at 128), for the tensor-core kernel
+// (mma.sync), on compute capability 9.0 devices the warpgroup-MMA kernel
+// (wgmma, with the largest difference of its outputs from the mma.sync
+// kernel's), and the CUDA-core kernel. Prints a Markdown table; --jsonl appends
+// one bench/results/gpu.jsonl record per figure (metric attention_tflops).
 //
 // FLOPs of causal attention: 4 · heads · head_dim · N(N+1)/2 (Q·Kᵀ and P·V,
 // 2 per multiply-add, each query token attending to itself and every
@@ -13,10 +15,11 @@
 //
 //   bazel build --config=opt //bench:prefill_attention_bench
 //   bazel-bin/bench/prefill_attention_bench [--tokens=1024,...]
-//       [--head_dims=64,128] [--cuda_cores_max_tokens=4096]
+//       [--head_dims=64,128] [--cuda_cores_max_tokens=4096] [--nowgmma]
 //       [--jsonl=FILE --commit=SHA]
 // Without a usable GPU it prints why and exits 0.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <numeric>
@@ -45,6 +48,9 @@ ABSL_FLAG(std::vector<std::string>, head_dims,
 ABSL_FLAG(int, cuda_cores_max_tokens, 4096,
           "Longest prompt the CUDA-core kernel is timed at (it is ~50x "
           "slower).");
+ABSL_FLAG(bool, wgmma, true,
+          "Also time the warpgroup-MMA kernel (compute capability 9.0 "
+          "devices only).");
 ABSL_FLAG(std::string, jsonl, "", "Append gpu.jsonl records to this file.");
 ABSL_FLAG(std::string, commit, "", "Commit the binary was built from.");
 
@@ -59,6 +65,12 @@ struct Row {
   double mma_us = 0;         // tensor cores, 16 query rows per warp
   double mma32_us = 0;       // tensor cores, 32 rows per warp
   double cuda_cores_us = 0;  // 0: not run
+  // Warpgroup MMA (sm_90a), 64- and 128-key tiles; 0: not run (another
+  // device). max_diff: the largest |output - the 16-row kernel's output|
+  // over both (a correctness check beside the tests).
+  double wgmma64_us = 0;
+  double wgmma128_us = 0;
+  double wgmma_max_diff = 0;
   double flops = 0;
 };
 
@@ -140,6 +152,49 @@ Row Measure(Device& device, Stream& stream, int head_dim, int tokens,
     row.cuda_cores_us =
         time_us(kernels::VarlenAttentionKernel::kCudaCores, 2, 0);
   }
+  if (absl::GetFlag(FLAGS_wgmma) &&
+      kernels::PagedAttentionHasWarpgroupMma(stream)) {
+    // One eager launch of each kernel, read back: the wgmma outputs against
+    // the 16-row mma.sync kernel's. A launch error skips the timing.
+    auto output = [&](kernels::VarlenAttentionKernel kernel, int tile_keys,
+                      std::vector<float>* out) {
+      p.varlen_kernel = kernel;
+      p.mma_warp_rows = 16;
+      p.wgmma_tile_keys = tile_keys;
+      std::vector<uint16_t> bits(q_elems);
+      absl::Status status = kernels::LaunchPagedAttention(stream, p);
+      if (status.ok()) {
+        status = stream.CopyToHost(bits.data(), p.output, 2 * q_elems);
+      }
+      out->resize(q_elems);
+      for (size_t i = 0; i < q_elems; ++i) {
+        (*out)[i] = BFloat16BitsToFloat(bits[i]);
+      }
+      return status;
+    };
+    std::vector<float> want, got;
+    CHECK(output(kernels::VarlenAttentionKernel::kTensorCores, 0, &want).ok());
+    for (const int tile_keys : {64, 128}) {
+      const absl::Status status = output(
+          kernels::VarlenAttentionKernel::kWarpgroupMma, tile_keys, &got);
+      if (!status.ok()) {
+        std::printf("wgmma, %d-key tiles, head_dim %d, %d tokens: %s\n",
+                    tile_keys, head_dim, tokens, status.ToString().c_str());
+        row.wgmma_max_diff = HUGE_VAL;
+        continue;
+      }
+      for (size_t i = 0; i < q_elems; ++i) {
+        const double diff = std::fabs(static_cast<double>(got[i]) - want[i]);
+        // NaN counts as the worst difference.
+        row.wgmma_max_diff =
+            diff == diff ? std::max(row.wgmma_max_diff, diff) : HUGE_VAL;
+      }
+      p.wgmma_tile_keys = tile_keys;
+      (tile_keys == 64 ? row.wgmma64_us : row.wgmma128_us) =
+          time_us(kernels::VarlenAttentionKernel::kWarpgroupMma, launches, 0);
+    }
+    p.wgmma_tile_keys = 0;
+  }
   return row;
 }
 
@@ -177,6 +232,41 @@ int Main(int argc, char** argv) {
       "tensor cores (32 rows/warp) µs | TFLOP/s | CUDA cores µs | TFLOP/s | "
       "speed-up |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
       "---: |\n");
+  const bool wgmma = std::any_of(rows.begin(), rows.end(), [](const Row& r) {
+    return r.wgmma64_us > 0 || r.wgmma128_us > 0;
+  });
+  if (wgmma) {
+    std::printf(
+        "| head_dim | tokens | wgmma 64-key tiles µs | TFLOP/s | wgmma "
+        "128-key tiles µs | TFLOP/s | max abs diff vs mma.sync | best wgmma / "
+        "best mma.sync |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+        "---: |\n");
+    for (const Row& r : rows) {
+      const double mma =
+          r.mma32_us > 0 ? std::min(r.mma_us, r.mma32_us) : r.mma_us;
+      std::printf("| %d | %d |", r.head_dim, r.tokens);
+      double best = 0;
+      for (const double us : {r.wgmma64_us, r.wgmma128_us}) {
+        if (us > 0) {
+          std::printf(" %.1f | %.1f |", us, r.flops / us / 1e6);
+          best = best > 0 ? std::min(best, us) : us;
+        } else {
+          std::printf(" failed | |");
+        }
+      }
+      std::printf(" %.4g |", r.wgmma_max_diff);
+      if (best > 0) {
+        std::printf(" %.2fx |\n", mma / best);
+      } else {
+        std::printf(" |\n");
+      }
+    }
+    std::printf("\n");
+  } else {
+    std::printf(
+        "(warpgroup MMA not timed: the device is not compute capability "
+        "9.0)\n\n");
+  }
   for (const Row& r : rows) {
     std::printf("| %d | %d | %.1f | %.1f |", r.head_dim, r.tokens, r.mma_us,
                 r.flops / r.mma_us / 1e6);
@@ -213,6 +303,8 @@ int Main(int argc, char** argv) {
       if (r.cuda_cores_us > 0) {
         record(r, "pdworker_cuda_cores", r.cuda_cores_us);
       }
+      if (r.wgmma64_us > 0) record(r, "pdworker_wgmma_k64", r.wgmma64_us);
+      if (r.wgmma128_us > 0) record(r, "pdworker_wgmma_k128", r.wgmma128_us);
     }
     AppendGpuRecords(path, gpu, absl::GetFlag(FLAGS_commit),
                      std::move(records));

@@ -1,4 +1,5 @@
-// The tensor-core varlen attention kernel (paged_attention_mma.cu) against
+// The tensor-core varlen attention kernels (paged_attention_mma.cu, and on
+// compute capability 9.0 devices paged_attention_wgmma.cu) against
 // the CPU kernel (moderate shapes, every output row), and on prompts of up
 // to 8,191 tokens against the CUDA-core kernel (every row) and a float64
 // host reference (sampled rows): prompt lengths that are not multiples of
@@ -65,6 +66,14 @@ struct HostStep {
   std::vector<float> query;  // [num_tokens, query_row_stride]
   std::vector<float> key_cache, value_cache;
   std::vector<int32_t> seq_lens, query_start_loc, block_tables;
+};
+
+// One tensor-core kernel configuration under test.
+struct Variant {
+  VarlenAttentionKernel kernel;
+  int warp_rows;  // mma.sync: query rows per warp (0: the default)
+  int tile_keys;  // wgmma: key positions per K/V tile (0: the default)
+  std::string name;
 };
 
 // Buffers of one backend, sized for the largest step a test writes.
@@ -207,13 +216,18 @@ class PagedAttentionMmaTest : public CudaKernelTest {
     b.Write(buffer, std::vector<uint16_t>(n, uint16_t{0xFFFF}));  // bf16 NaN
   }
 
-  absl::Status RunGpu(Buffers& buffers, VarlenAttentionKernel kernel,
-                      DeviceBuffer output, int warp_rows = 0) {
+  absl::Status RunGpu(Buffers& buffers, const Variant& variant,
+                      DeviceBuffer output) {
     PagedAttentionParams p = buffers.params;
-    p.varlen_kernel = kernel;
-    p.mma_warp_rows = warp_rows;
+    p.varlen_kernel = variant.kernel;
+    p.mma_warp_rows = variant.warp_rows;
+    p.wgmma_tile_keys = variant.tile_keys;
     p.output = output;
     return LaunchPagedAttention(*gpu().stream, p);
+  }
+  absl::Status RunGpu(Buffers& buffers, VarlenAttentionKernel kernel,
+                      DeviceBuffer output) {
+    return RunGpu(buffers, Variant{kernel, 0, 0, ""}, output);
   }
 
   std::vector<float> ReadGpu(DeviceBuffer output, const Shape& s,
@@ -222,8 +236,28 @@ class PagedAttentionMmaTest : public CudaKernelTest {
                        static_cast<size_t>(num_tokens) * s.heads * s.head_dim);
   }
 
-  // The tile heights the kernel offers (16 and 32 query rows per warp).
-  static std::vector<int> WarpRows(const Shape&) { return {16, 32}; }
+  // The tensor-core kernels under test: the mma.sync kernel at both tile
+  // heights (16 and 32 query rows per warp) and, on a compute capability
+  // 9.0 device, the warpgroup-MMA kernel at both key tile widths.
+  std::vector<Variant> Variants() {
+    std::vector<Variant> out = {
+        {VarlenAttentionKernel::kTensorCores, 16, 0, "mma.sync 16 rows/warp"},
+        {VarlenAttentionKernel::kTensorCores, 32, 0, "mma.sync 32 rows/warp"}};
+    if (PagedAttentionHasWarpgroupMma(*gpu().stream)) {
+      out.push_back(
+          {VarlenAttentionKernel::kWarpgroupMma, 0, 64, "wgmma 64-key tiles"});
+      out.push_back({VarlenAttentionKernel::kWarpgroupMma, 0, 128,
+                     "wgmma 128-key tiles"});
+    } else if (!wgmma_noted_) {
+      std::printf(
+          "note: the warpgroup-MMA kernel is not run here (the "
+          "device is not compute capability 9.0)\n");
+      wgmma_noted_ = true;
+    }
+    return out;
+  }
+
+  bool wgmma_noted_ = false;
 
   static int RealTokens(const HostStep& h) {
     int tokens = 0;
@@ -347,19 +381,17 @@ TEST_F(PagedAttentionMmaTest, RandomBatchesMatchTheCpuKernel) {
       const std::vector<float> want = cpu().Read<float>(
           on_cpu.params.output,
           static_cast<size_t>(num_tokens) * s.heads * s.head_dim);
-      // Both tile heights (16 and 32 query rows per warp).
-      for (const int warp_rows : WarpRows(s)) {
+      for (const Variant& variant : Variants()) {
         Poison(gpu(), on_gpu.params.output,
                static_cast<size_t>(num_tokens) * s.heads * s.head_dim);
         const absl::Status status =
-            RunGpu(on_gpu, VarlenAttentionKernel::kTensorCores,
-                   on_gpu.params.output, warp_rows);
+            RunGpu(on_gpu, variant, on_gpu.params.output);
         ASSERT_TRUE(status.ok()) << status;
         const std::vector<float> got =
             ReadGpu(on_gpu.params.output, s, num_tokens);
         const std::string what =
-            absl::StrCat(ShapeName(s), " warp rows ", warp_rows, " trial ",
-                         trial, " (", n, " requests, ", num_tokens, " rows)");
+            absl::StrCat(ShapeName(s), " ", variant.name, " trial ", trial,
+                         " (", n, " requests, ", num_tokens, " rows)");
         ExpectClose(got, want, kTol, kTol, what);
         ExpectPaddingZero(got, s, h, what);
       }
@@ -404,22 +436,8 @@ TEST_F(PagedAttentionMmaTest, LongPromptsMatchCudaCoresAndFloat64) {
     ASSERT_TRUE(status.ok()) << status;
     const std::vector<float> cuda_cores =
         ReadGpu(on_gpu.reference_output, s, num_tokens);
-    std::vector<float> got;
-    for (const int warp_rows : WarpRows(s)) {
-      Poison(gpu(), on_gpu.params.output,
-             static_cast<size_t>(num_tokens) * s.heads * s.head_dim);
-      status = RunGpu(on_gpu, VarlenAttentionKernel::kTensorCores,
-                      on_gpu.params.output, warp_rows);
-      ASSERT_TRUE(status.ok()) << status;
-      got = ReadGpu(on_gpu.params.output, s, num_tokens);
-      const std::string what =
-          absl::StrCat(ShapeName(s), " warp rows ", warp_rows);
-      ExpectClose(got, cuda_cores, kRelVsCudaCores, kTol,
-                  what + " vs the CUDA-core kernel");
-      ExpectPaddingZero(got, s, h, what);
-    }
-    const std::string what = ShapeName(s);  // float64: the last tile height
-
+    // float64 at sampled rows: each request's first and last, tile edges,
+    // random ones.
     std::vector<int> rows;
     int begin = 0;
     for (const Request& r : requests) {
@@ -432,16 +450,33 @@ TEST_F(PagedAttentionMmaTest, LongPromptsMatchCudaCoresAndFloat64) {
     std::mt19937 rng(s.head_dim);
     for (int i = 0; i < 16; ++i) rows.push_back(rng() % tokens);
     const size_t width = static_cast<size_t>(s.heads) * s.head_dim;
-    std::vector<float> got_rows, want_rows;
+    std::vector<float> want_rows;
     for (int row : rows) {
       const std::vector<double> want =
           Reference(s, h, num_blocks, blocks_per_seq, stride, row);
       for (size_t i = 0; i < width; ++i) {
         want_rows.push_back(static_cast<float>(want[i]));
-        got_rows.push_back(got[row * width + i]);
       }
     }
-    ExpectClose(got_rows, want_rows, kTol, kTol, what + " vs float64");
+
+    for (const Variant& variant : Variants()) {
+      Poison(gpu(), on_gpu.params.output,
+             static_cast<size_t>(num_tokens) * s.heads * s.head_dim);
+      status = RunGpu(on_gpu, variant, on_gpu.params.output);
+      ASSERT_TRUE(status.ok()) << status;
+      const std::vector<float> got =
+          ReadGpu(on_gpu.params.output, s, num_tokens);
+      const std::string what = absl::StrCat(ShapeName(s), " ", variant.name);
+      ExpectClose(got, cuda_cores, kRelVsCudaCores, kTol,
+                  what + " vs the CUDA-core kernel");
+      ExpectPaddingZero(got, s, h, what);
+      std::vector<float> got_rows;
+      for (int row : rows) {
+        got_rows.insert(got_rows.end(), got.begin() + row * width,
+                        got.begin() + (row + 1) * width);
+      }
+      ExpectClose(got_rows, want_rows, kTol, kTol, what + " vs float64");
+    }
   }
 }
 
@@ -462,13 +497,15 @@ TEST_F(PagedAttentionMmaTest, BlockIdsOutsideTheCacheAreSkippedAsOnCpu) {
   Write(cpu(), on_cpu, s, h, num_blocks, stride, false);
   Write(gpu(), on_gpu, s, h, num_blocks, stride, true);
   ASSERT_TRUE(LaunchPagedAttention(*cpu().stream, on_cpu.params).ok());
-  ASSERT_TRUE(
-      RunGpu(on_gpu, VarlenAttentionKernel::kTensorCores, on_gpu.params.output)
-          .ok());
-  ExpectClose(ReadGpu(on_gpu.params.output, s, kNumTokens),
-              cpu().Read<float>(on_cpu.params.output,
-                                static_cast<size_t>(kNumTokens) * stride),
-              kTol, kTol, "bad block id");
+  const std::vector<float> want = cpu().Read<float>(
+      on_cpu.params.output, static_cast<size_t>(kNumTokens) * stride);
+  for (const Variant& variant : Variants()) {
+    Poison(gpu(), on_gpu.params.output,
+           static_cast<size_t>(kNumTokens) * stride);
+    ASSERT_TRUE(RunGpu(on_gpu, variant, on_gpu.params.output).ok());
+    ExpectClose(ReadGpu(on_gpu.params.output, s, kNumTokens), want, kTol, kTol,
+                "bad block id, " + variant.name);
+  }
 }
 
 // A graph captured on one batch and replayed after another batch of the
@@ -484,41 +521,38 @@ TEST_F(PagedAttentionMmaTest, GraphReplayIsBitIdenticalToEager) {
   Buffers on_gpu = Allocate(gpu(), DType::kBFloat16, capacity);
   const HostStep first = MakeStep(s, {{500, 500}, {90, 700}}, kNumTokens, kSeqs,
                                   kBlocksPerSeq, num_blocks, stride, 1);
-  Write(gpu(), on_gpu, s, first, num_blocks, stride, true);
-  Stream& stream = *gpu().stream;
-  ASSERT_TRUE(RunGpu(on_gpu, VarlenAttentionKernel::kTensorCores,
-                     on_gpu.params.output)
-                  .ok());  // warm-up
-  ASSERT_TRUE(stream.BeginCapture().ok());
-  ASSERT_TRUE(
-      RunGpu(on_gpu, VarlenAttentionKernel::kTensorCores, on_gpu.params.output)
-          .ok());
-  auto graph = stream.EndCapture();
-  ASSERT_TRUE(graph.ok()) << graph.status();
-
   // More requests, other lengths and prefixes, other blocks.
   const HostStep next =
       MakeStep(s, {{1, 1000}, {333, 333}, {17, 17}, {200, 650}, {1, 5}},
                kNumTokens, kSeqs, kBlocksPerSeq, num_blocks, stride, 2);
-  Write(gpu(), on_gpu, s, next, num_blocks, stride, true);
-  ASSERT_TRUE((*graph)->Replay().ok());
-  const std::vector<float> replayed =
-      ReadGpu(on_gpu.params.output, s, kNumTokens);
   Write(cpu(), on_cpu, s, next, num_blocks, stride, false);
   ASSERT_TRUE(LaunchPagedAttention(*cpu().stream, on_cpu.params).ok());
-  ExpectClose(replayed,
-              cpu().Read<float>(on_cpu.params.output,
-                                static_cast<size_t>(kNumTokens) * stride),
-              kTol, kTol, "replay vs cpu");
-  Write(gpu(), on_gpu, s, next, num_blocks, stride, true);  // NaN outputs
-  ASSERT_TRUE(
-      RunGpu(on_gpu, VarlenAttentionKernel::kTensorCores, on_gpu.params.output)
-          .ok());
-  EXPECT_TRUE(SameBits(ReadGpu(on_gpu.params.output, s, kNumTokens), replayed));
+  const std::vector<float> want = cpu().Read<float>(
+      on_cpu.params.output, static_cast<size_t>(kNumTokens) * stride);
+  Stream& stream = *gpu().stream;
+  for (const Variant& variant : Variants()) {
+    Write(gpu(), on_gpu, s, first, num_blocks, stride, true);
+    ASSERT_TRUE(RunGpu(on_gpu, variant, on_gpu.params.output).ok());  // warm-up
+    ASSERT_TRUE(stream.BeginCapture().ok());
+    ASSERT_TRUE(RunGpu(on_gpu, variant, on_gpu.params.output).ok());
+    auto graph = stream.EndCapture();
+    ASSERT_TRUE(graph.ok()) << graph.status();
+
+    Write(gpu(), on_gpu, s, next, num_blocks, stride, true);
+    ASSERT_TRUE((*graph)->Replay().ok());
+    const std::vector<float> replayed =
+        ReadGpu(on_gpu.params.output, s, kNumTokens);
+    ExpectClose(replayed, want, kTol, kTol, "replay vs cpu, " + variant.name);
+    Write(gpu(), on_gpu, s, next, num_blocks, stride, true);  // NaN outputs
+    ASSERT_TRUE(RunGpu(on_gpu, variant, on_gpu.params.output).ok());
+    EXPECT_TRUE(
+        SameBits(ReadGpu(on_gpu.params.output, s, kNumTokens), replayed))
+        << variant.name;
+  }
 }
 
-// kTensorCores on a head_dim it does not cover is refused before anything
-// runs: the output keeps its poison.
+// kTensorCores and kWarpgroupMma on a head_dim they do not cover are refused
+// before anything runs: the output keeps its poison.
 TEST_F(PagedAttentionMmaTest, TensorCoresRefuseUncoveredShapes) {
   const Shape s{4, 1, 96, 16};
   constexpr int kNumTokens = 8;
@@ -531,6 +565,14 @@ TEST_F(PagedAttentionMmaTest, TensorCoresRefuseUncoveredShapes) {
       RunGpu(on_gpu, VarlenAttentionKernel::kTensorCores, on_gpu.params.output);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
   EXPECT_NE(status.message().find("head_dim 96"), std::string::npos) << status;
+  for (float v : ReadGpu(on_gpu.params.output, s, kNumTokens)) {
+    ASSERT_TRUE(std::isnan(v));
+  }
+  // So is kWarpgroupMma, on any device (it covers the same head dims).
+  const absl::Status wgmma = RunGpu(
+      on_gpu, VarlenAttentionKernel::kWarpgroupMma, on_gpu.params.output);
+  EXPECT_EQ(wgmma.code(), absl::StatusCode::kInvalidArgument) << wgmma;
+  EXPECT_NE(wgmma.message().find("head_dim 96"), std::string::npos) << wgmma;
   for (float v : ReadGpu(on_gpu.params.output, s, kNumTokens)) {
     ASSERT_TRUE(std::isnan(v));
   }

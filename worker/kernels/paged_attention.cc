@@ -396,6 +396,7 @@ PagedAttentionCudaParams ToCudaParams(const PagedAttentionParams& p) {
   c.uniform_query_len = p.uniform_query_len;
   c.num_splits = DecodeSplits(p);
   c.mma_warp_rows = p.mma_warp_rows;
+  c.wgmma_tile_keys = p.wgmma_tile_keys;
   return c;
 }
 #endif
@@ -449,6 +450,15 @@ size_t PagedAttentionWorkspaceBytes(int max_decode_tokens, int num_heads,
   return sizeof(float) * static_cast<size_t>(slots) * (head_dim + 2);
 }
 
+bool PagedAttentionHasWarpgroupMma(const Stream& stream) {
+#if PDW_HAVE_CUDA
+  return stream.kind() == DeviceKind::kCuda && CudaCurrentDeviceHasWgmma();
+#else
+  (void)stream;
+  return false;
+#endif
+}
+
 absl::Status LaunchPagedAttention(Stream& stream,
                                   const PagedAttentionParams& p) {
   constexpr char kOp[] = "paged_attention";
@@ -484,6 +494,22 @@ absl::Status LaunchPagedAttention(Stream& stream,
         }
         tensor_cores = true;
         break;
+      case VarlenAttentionKernel::kWarpgroupMma:
+        if (!PagedAttentionWgmmaSupports(c)) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "%s: varlen_kernel kWarpgroupMma needs a compute capability "
+              "9.0 device and covers head_dim 64 or 128, GQA groups of 1-%d "
+              "with 16-byte aligned query rows and wgmma_tile_keys 0, 64 or "
+              "128; got head_dim %d, %d heads over %d kv heads, "
+              "query_row_stride %d, wgmma_tile_keys %d",
+              kOp, kCudaAttentionMmaMaxGroup, p.head_dim, p.num_heads,
+              p.num_kv_heads, resolved.query_row_stride, p.wgmma_tile_keys));
+        }
+        return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
+          return CudaStatus(LaunchPagedAttentionVarlenWgmmaCuda(
+                                c, static_cast<cudaStream_t>(ctx.cuda_stream)),
+                            "paged_attention (warpgroup mma)");
+        });
       case VarlenAttentionKernel::kCudaCores:
         break;
     }

@@ -92,6 +92,11 @@ enum class VarlenAttentionKernel {
   // The CUDA-core kernel: one CTA per (token, kv head); the reference the
   // tensor-core kernel is tested against.
   kCudaCores,
+  // Hopper's warpgroup MMA (wgmma): the tensor-core kernel's tiles with its
+  // products on wgmma; compute capability 9.0 only, head_dim 64 or 128, GQA
+  // groups of 1-8; InvalidArgument elsewhere. Not yet measured on a GPU, so
+  // kAuto does not pick it.
+  kWarpgroupMma,
 };
 
 // Which CUDA kernel a uniform decode launch splits the keys with (the
@@ -165,12 +170,19 @@ struct PagedAttentionParams {
   // CUDA tensor-core varlen only: query rows per warp (16 or 32); 0 takes
   // the measured default. Benchmarks and tests set it.
   int mma_warp_rows = 0;
+  // CUDA warpgroup-MMA varlen only: key positions per K/V tile (64 or 128);
+  // 0 takes the default for the head dim. Benchmarks and tests set it.
+  int wgmma_tile_keys = 0;
   // CUDA uniform decode only: scratch of at least
   // PagedAttentionWorkspaceBytes(num_tokens, num_heads, head_dim,
   // max_blocks_per_seq, block_size) bytes, from the startup arena. Ignored
   // elsewhere (may be empty).
   DeviceBuffer workspace;
 };
+
+// True when varlen_kernel kWarpgroupMma can run on `stream`: a CUDA stream
+// whose current device has compute capability 9.0, in a build with CUDA.
+bool PagedAttentionHasWarpgroupMma(const Stream& stream);
 
 // Varlen causal attention. For r < num_reqs[0] with q_len = query_start_loc
 // [r+1] − query_start_loc[r]: query token j of r sits at absolute position

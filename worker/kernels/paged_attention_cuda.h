@@ -51,6 +51,9 @@ struct PagedAttentionCudaParams {
   // Tensor-core varlen only: query rows per warp, 16 or 32; 0: the default
   // (kCudaAttentionMmaTallTileMinTokens).
   int mma_warp_rows = 0;
+  // Warpgroup-MMA varlen only: key positions per K/V tile, 64 or 128; 0:
+  // the default for the head dim (kCudaAttentionWgmmaTileKeysHd64 / 128).
+  int wgmma_tile_keys = 0;
   // Decode only: split-K CTAs per (request, kv head [, head chunk]), from
   // the launch shape alone (CudaDecodeNumSplits), so one graph serves every
   // step of its shape.
@@ -110,6 +113,31 @@ bool PagedAttentionMmaSupports(const PagedAttentionCudaParams& p);
 // PagedAttentionMmaSupports refuses.
 cudaError_t LaunchPagedAttentionVarlenMmaCuda(const PagedAttentionCudaParams& p,
                                               cudaStream_t stream);
+
+// Varlen causal attention on Hopper's warpgroup MMA (paged_attention_wgmma.
+// cu, sm_90a only): the tensor-core routine's tiles, masking and outputs with
+// S = Q·Kᵀ read from shared memory by wgmma and P·V taking P from registers,
+// one CTA of 2 warpgroups per (query tile of 128 / G tokens × G heads, kv
+// head). Same coverage as the tensor-core routine, on compute capability 9.0
+// devices only. Written without a GPU: kAuto does not select it yet.
+// Key positions per K/V tile unless a launch asks for another (64 or 128).
+// Not measured yet; 64 keeps two CTAs per SM at both head dims (ptxas -v:
+// 115 registers at head_dim 64, 126 at 128, no spills; 49 / 97 KB of shared
+// memory), where 128-key tiles at head_dim 64 take 138 registers (one CTA
+// per SM). prefill_attention_bench times both.
+inline constexpr int kCudaAttentionWgmmaTileKeysHd64 = 64;
+inline constexpr int kCudaAttentionWgmmaTileKeysHd128 = 64;
+int PagedAttentionWgmmaTileKeys(const PagedAttentionCudaParams& p);
+// True when the current CUDA device runs sm_90a code (compute capability
+// 9.0: H100, H200).
+bool CudaCurrentDeviceHasWgmma();
+// True when the warpgroup-MMA routine covers this launch: what
+// PagedAttentionMmaSupports covers, tile keys 64 or 128, and a current
+// device of compute capability 9.0.
+bool PagedAttentionWgmmaSupports(const PagedAttentionCudaParams& p);
+// cudaErrorInvalidValue for a launch PagedAttentionWgmmaSupports refuses.
+cudaError_t LaunchPagedAttentionVarlenWgmmaCuda(
+    const PagedAttentionCudaParams& p, cudaStream_t stream);
 
 // Uniform decode, flash-decoding: num_splits CTAs per (request, kv head [,
 // head chunk]) each write the normalized partial output of one slice of the

@@ -43,20 +43,29 @@
 #include "worker/kernels/cuda_common.cuh"
 #include "worker/kernels/mma_tile.cuh"
 #include "worker/kernels/paged_attention_cuda.h"
+#include "worker/kernels/varlen_tile.cuh"
 
 namespace pdworker {
 namespace kernels {
 namespace {
 
 using cuda::mma_tile::CommitCopies;
-using cuda::mma_tile::CopyAsync16;
 using cuda::mma_tile::kChunk;
 using cuda::mma_tile::LoadMatrixX4;
 using cuda::mma_tile::LoadMatrixX4Trans;
 using cuda::mma_tile::PackBf16x2;
+using cuda::mma_tile::PackProbabilities;
+using cuda::mma_tile::RescaleRows;
 using cuda::mma_tile::SharedAddress;
+using cuda::mma_tile::SoftmaxTile;
 using cuda::mma_tile::Swizzled;
 using cuda::mma_tile::WaitCopies;
+using cuda::varlen_tile::FindTileKeys;
+using cuda::varlen_tile::LoadKvTile;
+using cuda::varlen_tile::LoadQueryTile;
+using cuda::varlen_tile::StartTile;
+using cuda::varlen_tile::TileAssignment;
+using cuda::varlen_tile::TileKeys;
 
 constexpr int kThreads = 128;
 constexpr int kWarps = 4;
@@ -72,7 +81,6 @@ struct TileSizes {
   static constexpr int kWarpRows = kWarpRowsArg;
   static constexpr int kMTiles = kWarpRows / 16;
   static constexpr int kTileRows = kWarps * kWarpRows;  // query rows per CTA
-  static constexpr int kChunksPerRow = kHeadDim / kChunk;
   static constexpr int kQElems = kTileRows * kHeadDim;
   static constexpr int kKvElems = kTileKeys * kHeadDim;  // one K or V stage
   // Q, then K and V of two stages.
@@ -82,61 +90,11 @@ struct TileSizes {
 // --- The kernel
 // ---------------------------------------------------------------
 
-// Which request and which of its query tiles CTA tile index `t` handles:
-// tiles are numbered request by request (ceil(q_len / tokens) each).
-struct TileAssignment {
-  int request = -1;        // -1: no tile (only the padding rows to zero)
-  int first_row = 0;       // token row of the tile's first query token
-  int num_tokens = 0;      // real query tokens in the tile (<= tokens per tile)
-  int first_position = 0;  // absolute position of the first token
-};
-
-__device__ TileAssignment FindTile(const PagedAttentionCudaParams& p,
-                                   int num_reqs, int tokens_per_tile, int t) {
-  // Warp 0 scans the requests 32 at a time with an inclusive warp scan.
-  TileAssignment a;
-  const int lane = threadIdx.x;
-  int before = 0;  // tiles of earlier chunks
-  for (int base = 0; base < num_reqs; base += cuda::kWarpSize) {
-    const int r = base + lane;
-    int begin = 0, end = 0;
-    if (r < num_reqs) {
-      begin = min(max(p.query_start_loc[r], 0), p.num_tokens);
-      end = min(max(p.query_start_loc[r + 1], begin), p.num_tokens);
-    }
-    const int tiles = (end - begin + tokens_per_tile - 1) / tokens_per_tile;
-    int inclusive = tiles;
-    for (int offset = 1; offset < cuda::kWarpSize; offset *= 2) {
-      const int v = __shfl_up_sync(cuda::kFullMask, inclusive, offset);
-      if (lane >= offset) inclusive += v;
-    }
-    const int exclusive = before + inclusive - tiles;
-    const bool mine = tiles > 0 && exclusive <= t && t < exclusive + tiles;
-    const unsigned owner = __ballot_sync(cuda::kFullMask, mine);
-    if (owner != 0) {
-      const int src = __ffs(owner) - 1;
-      const int tile_in_req = __shfl_sync(cuda::kFullMask, t - exclusive, src);
-      const int req_begin = __shfl_sync(cuda::kFullMask, begin, src);
-      const int req_end = __shfl_sync(cuda::kFullMask, end, src);
-      a.request = base + src;
-      a.first_row = req_begin + tile_in_req * tokens_per_tile;
-      a.num_tokens = min(tokens_per_tile, req_end - a.first_row);
-      // Query token j of the request sits at seq_len - q_len + j.
-      a.first_position = p.seq_lens[a.request] - (req_end - req_begin) +
-                         tile_in_req * tokens_per_tile;
-      return a;
-    }
-    before += __shfl_sync(cuda::kFullMask, inclusive, cuda::kWarpSize - 1);
-  }
-  return a;
-}
-
 template <int kHeadDim, int kWarpRowsArg>
 __global__ void __launch_bounds__(kThreads)
     MmaVarlenAttentionKernel(PagedAttentionCudaParams p) {
   cuda::AllowDependentLaunch();
   using Sizes = TileSizes<kHeadDim, kWarpRowsArg>;
-  constexpr int kChunks = Sizes::kChunksPerRow;
   constexpr int kTileRows = Sizes::kTileRows;
   constexpr int kWarpRows = Sizes::kWarpRows;
   constexpr int kMTiles = Sizes::kMTiles;
@@ -153,106 +111,28 @@ __global__ void __launch_bounds__(kThreads)
 
   const int kv_head = blockIdx.x;
   const int group = p.num_heads / p.num_kv_heads;  // G <= 8
-  const int tokens_per_tile = kTileRows / group;
-  const int num_reqs = min(max(p.num_reqs[0], 0), p.max_num_seqs);
   const int head0 = kv_head * group;
   const int tid = threadIdx.x;
 
-  // Rows no request owns ([0, qsl[0]) and [qsl[num_reqs], num_tokens)) get
-  // zeros, spread over the CTAs of this kv head.
-  {
-    const int owned_begin = min(max(p.query_start_loc[0], 0), p.num_tokens);
-    const int owned_end =
-        min(max(p.query_start_loc[num_reqs], owned_begin), p.num_tokens);
-    const int padding = owned_begin + (p.num_tokens - owned_end);
-    const int width = group * kHeadDim;
-    for (int idx = blockIdx.y; idx < padding; idx += gridDim.y) {
-      const int row = idx < owned_begin ? idx : owned_end + idx - owned_begin;
-      __nv_bfloat16* out = p.output +
-                           static_cast<int64_t>(row) * p.num_heads * kHeadDim +
-                           static_cast<int64_t>(head0) * kHeadDim;
-      for (int i = tid * kChunk; i < width; i += kThreads * kChunk) {
-        *reinterpret_cast<uint4*>(out + i) = make_uint4(0, 0, 0, 0);
-      }
-    }
-  }
-
-  // Heaviest tiles first: the last tile index gets the first CTAs.
-  const int t = gridDim.y - 1 - blockIdx.y;
-  if (tid < cuda::kWarpSize) {
-    const TileAssignment a = FindTile(p, num_reqs, tokens_per_tile, t);
-    if (tid == 0) tile_s = a;
-  }
-  __syncthreads();
-  const TileAssignment a = tile_s;
+  // Zeros for the rows no request owns, then this CTA's tile.
+  const TileAssignment a =
+      StartTile<kHeadDim, kTileRows, kThreads>(p, group, head0, &tile_s);
   if (a.request < 0) return;
 
   const int num_rows = a.num_tokens * group;
-  const int64_t cap = static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
-  const int64_t last_position =
-      static_cast<int64_t>(a.first_position) + a.num_tokens - 1;
-  // Keys [0, kv_len) are visible to some row of the tile.
-  const int kv_len = static_cast<int>(min(last_position + 1, cap));
-  const int32_t* block_table =
-      p.block_tables + static_cast<int64_t>(a.request) * p.max_blocks_per_seq;
+  const TileKeys keys = FindTileKeys<kHeadDim, kThreads>(p, a, kv_head);
+  const int kv_len = keys.kv_len;
+  const bool any_bad_block = keys.any_bad_block;
 
-  // A block id outside the cache (a corrupt table: the KV cache manager never
-  // writes one) makes every tile take the masked path.
-  int bad_block = 0;
-  if (kv_len > 0) {
-    const int blocks = (kv_len + p.block_size - 1) / p.block_size;
-    for (int b = tid; b < blocks; b += kThreads) {
-      const int32_t id = block_table[b];
-      bad_block |= id < 0 || id >= p.num_blocks;
-    }
-  }
-  const bool any_bad_block = __syncthreads_or(bad_block) != 0;
-
-  const int64_t kv_row = static_cast<int64_t>(p.num_kv_heads) * kHeadDim;
-  const __nv_bfloat16* k_base = p.key_cache + kv_head * kHeadDim;
-  const __nv_bfloat16* v_base = p.value_cache + kv_head * kHeadDim;
-
-  // Q tile: row r = token r / G, head r % G; rows past the tile are zeros.
-  for (int i = tid; i < kTileRows * kChunks; i += kThreads) {
-    const int row = i / kChunks;
-    const int chunk = i % kChunks;
-    const bool real = row < num_rows;
-    const __nv_bfloat16* src =
-        real ? p.query +
-                   static_cast<int64_t>(a.first_row + row / group) *
-                       p.query_row_stride +
-                   static_cast<int64_t>(head0 + row % group) * kHeadDim +
-                   chunk * kChunk
-             : p.query;
-    CopyAsync16(SharedAddress(q_tile + Swizzled<kHeadDim>(row, chunk)), src,
-                real ? 16 : 0);
-  }
-
-  // K and V rows of key tile `tile` into stage `stage`; key_ok records which
-  // keys are real (below kv_len, in a valid block).
+  LoadQueryTile<kHeadDim, kTileRows, kThreads>(
+      p, a, group, head0, num_rows, q_tile,
+      [](int row, int chunk) { return Swizzled<kHeadDim>(row, chunk); });
+  // K and V rows of key tile `tile` into stage `stage`.
   auto load_kv = [&](int tile, int stage) {
-    __nv_bfloat16* k_dst = k_tiles + stage * Sizes::kKvElems;
-    __nv_bfloat16* v_dst = v_tiles + stage * Sizes::kKvElems;
-    for (int i = tid; i < kTileKeys * kChunks; i += kThreads) {
-      const int key = i / kChunks;
-      const int chunk = i % kChunks;
-      const int position = tile * kTileKeys + key;
-      int64_t offset = -1;
-      if (position < kv_len) {
-        const int32_t block = block_table[position / p.block_size];
-        if (block >= 0 && block < p.num_blocks) {
-          offset = (static_cast<int64_t>(block) * p.block_size +
-                    position % p.block_size) *
-                   kv_row;
-        }
-      }
-      const int bytes = offset >= 0 ? 16 : 0;
-      const int64_t at = (offset >= 0 ? offset : 0) + chunk * kChunk;
-      const int dst = Swizzled<kHeadDim>(key, chunk);
-      CopyAsync16(SharedAddress(k_dst + dst), k_base + at, bytes);
-      CopyAsync16(SharedAddress(v_dst + dst), v_base + at, bytes);
-      if (chunk == 0) key_ok[stage][key] = offset >= 0;
-    }
+    LoadKvTile<kHeadDim, kTileKeys, kThreads>(
+        p, keys, tile, k_tiles + stage * Sizes::kKvElems,
+        v_tiles + stage * Sizes::kKvElems, key_ok[stage],
+        [](int key, int chunk) { return Swizzled<kHeadDim>(key, chunk); });
   };
 
   const int num_key_tiles =
@@ -374,50 +254,9 @@ __global__ void __launch_bounds__(kThreads)
       float rescale[kMTiles][2];
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-        for (int n = 0; n < kKeyTiles; ++n) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float v = s[mt][n][e] * scale_log2;
-            if (needs_mask) {
-              const int j = 8 * n + 2 * tq + (e & 1);
-              if (!key_ok[stage][j] || key0 + j > position[mt][e / 2]) {
-                v = kNegInf;
-              }
-            }
-            s[mt][n][e] = v;
-          }
-        }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float m = row_max[mt][h];
-#pragma unroll
-          for (int n = 0; n < kKeyTiles; ++n) {
-            m = fmaxf(m, fmaxf(s[mt][n][2 * h], s[mt][n][2 * h + 1]));
-          }
-          m = fmaxf(m, __shfl_xor_sync(cuda::kFullMask, m, 1));
-          m = fmaxf(m, __shfl_xor_sync(cuda::kFullMask, m, 2));
-          // A row that has seen only masked keys keeps max -inf: its
-          // weights are exp2(-inf) = 0 (never exp2(-inf - -inf)).
-          rescale[mt][h] = m == kNegInf ? 1.0f : exp2f(row_max[mt][h] - m);
-          row_max[mt][h] = m;
-          const float base = m == kNegInf ? 0.0f : m;
-          float sum = 0.0f;
-#pragma unroll
-          for (int n = 0; n < kKeyTiles; ++n) {
-            s[mt][n][2 * h] = exp2f(s[mt][n][2 * h] - base);
-            s[mt][n][2 * h + 1] = exp2f(s[mt][n][2 * h + 1] - base);
-            sum += s[mt][n][2 * h] + s[mt][n][2 * h + 1];
-          }
-          row_sum[mt][h] = row_sum[mt][h] * rescale[mt][h] + sum;
-        }
-#pragma unroll
-        for (int n = 0; n < kDimTiles; ++n) {
-          o[mt][n][0] *= rescale[mt][0];
-          o[mt][n][1] *= rescale[mt][0];
-          o[mt][n][2] *= rescale[mt][1];
-          o[mt][n][3] *= rescale[mt][1];
-        }
+        SoftmaxTile(s[mt], row_max[mt], row_sum[mt], rescale[mt], scale_log2,
+                    needs_mask, key_ok[stage], key0, position[mt], tq);
+        RescaleRows(o[mt], rescale[mt]);
       }
 
       // (d) O += P·V: P's accumulator layout is the A fragment layout of the
@@ -428,10 +267,7 @@ __global__ void __launch_bounds__(kThreads)
         uint32_t pa[kMTiles][4];
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
-          pa[mt][0] = PackBf16x2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-          pa[mt][1] = PackBf16x2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-          pa[mt][2] = PackBf16x2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-          pa[mt][3] = PackBf16x2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+          PackProbabilities(s[mt], kk, pa[mt]);
         }
 #pragma unroll
         for (int nd = 0; nd < kDimTiles / 2; ++nd) {  // 16 dims at a time
