@@ -89,6 +89,9 @@ ABSL_FLAG(std::string, decode_fusion, "on",
 ABSL_FLAG(std::string, decode_attention, "auto",
           "The decode steps' attention split kernel: auto, cuda_cores or "
           "tensor_cores (where it covers the model).");
+ABSL_FLAG(std::string, prefill_attention, "auto",
+          "The varlen (prefill) steps' attention kernel: auto, tensor_cores "
+          "(mma.sync), wgmma (compute capability 9.0) or cuda_cores.");
 ABSL_FLAG(std::string, json_out, "",
           "Also write the results as JSON here (bench/torch_compare/report.py "
           "reads it).");
@@ -184,6 +187,16 @@ std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
       attention == "tensor_cores" ? kernels::DecodeAttentionKernel::kTensorCores
       : attention == "cuda_cores" ? kernels::DecodeAttentionKernel::kCudaCores
                                   : kernels::DecodeAttentionKernel::kAuto;
+  const std::string prefill = absl::GetFlag(FLAGS_prefill_attention);
+  CHECK(prefill == "auto" || prefill == "tensor_cores" || prefill == "wgmma" ||
+        prefill == "cuda_cores")
+      << "--prefill_attention: auto, tensor_cores, wgmma or cuda_cores, got "
+      << prefill;
+  o.varlen_attention_kernel =
+      prefill == "tensor_cores" ? kernels::VarlenAttentionKernel::kTensorCores
+      : prefill == "wgmma"      ? kernels::VarlenAttentionKernel::kWarpgroupMma
+      : prefill == "cuda_cores" ? kernels::VarlenAttentionKernel::kCudaCores
+                                : kernels::VarlenAttentionKernel::kAuto;
   const std::string fusion = absl::GetFlag(FLAGS_decode_fusion);
   CHECK(fusion == "on" || fusion == "off")
       << "--decode_fusion: on or off, got " << fusion;
@@ -495,6 +508,7 @@ void WriteJson(const std::string& path, const std::string& device,
                {"linear_kernel", absl::GetFlag(FLAGS_linear_kernel)},
                {"decode_fusion", absl::GetFlag(FLAGS_decode_fusion)},
                {"decode_attention", absl::GetFlag(FLAGS_decode_attention)},
+               {"prefill_attention", absl::GetFlag(FLAGS_prefill_attention)},
                {"model_dir", dir},
                {"context", context},
                {"weight_bytes", weight_bytes},

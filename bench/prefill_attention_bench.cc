@@ -153,7 +153,7 @@ Row Measure(Device& device, Stream& stream, int head_dim, int tokens,
         time_us(kernels::VarlenAttentionKernel::kCudaCores, 2, 0);
   }
   if (absl::GetFlag(FLAGS_wgmma) &&
-      kernels::PagedAttentionHasWarpgroupMma(stream)) {
+      kernels::PagedAttentionHasWarpgroupMma(stream.kind())) {
     // One eager launch of each kernel, read back: the wgmma outputs against
     // the 16-row mma.sync kernel's. A launch error skips the timing.
     auto output = [&](kernels::VarlenAttentionKernel kernel, int tile_keys,

@@ -243,7 +243,7 @@ class PagedAttentionMmaTest : public CudaKernelTest {
     std::vector<Variant> out = {
         {VarlenAttentionKernel::kTensorCores, 16, 0, "mma.sync 16 rows/warp"},
         {VarlenAttentionKernel::kTensorCores, 32, 0, "mma.sync 32 rows/warp"}};
-    if (PagedAttentionHasWarpgroupMma(*gpu().stream)) {
+    if (PagedAttentionHasWarpgroupMma(gpu().stream->kind())) {
       out.push_back(
           {VarlenAttentionKernel::kWarpgroupMma, 0, 64, "wgmma 64-key tiles"});
       out.push_back({VarlenAttentionKernel::kWarpgroupMma, 0, 128,

@@ -8,8 +8,11 @@
 #include <numeric>
 #include <random>
 #include <tuple>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
 #include "tests/kernels/kernel_test_util.h"
 
 namespace pdworker {
@@ -433,6 +436,49 @@ TEST_F(PagedAttentionErrorsTest, RejectsBadBuffersAndShapes) {
   bad.num_tokens = 4;
   EXPECT_THAT(LaunchPagedAttentionUniformDecode(stream(), bad),
               IsInvalidArgumentMentioning("max_num_seqs"));
+}
+
+// Which varlen kernels a model may force, on which backend: the reason a
+// refusal gives names what is missing.
+TEST(CheckVarlenAttentionKernelTest, RefusesWhatTheDeviceOrModelLacks) {
+  using K = VarlenAttentionKernel;
+  // The Llama-3.2-1B layout: head_dim 64, 32 heads over 8 kv heads.
+  EXPECT_TRUE(
+      CheckVarlenAttentionKernel(DeviceKind::kCpu, K::kAuto, 64, 32, 8).ok());
+  for (const K kernel : {K::kTensorCores, K::kWarpgroupMma, K::kCudaCores}) {
+    const absl::Status cpu =
+        CheckVarlenAttentionKernel(DeviceKind::kCpu, kernel, 64, 32, 8);
+    EXPECT_EQ(cpu.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(cpu.message(), ::testing::HasSubstr("must be auto on the cpu"));
+  }
+  EXPECT_TRUE(
+      CheckVarlenAttentionKernel(DeviceKind::kCuda, K::kTensorCores, 64, 32, 8)
+          .ok());
+  EXPECT_TRUE(
+      CheckVarlenAttentionKernel(DeviceKind::kCuda, K::kCudaCores, 96, 32, 2)
+          .ok());
+  // head_dim 96, and a GQA group of 16: no tensor-core kernel covers them.
+  for (const auto& [head_dim, kv_heads] :
+       {std::pair<int, int>{96, 8}, std::pair<int, int>{64, 2}}) {
+    for (const K kernel : {K::kTensorCores, K::kWarpgroupMma}) {
+      const absl::Status status = CheckVarlenAttentionKernel(
+          DeviceKind::kCuda, kernel, head_dim, 32, kv_heads);
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(status.message(),
+                  ::testing::HasSubstr(absl::StrCat(
+                      "head_dim ", head_dim, " and 32 heads over ", kv_heads)));
+    }
+  }
+  // The warpgroup-MMA kernel needs compute capability 9.0.
+  const absl::Status wgmma = CheckVarlenAttentionKernel(
+      DeviceKind::kCuda, K::kWarpgroupMma, 64, 32, 8);
+  if (PagedAttentionHasWarpgroupMma(DeviceKind::kCuda)) {
+    EXPECT_TRUE(wgmma.ok()) << wgmma;
+  } else {
+    EXPECT_EQ(wgmma.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(wgmma.message(),
+                ::testing::HasSubstr("compute capability 9.0"));
+  }
 }
 
 }  // namespace

@@ -253,6 +253,17 @@ TEST(ModelRunnerOptionsTest, ForcedLinearKernelIsRefusedOnTheCpuBackend) {
   EXPECT_THAT(runner.status().message(),
               ::testing::HasSubstr("decode_attention_kernel must be auto"));
   options.decode_attention_kernel = kernels::DecodeAttentionKernel::kAuto;
+  for (const auto kernel : {kernels::VarlenAttentionKernel::kTensorCores,
+                            kernels::VarlenAttentionKernel::kWarpgroupMma,
+                            kernels::VarlenAttentionKernel::kCudaCores}) {
+    options.varlen_attention_kernel = kernel;
+    runner = ModelRunner::Create(device, *dir, options);
+    ASSERT_FALSE(runner.ok());
+    EXPECT_EQ(runner.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(runner.status().message(),
+                ::testing::HasSubstr("varlen_attention_kernel must be auto"));
+  }
+  options.varlen_attention_kernel = kernels::VarlenAttentionKernel::kAuto;
   EXPECT_TRUE(ModelRunner::Create(device, *dir, options).ok());
 }
 

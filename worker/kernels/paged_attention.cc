@@ -7,6 +7,7 @@
 #include <limits>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "glog/logging.h"
 #include "pdw_cuda_config.h"  // PDW_HAVE_CUDA, PDW_HAVE_NCCL
@@ -22,6 +23,8 @@ namespace kernels {
 namespace {
 
 #if PDW_HAVE_CUDA
+static_assert(kTensorCoreAttentionMaxGroup == kCudaAttentionMmaMaxGroup,
+              "CheckVarlenAttentionKernel states the kernels' coverage");
 static_assert(kCudaAttentionMaxUniformQueryLen == kCudaAttentionMaxRowsPerCta,
               "one CTA holds every query token of a request");
 static_assert(kCudaDecodeMinSplitKeys == kCudaAttentionMinSplitKeys &&
@@ -450,13 +453,54 @@ size_t PagedAttentionWorkspaceBytes(int max_decode_tokens, int num_heads,
   return sizeof(float) * static_cast<size_t>(slots) * (head_dim + 2);
 }
 
-bool PagedAttentionHasWarpgroupMma(const Stream& stream) {
+bool PagedAttentionHasWarpgroupMma(DeviceKind kind) {
 #if PDW_HAVE_CUDA
-  return stream.kind() == DeviceKind::kCuda && CudaCurrentDeviceHasWgmma();
+  return kind == DeviceKind::kCuda && CudaCurrentDeviceHasWgmma();
 #else
-  (void)stream;
+  (void)kind;
   return false;
 #endif
+}
+
+#if PDW_HAVE_CUDA
+namespace {
+absl::Status LaunchWgmma(Stream& stream, const PagedAttentionCudaParams& c) {
+  return LaunchCudaOp(stream, "paged_attention", [c](const OpContext& ctx) {
+    return CudaStatus(LaunchPagedAttentionVarlenWgmmaCuda(
+                          c, static_cast<cudaStream_t>(ctx.cuda_stream)),
+                      "paged_attention (warpgroup mma)");
+  });
+}
+}  // namespace
+#endif
+
+absl::Status CheckVarlenAttentionKernel(DeviceKind kind,
+                                        VarlenAttentionKernel kernel,
+                                        int64_t head_dim, int64_t num_heads,
+                                        int64_t num_kv_heads) {
+  if (kernel == VarlenAttentionKernel::kAuto) return absl::OkStatus();
+  if (kind != DeviceKind::kCuda) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "varlen_attention_kernel must be auto on the ", DeviceKindName(kind),
+        " backend (it has one attention routine)"));
+  }
+  if (kernel == VarlenAttentionKernel::kCudaCores) return absl::OkStatus();
+  const int64_t group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
+  if ((head_dim != 64 && head_dim != 128) || group < 1 ||
+      group > kTensorCoreAttentionMaxGroup) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "varlen_attention_kernel: the tensor-core kernels cover head_dim 64 "
+        "or 128 with GQA groups of 1-",
+        kTensorCoreAttentionMaxGroup, "; the model has head_dim ", head_dim,
+        " and ", num_heads, " heads over ", num_kv_heads, " kv heads"));
+  }
+  if (kernel == VarlenAttentionKernel::kWarpgroupMma &&
+      !PagedAttentionHasWarpgroupMma(kind)) {
+    return absl::InvalidArgumentError(
+        "varlen_attention_kernel kWarpgroupMma needs a CUDA device of "
+        "compute capability 9.0 (H100, H200)");
+  }
+  return absl::OkStatus();
 }
 
 absl::Status LaunchPagedAttention(Stream& stream,
@@ -472,6 +516,10 @@ absl::Status LaunchPagedAttention(Stream& stream,
     bool tensor_cores = false;
     switch (resolved.varlen_kernel) {
       case VarlenAttentionKernel::kAuto:
+        if (kVarlenAttentionAutoWarpgroupMma &&
+            PagedAttentionWgmmaSupports(c)) {
+          return LaunchWgmma(stream, c);
+        }
         tensor_cores = PagedAttentionMmaSupports(c);
         if (!tensor_cores) {
           LOG_FIRST_N(WARNING, 1)
@@ -505,11 +553,7 @@ absl::Status LaunchPagedAttention(Stream& stream,
               kOp, kCudaAttentionMmaMaxGroup, p.head_dim, p.num_heads,
               p.num_kv_heads, resolved.query_row_stride, p.wgmma_tile_keys));
         }
-        return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
-          return CudaStatus(LaunchPagedAttentionVarlenWgmmaCuda(
-                                c, static_cast<cudaStream_t>(ctx.cuda_stream)),
-                            "paged_attention (warpgroup mma)");
-        });
+        return LaunchWgmma(stream, c);
       case VarlenAttentionKernel::kCudaCores:
         break;
     }

@@ -82,9 +82,11 @@ size_t PagedAttentionWorkspaceBytes(int max_decode_tokens, int num_heads,
 
 // Which CUDA kernel a varlen launch runs (the CPU backend has one).
 enum class VarlenAttentionKernel {
-  // Tensor cores (FlashAttention-2 style, mma.sync) where they cover the
-  // shape: head_dim 64 or 128, GQA groups of 1-8; the CUDA-core kernel
-  // otherwise (logged once per process).
+  // Tensor cores (FlashAttention-2 style, mma.sync; the warpgroup-MMA
+  // kernel instead on compute capability 9.0 once
+  // kVarlenAttentionAutoWarpgroupMma) where they cover the shape: head_dim
+  // 64 or 128, GQA groups of 1-8; the CUDA-core kernel otherwise (logged
+  // once per process).
   kAuto,
   // The tensor-core kernel; InvalidArgument where it does not cover the
   // shape (tests and benchmarks).
@@ -119,6 +121,16 @@ enum class DecodeAttentionKernel {
 // 1k, 2.8x at batch 32 × 16k: 73% of HBM against 26%; bench/RESULTS.md,
 // 2026-11-27). false brings back the CUDA-core kernel everywhere.
 inline constexpr bool kDecodeAttentionAutoTensorCores = true;
+
+// kAuto's varlen kernel on compute capability 9.0 devices: the
+// warpgroup-MMA one where it covers the launch (true), or the mma.sync one.
+// false until a GPU run shows the warpgroup-MMA kernel correct and faster
+// (scripts/gpu-check issue22).
+inline constexpr bool kVarlenAttentionAutoWarpgroupMma = false;
+
+// Largest GQA group (query heads per kv head) the tensor-core varlen
+// kernels cover.
+inline constexpr int kTensorCoreAttentionMaxGroup = 8;
 
 struct PagedAttentionParams {
   // --- Step metadata (int32), read at run time. ---
@@ -180,9 +192,18 @@ struct PagedAttentionParams {
   DeviceBuffer workspace;
 };
 
-// True when varlen_kernel kWarpgroupMma can run on `stream`: a CUDA stream
-// whose current device has compute capability 9.0, in a build with CUDA.
-bool PagedAttentionHasWarpgroupMma(const Stream& stream);
+// True when varlen_kernel kWarpgroupMma can run on a `kind` device: CUDA,
+// the current device of compute capability 9.0, in a build with CUDA.
+bool PagedAttentionHasWarpgroupMma(DeviceKind kind);
+
+// OK when varlen steps of a model (head_dim, heads over kv heads) can run
+// `kernel` on a `kind` device: kAuto anywhere, the others on CUDA only,
+// kTensorCores / kWarpgroupMma where they cover the model, kWarpgroupMma on
+// compute capability 9.0. InvalidArgument naming what is missing.
+absl::Status CheckVarlenAttentionKernel(DeviceKind kind,
+                                        VarlenAttentionKernel kernel,
+                                        int64_t head_dim, int64_t num_heads,
+                                        int64_t num_kv_heads);
 
 // Varlen causal attention. For r < num_reqs[0] with q_len = query_start_loc
 // [r+1] − query_start_loc[r]: query token j of r sits at absolute position

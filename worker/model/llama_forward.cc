@@ -510,6 +510,7 @@ absl::Status LlamaForward::RunAttention(int layer,
     }
     return kernels::LaunchPagedAttentionUniformDecode(stream_, attn);
   }
+  attn.varlen_kernel = options_.varlen_attention_kernel;
   return kernels::LaunchPagedAttention(stream_, attn);
 }
 

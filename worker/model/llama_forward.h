@@ -71,6 +71,11 @@ struct LlamaForwardOptions {
   // ask for it for a whole model run.
   kernels::DecodeAttentionKernel decode_attention_kernel =
       kernels::DecodeAttentionKernel::kAuto;
+  // The varlen (prefill, mixed) attention kernel on CUDA; benchmarks compare
+  // them over whole prefills. ModelRunner::Create refuses one the device or
+  // the model does not support.
+  kernels::VarlenAttentionKernel varlen_attention_kernel =
+      kernels::VarlenAttentionKernel::kAuto;
 };
 
 // Static activations, reused by every step and every graph. Element type:

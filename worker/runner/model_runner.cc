@@ -80,6 +80,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   std::unique_ptr<ModelRunner> r(new ModelRunner(device, options));
   PDW_ASSIGN_OR_RETURN(r->config_, LoadModelConfig(model_dir));
   const ModelConfig& c = r->config_;
+  PDW_RETURN_IF_ERROR(kernels::CheckVarlenAttentionKernel(
+      device.kind(), options.varlen_attention_kernel, c.head_dim,
+      c.num_attention_heads, c.num_key_value_heads));
   r->max_model_len_ = options.max_model_len > 0
                           ? options.max_model_len
                           : static_cast<int>(c.max_position_embeddings);
@@ -226,6 +229,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   fo.linear_kernel = options.linear_kernel;
   fo.decode_fusion = options.decode_fusion;
   fo.decode_attention_kernel = options.decode_attention_kernel;
+  fo.varlen_attention_kernel = options.varlen_attention_kernel;
   PDW_ASSIGN_OR_RETURN(
       r->forward_,
       LlamaForward::Create(c, r->weights_, r->inputs_->buffers(), fo, device,

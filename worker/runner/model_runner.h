@@ -71,6 +71,11 @@ struct ModelRunnerOptions {
   // (LlamaForwardOptions::decode_attention_kernel); benchmarks compare.
   kernels::DecodeAttentionKernel decode_attention_kernel =
       kernels::DecodeAttentionKernel::kAuto;
+  // The varlen attention kernel (LlamaForwardOptions::varlen_attention_
+  // kernel); benchmarks compare. kWarpgroupMma needs a compute capability
+  // 9.0 device and head_dim 64 or 128 with GQA groups of 1-8.
+  kernels::VarlenAttentionKernel varlen_attention_kernel =
+      kernels::VarlenAttentionKernel::kAuto;
   // Automatic prefix caching (KvCacheManager): a sequence a step creates
   // starts with its longest cached prefix, and the step computes only the
   // rest. Hashes are salted with model_fingerprint(). Needs block_size <=
