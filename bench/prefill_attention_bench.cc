@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <iterator>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -59,17 +60,35 @@ namespace {
 
 constexpr int kHeads = 32, kKvHeads = 8, kBlockSize = 16;
 
+// The warpgroup-MMA kernel's configurations: key tile width × schedule.
+struct WgmmaConfig {
+  int tile_keys;
+  kernels::WgmmaSchedule schedule;
+  const char* name;    // table column
+  const char* system;  // gpu.jsonl
+};
+constexpr WgmmaConfig kWgmmaConfigs[4] = {
+    {64, kernels::WgmmaSchedule::kSerial, "wgmma k64 serial",
+     "pdworker_wgmma_k64_serial"},
+    {64, kernels::WgmmaSchedule::kOverlapped, "wgmma k64 overlapped",
+     "pdworker_wgmma_k64_overlap"},
+    {128, kernels::WgmmaSchedule::kSerial, "wgmma k128 serial",
+     "pdworker_wgmma_k128_serial"},
+    {128, kernels::WgmmaSchedule::kOverlapped, "wgmma k128 overlapped",
+     "pdworker_wgmma_k128_overlap"},
+};
+
 struct Row {
   int head_dim;
   int tokens;
   double mma_us = 0;         // tensor cores, 16 query rows per warp
   double mma32_us = 0;       // tensor cores, 32 rows per warp
   double cuda_cores_us = 0;  // 0: not run
-  // Warpgroup MMA (sm_90a), 64- and 128-key tiles; 0: not run (another
-  // device). max_diff: the largest |output - the 16-row kernel's output|
-  // over both (a correctness check beside the tests).
-  double wgmma64_us = 0;
-  double wgmma128_us = 0;
+  // Warpgroup MMA (sm_90a) in each configuration of kWgmmaConfigs; 0: not
+  // run (another device) or failed. max_diff: the largest |output - the
+  // 16-row mma.sync kernel's output| over all of them (a correctness check
+  // beside the tests).
+  double wgmma_us[4] = {0, 0, 0, 0};
   double wgmma_max_diff = 0;
   double flops = 0;
 };
@@ -156,11 +175,10 @@ Row Measure(Device& device, Stream& stream, int head_dim, int tokens,
       kernels::PagedAttentionHasWarpgroupMma(stream.kind())) {
     // One eager launch of each kernel, read back: the wgmma outputs against
     // the 16-row mma.sync kernel's. A launch error skips the timing.
-    auto output = [&](kernels::VarlenAttentionKernel kernel, int tile_keys,
+    auto output = [&](kernels::VarlenAttentionKernel kernel,
                       std::vector<float>* out) {
       p.varlen_kernel = kernel;
       p.mma_warp_rows = 16;
-      p.wgmma_tile_keys = tile_keys;
       std::vector<uint16_t> bits(q_elems);
       absl::Status status = kernels::LaunchPagedAttention(stream, p);
       if (status.ok()) {
@@ -173,13 +191,16 @@ Row Measure(Device& device, Stream& stream, int head_dim, int tokens,
       return status;
     };
     std::vector<float> want, got;
-    CHECK(output(kernels::VarlenAttentionKernel::kTensorCores, 0, &want).ok());
-    for (const int tile_keys : {64, 128}) {
-      const absl::Status status = output(
-          kernels::VarlenAttentionKernel::kWarpgroupMma, tile_keys, &got);
+    CHECK(output(kernels::VarlenAttentionKernel::kTensorCores, &want).ok());
+    for (int c = 0; c < 4; ++c) {
+      const WgmmaConfig& config = kWgmmaConfigs[c];
+      p.wgmma_tile_keys = config.tile_keys;
+      p.wgmma_schedule = config.schedule;
+      const absl::Status status =
+          output(kernels::VarlenAttentionKernel::kWarpgroupMma, &got);
       if (!status.ok()) {
-        std::printf("wgmma, %d-key tiles, head_dim %d, %d tokens: %s\n",
-                    tile_keys, head_dim, tokens, status.ToString().c_str());
+        std::printf("%s, head_dim %d, %d tokens: %s\n", config.name, head_dim,
+                    tokens, status.ToString().c_str());
         row.wgmma_max_diff = HUGE_VAL;
         continue;
       }
@@ -189,11 +210,11 @@ Row Measure(Device& device, Stream& stream, int head_dim, int tokens,
         row.wgmma_max_diff =
             diff == diff ? std::max(row.wgmma_max_diff, diff) : HUGE_VAL;
       }
-      p.wgmma_tile_keys = tile_keys;
-      (tile_keys == 64 ? row.wgmma64_us : row.wgmma128_us) =
+      row.wgmma_us[c] =
           time_us(kernels::VarlenAttentionKernel::kWarpgroupMma, launches, 0);
     }
     p.wgmma_tile_keys = 0;
+    p.wgmma_schedule = kernels::WgmmaSchedule::kDefault;
   }
   return row;
 }
@@ -233,20 +254,25 @@ int Main(int argc, char** argv) {
       "speed-up |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
       "---: |\n");
   const bool wgmma = std::any_of(rows.begin(), rows.end(), [](const Row& r) {
-    return r.wgmma64_us > 0 || r.wgmma128_us > 0;
+    return std::any_of(std::begin(r.wgmma_us), std::end(r.wgmma_us),
+                       [](double us) { return us > 0; });
   });
   if (wgmma) {
+    std::printf("| head_dim | tokens |");
+    for (const WgmmaConfig& config : kWgmmaConfigs) {
+      std::printf(" %s µs | TFLOP/s |", config.name);
+    }
     std::printf(
-        "| head_dim | tokens | wgmma 64-key tiles µs | TFLOP/s | wgmma "
-        "128-key tiles µs | TFLOP/s | max abs diff vs mma.sync | best wgmma / "
-        "best mma.sync |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-        "---: |\n");
+        " max abs diff vs mma.sync | best wgmma / best mma.sync |\n| ---: | "
+        "---: |");
+    for (int c = 0; c < 4; ++c) std::printf(" ---: | ---: |");
+    std::printf(" ---: | ---: |\n");
     for (const Row& r : rows) {
       const double mma =
           r.mma32_us > 0 ? std::min(r.mma_us, r.mma32_us) : r.mma_us;
       std::printf("| %d | %d |", r.head_dim, r.tokens);
       double best = 0;
-      for (const double us : {r.wgmma64_us, r.wgmma128_us}) {
+      for (const double us : r.wgmma_us) {
         if (us > 0) {
           std::printf(" %.1f | %.1f |", us, r.flops / us / 1e6);
           best = best > 0 ? std::min(best, us) : us;
@@ -303,8 +329,11 @@ int Main(int argc, char** argv) {
       if (r.cuda_cores_us > 0) {
         record(r, "pdworker_cuda_cores", r.cuda_cores_us);
       }
-      if (r.wgmma64_us > 0) record(r, "pdworker_wgmma_k64", r.wgmma64_us);
-      if (r.wgmma128_us > 0) record(r, "pdworker_wgmma_k128", r.wgmma128_us);
+      for (int c = 0; c < 4; ++c) {
+        if (r.wgmma_us[c] > 0) {
+          record(r, kWgmmaConfigs[c].system, r.wgmma_us[c]);
+        }
+      }
     }
     AppendGpuRecords(path, gpu, absl::GetFlag(FLAGS_commit),
                      std::move(records));

@@ -74,6 +74,7 @@ struct Variant {
   int warp_rows;  // mma.sync: query rows per warp (0: the default)
   int tile_keys;  // wgmma: key positions per K/V tile (0: the default)
   std::string name;
+  WgmmaSchedule schedule = WgmmaSchedule::kDefault;  // wgmma
 };
 
 // Buffers of one backend, sized for the largest step a test writes.
@@ -222,6 +223,7 @@ class PagedAttentionMmaTest : public CudaKernelTest {
     p.varlen_kernel = variant.kernel;
     p.mma_warp_rows = variant.warp_rows;
     p.wgmma_tile_keys = variant.tile_keys;
+    p.wgmma_schedule = variant.schedule;
     p.output = output;
     return LaunchPagedAttention(*gpu().stream, p);
   }
@@ -238,16 +240,24 @@ class PagedAttentionMmaTest : public CudaKernelTest {
 
   // The tensor-core kernels under test: the mma.sync kernel at both tile
   // heights (16 and 32 query rows per warp) and, on a compute capability
-  // 9.0 device, the warpgroup-MMA kernel at both key tile widths.
+  // 9.0 device, the warpgroup-MMA kernel at both key tile widths, serial
+  // and overlapped.
   std::vector<Variant> Variants() {
     std::vector<Variant> out = {
         {VarlenAttentionKernel::kTensorCores, 16, 0, "mma.sync 16 rows/warp"},
         {VarlenAttentionKernel::kTensorCores, 32, 0, "mma.sync 32 rows/warp"}};
     if (PagedAttentionHasWarpgroupMma(gpu().stream->kind())) {
-      out.push_back(
-          {VarlenAttentionKernel::kWarpgroupMma, 0, 64, "wgmma 64-key tiles"});
-      out.push_back({VarlenAttentionKernel::kWarpgroupMma, 0, 128,
-                     "wgmma 128-key tiles"});
+      for (const int keys : {64, 128}) {
+        for (const WgmmaSchedule schedule :
+             {WgmmaSchedule::kSerial, WgmmaSchedule::kOverlapped}) {
+          out.push_back(
+              {VarlenAttentionKernel::kWarpgroupMma, 0, keys,
+               absl::StrCat("wgmma ", keys, "-key tiles, ",
+                            schedule == WgmmaSchedule::kSerial ? "serial"
+                                                               : "overlapped"),
+               schedule});
+        }
+      }
     } else if (!wgmma_noted_) {
       std::printf(
           "note: the warpgroup-MMA kernel is not run here (the "

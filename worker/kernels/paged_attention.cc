@@ -400,6 +400,9 @@ PagedAttentionCudaParams ToCudaParams(const PagedAttentionParams& p) {
   c.num_splits = DecodeSplits(p);
   c.mma_warp_rows = p.mma_warp_rows;
   c.wgmma_tile_keys = p.wgmma_tile_keys;
+  c.wgmma_overlap = p.wgmma_schedule == WgmmaSchedule::kDefault      ? -1
+                    : p.wgmma_schedule == WgmmaSchedule::kOverlapped ? 1
+                                                                     : 0;
   return c;
 }
 #endif

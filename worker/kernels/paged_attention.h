@@ -101,6 +101,18 @@ enum class VarlenAttentionKernel {
   kWarpgroupMma,
 };
 
+// How the warpgroup-MMA varlen kernel orders a warpgroup's work per key
+// tile (benchmarks compare; tests run both).
+enum class WgmmaSchedule {
+  kDefault,  // kCudaAttentionWgmmaOverlapDefault
+  // S = Q·Kᵀ, wait, softmax, O += P·V, wait.
+  kSerial,
+  // FlashAttention-3's intra-warpgroup overlap: the next tile's S and this
+  // tile's P·V are issued together, and the next tile's softmax runs while
+  // P·V is on the tensor cores (more registers: one CTA per SM).
+  kOverlapped,
+};
+
 // Which CUDA kernel a uniform decode launch splits the keys with (the
 // reduce kernel is shared; the CPU backend has one routine).
 enum class DecodeAttentionKernel {
@@ -185,6 +197,8 @@ struct PagedAttentionParams {
   // CUDA warpgroup-MMA varlen only: key positions per K/V tile (64 or 128);
   // 0 takes the default for the head dim. Benchmarks and tests set it.
   int wgmma_tile_keys = 0;
+  // CUDA warpgroup-MMA varlen only: how a warpgroup orders its work.
+  WgmmaSchedule wgmma_schedule = WgmmaSchedule::kDefault;
   // CUDA uniform decode only: scratch of at least
   // PagedAttentionWorkspaceBytes(num_tokens, num_heads, head_dim,
   // max_blocks_per_seq, block_size) bytes, from the startup arena. Ignored

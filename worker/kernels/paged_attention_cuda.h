@@ -54,6 +54,11 @@ struct PagedAttentionCudaParams {
   // Warpgroup-MMA varlen only: key positions per K/V tile, 64 or 128; 0:
   // the default for the head dim (kCudaAttentionWgmmaTileKeysHd64 / 128).
   int wgmma_tile_keys = 0;
+  // Warpgroup-MMA varlen only: 1 overlaps the next key tile's S and this
+  // tile's P·V with the softmax (FlashAttention-3's intra-warpgroup
+  // overlap), 0 runs them one after another, -1 takes
+  // kCudaAttentionWgmmaOverlapDefault.
+  int wgmma_overlap = -1;
   // Decode only: split-K CTAs per (request, kv head [, head chunk]), from
   // the launch shape alone (CudaDecodeNumSplits), so one graph serves every
   // step of its shape.
@@ -121,13 +126,19 @@ cudaError_t LaunchPagedAttentionVarlenMmaCuda(const PagedAttentionCudaParams& p,
 // head). Same coverage as the tensor-core routine, on compute capability 9.0
 // devices only. Written without a GPU: kAuto does not select it yet.
 // Key positions per K/V tile unless a launch asks for another (64 or 128).
-// Not measured yet; 64 keeps two CTAs per SM at both head dims (ptxas -v:
-// 115 registers at head_dim 64, 126 at 128, no spills; 49 / 97 KB of shared
-// memory), where 128-key tiles at head_dim 64 take 138 registers (one CTA
-// per SM). prefill_attention_bench times both.
+// Not measured yet; 64 keeps two serial CTAs per SM at both head dims. ptxas
+// -v (registers per thread, no spills), serial / overlapped: 111 / 152 at
+// head_dim 64 with 64-key tiles, 134 / 216 with 128; 126 / 188 at head_dim
+// 128 with 64-key tiles, 214 / 241 with 128. Shared memory: 49 KB (head_dim
+// 64, 64 keys), 81 KB (64, 128), 97 KB (128, 64), 161 KB (128, 128).
+// prefill_attention_bench times every combination.
 inline constexpr int kCudaAttentionWgmmaTileKeysHd64 = 64;
 inline constexpr int kCudaAttentionWgmmaTileKeysHd128 = 64;
 int PagedAttentionWgmmaTileKeys(const PagedAttentionCudaParams& p);
+// Whether a warpgroup overlaps its softmax with the tensor cores unless a
+// launch asks otherwise (FlashAttention-3 does). Not measured yet.
+inline constexpr bool kCudaAttentionWgmmaOverlapDefault = true;
+bool PagedAttentionWgmmaOverlaps(const PagedAttentionCudaParams& p);
 // True when the current CUDA device runs sm_90a code (compute capability
 // 9.0: H100, H200).
 bool CudaCurrentDeviceHasWgmma();

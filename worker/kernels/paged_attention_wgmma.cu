@@ -15,11 +15,17 @@
 //
 // A CTA (2 warpgroups, 256 threads) owns one query tile of 128 rows (128 /
 // G query tokens × the G heads of one kv head's group) of one request;
-// warpgroup w owns rows [64w, 64w + 64). Per key tile of kTileKeys
-// positions: cp.async gathers K and V through the block table into
-// 128-byte-swizzled panels (wgmma.cuh), double-buffered; S on the tensor
-// cores; the online softmax on the accumulator fragments
-// (mma_tile::SoftmaxTile, the mma.sync kernel's); O on the tensor cores.
+// warpgroup w owns rows [64w, 64w + 64). Key tiles of kTileKeys positions
+// are gathered by cp.async through the block table into 128-byte-swizzled
+// panels (wgmma.cuh), K and V double-buffered, and the online softmax runs
+// on the accumulator fragments (mma_tile::SoftmaxTile, the mma.sync
+// kernel's). Two schedules per warpgroup (WgmmaSchedule):
+//  - serial: S on the tensor cores, wait, softmax, P·V, wait; K/V of the
+//    next tile load meanwhile. Other warpgroups on the SM fill the gaps.
+//  - overlapped (FlashAttention-3's intra-warpgroup overlap): K runs one
+//    tile ahead of V; S of tile t + 1 and P·V of tile t are issued
+//    together, and the softmax of t + 1 runs while P·V of t is still on the
+//    tensor cores. ~40-60 more registers: one CTA per SM.
 // No atomics and a fixed key order: deterministic, graph replay gives the
 // eager bits. Grids come from the launch shape only.
 //
@@ -30,6 +36,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "worker/kernels/cuda_common.cuh"
 #include "worker/kernels/mma_tile.cuh"
@@ -50,6 +57,7 @@ using cuda::mma_tile::SharedAddress;
 using cuda::mma_tile::SoftmaxTile;
 using cuda::mma_tile::WaitCopies;
 using cuda::varlen_tile::FindTileKeys;
+using cuda::varlen_tile::KvRows;
 using cuda::varlen_tile::LoadKvTile;
 using cuda::varlen_tile::LoadQueryTile;
 using cuda::varlen_tile::StartTile;
@@ -82,7 +90,7 @@ __device__ __forceinline__ int PanelSwizzled(int row, int chunk) {
          (((chunk & 7) ^ (row & 7)) << 3);
 }
 
-template <int kHeadDim, int kTileKeys>
+template <int kHeadDim, int kTileKeys, bool kOverlap>
 __global__ void __launch_bounds__(kThreads)
     WgmmaVarlenAttentionKernel(PagedAttentionCudaParams p) {
   cuda::AllowDependentLaunch();
@@ -122,20 +130,28 @@ __global__ void __launch_bounds__(kThreads)
   LoadQueryTile<kHeadDim, kTileRows, kThreads>(
       p, a, group, head0, num_rows, q_tile,
       [](int row, int chunk) { return PanelSwizzled<kTileRows>(row, chunk); });
-  // K and V rows of key tile `tile` into stage `stage`.
-  auto load_kv = [&](int tile, int stage) {
-    LoadKvTile<kHeadDim, kTileKeys, kThreads>(
-        p, keys, tile, k_tiles + stage * kTileKeys * kHeadDim,
-        v_tiles + stage * kTileKeys * kHeadDim, key_ok[stage],
+  // Rows of key tile `tile` into shared memory: K (and key_ok) into K
+  // stage `k_stage`, V into V stage `v_stage` (kRows: which).
+  auto load_kv = [&](auto rows, int tile, int k_stage, int v_stage) {
+    LoadKvTile<kHeadDim, kTileKeys, kThreads, decltype(rows)::value>(
+        p, keys, tile, k_tiles + k_stage * kTileKeys * kHeadDim,
+        v_tiles + v_stage * kTileKeys * kHeadDim, key_ok[k_stage],
         [](int key, int chunk) {
           return PanelSwizzled<kTileKeys>(key, chunk);
         });
   };
+  using Both = std::integral_constant<KvRows, KvRows::kKeysAndValues>;
+  using Keys = std::integral_constant<KvRows, KvRows::kKeys>;
+  using Values = std::integral_constant<KvRows, KvRows::kValues>;
+  // Every thread's copies done and visible to wgmma, then a CTA barrier.
+  auto wait_loads = [] {
+    WaitCopies<0>();
+    cuda::wgmma::FenceSharedForAsyncProxy();
+    __syncthreads();
+  };
 
   const int num_key_tiles =
       kv_len > 0 ? (kv_len + kTileKeys - 1) / kTileKeys : 0;
-  if (num_key_tiles > 0) load_kv(0, 0);
-  CommitCopies();  // group 0: Q (+ key tile 0)
 
   const int warp_group = tid / kWarpGroupThreads;
   const int warp = (tid % kWarpGroupThreads) / cuda::kWarpSize;  // in group
@@ -164,83 +180,168 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = 0; e < 4; ++e) o[panel][n][e] = 0.0f;
     }
   }
+  auto fence_o = [&] {
+#pragma unroll
+    for (int panel = 0; panel < kPanels; ++panel) {
+      cuda::wgmma::FenceOperands(o[panel]);
+    }
+  };
 
-  for (int tile = 0; tile < num_key_tiles; ++tile) {
-    const int stage = tile & 1;
-    if (tile + 1 < num_key_tiles) load_kv(tile + 1, stage ^ 1);
-    CommitCopies();
-    WaitCopies<1>();  // everything but the group just committed
+  // Issues S = Q·Kᵀ for the K tile in stage `k_stage`: 64 rows × kTileKeys
+  // keys per warpgroup, 16 dims per wgmma (32 bytes into the panel's
+  // 128-byte rows). The caller commits.
+  auto issue_qk = [&](float(&s)[kKeyTiles][4], int k_stage) {
+    const uint32_t k_address =
+        SharedAddress(k_tiles + k_stage * kTileKeys * kHeadDim);
+#pragma unroll
+    for (int ks = 0; ks < kDimSteps; ++ks) {
+      const uint32_t panel = ks / kStepsPerPanel;
+      const uint32_t inner = (ks % kStepsPerPanel) * 32;
+      cuda::wgmma::MmaSs(
+          s,
+          cuda::wgmma::Descriptor(q_address + panel * kQPanelBytes + inner, 16),
+          cuda::wgmma::Descriptor(k_address + panel * kKvPanelBytes + inner,
+                                  16),
+          ks > 0 ? 1 : 0);
+    }
+  };
+  // Issues O += P·V for the V tile in stage `v_stage`: P as bf16 A
+  // fragments in registers (16 keys each), V transposed from shared memory,
+  // 16 keys (2048 bytes) per wgmma. The caller commits.
+  auto issue_pv = [&](const uint32_t(&pa)[kKeySteps][4], int v_stage) {
+    const uint32_t v_address =
+        SharedAddress(v_tiles + v_stage * kTileKeys * kHeadDim);
+#pragma unroll
+    for (int kk = 0; kk < kKeySteps; ++kk) {
+#pragma unroll
+      for (int panel = 0; panel < kPanels; ++panel) {
+        cuda::wgmma::MmaRsTransB(
+            o[panel], pa[kk],
+            cuda::wgmma::Descriptor(
+                v_address + panel * kKvPanelBytes + kk * 16 * kPanelBytes,
+                kKvPanelBytes),
+            1);
+      }
+    }
+  };
+  // Scale, mask, online softmax of key tile `tile` (the mma.sync kernel's),
+  // its probabilities as P fragments; `rescale`: the factor O takes.
+  auto softmax = [&](float(&s)[kKeyTiles][4], int tile, int k_stage,
+                     uint32_t(&pa)[kKeySteps][4], float(&rescale)[2]) {
+    const int key0 = tile * kTileKeys;
+    const bool needs_mask = any_bad_block ||
+                            key0 + kTileKeys - 1 > a.first_position ||
+                            key0 + kTileKeys > kv_len;
+    SoftmaxTile(s, row_max, row_sum, rescale, scale_log2, needs_mask,
+                key_ok[k_stage], key0, position, tq);
+#pragma unroll
+    for (int kk = 0; kk < kKeySteps; ++kk) PackProbabilities(s, kk, pa[kk]);
+  };
+  auto rescale_o = [&](const float(&rescale)[2]) {
+#pragma unroll
+    for (int panel = 0; panel < kPanels; ++panel) {
+      RescaleRows(o[panel], rescale);
+    }
+  };
+
+  float s[kKeyTiles][4];
+  uint32_t pa[kKeySteps][4];
+  float rescale[2];
+  if constexpr (!kOverlap) {
+    // K and V of tile t + 1 load while tile t computes: S, wait, softmax,
+    // P·V, wait.
+    if (num_key_tiles > 0) load_kv(Both(), 0, 0, 0);
+    CommitCopies();  // Q (+ key tile 0)
+    for (int tile = 0; tile < num_key_tiles; ++tile) {
+      const int stage = tile & 1;
+      if (tile + 1 < num_key_tiles) {
+        load_kv(Both(), tile + 1, stage ^ 1, stage ^ 1);
+      }
+      CommitCopies();
+      WaitCopies<1>();  // everything but the group just committed
+      cuda::wgmma::FenceSharedForAsyncProxy();
+      __syncthreads();
+      if (group_has_rows) {
+        float s[kKeyTiles][4];
+        uint32_t pa[kKeySteps][4];
+        float rescale[2];
+        cuda::wgmma::Fence();
+        issue_qk(s, stage);
+        cuda::wgmma::Commit();
+        cuda::wgmma::Wait<0>();
+        cuda::wgmma::FenceOperands(s);
+        softmax(s, tile, stage, pa, rescale);
+        rescale_o(rescale);
+        fence_o();
+        cuda::wgmma::Fence();
+        issue_pv(pa, stage);
+        cuda::wgmma::Commit();
+        cuda::wgmma::Wait<0>();
+        fence_o();
+      }
+      __syncthreads();  // the next iteration's loads overwrite this stage
+    }
+  } else {
+    // FlashAttention-3's intra-warpgroup overlap: K runs one tile ahead of
+    // V. In iteration t the tensor cores take S of tile t + 1 and then P·V
+    // of tile t, and the softmax of tile t + 1 runs while P·V of tile t is
+    // still in flight; O takes tile t + 1's rescale once P·V is done. Tile
+    // t's K (and key_ok) sit in K stage t % 2, its V in V stage t % 2;
+    // iteration t loads K of t + 2 and V of t + 1 into the stages tile
+    // t - 1 freed.
+    if (num_key_tiles > 0) load_kv(Keys(), 0, 0, 0);
+    CommitCopies();  // Q + K of tile 0
+    if (num_key_tiles > 1) load_kv(Keys(), 1, 1, 0);
+    if (num_key_tiles > 0) load_kv(Values(), 0, 0, 0);
+    CommitCopies();  // K of tile 1, V of tile 0
+    WaitCopies<1>();
     cuda::wgmma::FenceSharedForAsyncProxy();
     __syncthreads();
-
-    if (group_has_rows) {
-      const uint32_t k_address =
-          SharedAddress(k_tiles + stage * kTileKeys * kHeadDim);
-      const uint32_t v_address =
-          SharedAddress(v_tiles + stage * kTileKeys * kHeadDim);
-
-      // (b) S = Q·Kᵀ: 64 rows × kTileKeys keys per warpgroup, 16 dims per
-      // wgmma (32 bytes into the panel's 128-byte rows).
-      float s[kKeyTiles][4];
+    if (group_has_rows && num_key_tiles > 0) {
       cuda::wgmma::Fence();
-#pragma unroll
-      for (int ks = 0; ks < kDimSteps; ++ks) {
-        const uint32_t panel = ks / kStepsPerPanel;
-        const uint32_t inner = (ks % kStepsPerPanel) * 32;
-        cuda::wgmma::MmaSs(s,
-                           cuda::wgmma::Descriptor(
-                               q_address + panel * kQPanelBytes + inner, 16),
-                           cuda::wgmma::Descriptor(
-                               k_address + panel * kKvPanelBytes + inner, 16),
-                           ks > 0 ? 1 : 0);
-      }
+      issue_qk(s, 0);
       cuda::wgmma::Commit();
       cuda::wgmma::Wait<0>();
       cuda::wgmma::FenceOperands(s);
-
-      // (c) Scale, mask, online softmax (the mma.sync kernel's).
-      const int key0 = tile * kTileKeys;
-      const bool needs_mask = any_bad_block ||
-                              key0 + kTileKeys - 1 > a.first_position ||
-                              key0 + kTileKeys > kv_len;
-      float rescale[2];
-      SoftmaxTile(s, row_max, row_sum, rescale, scale_log2, needs_mask,
-                  key_ok[stage], key0, position, tq);
+      softmax(s, 0, 0, pa, rescale);
+      rescale_o(rescale);
+    }
+    uint32_t pa_next[kKeySteps][4];
+    for (int tile = 0; tile < num_key_tiles; ++tile) {
+      const int stage = tile & 1;
+      const bool next = tile + 1 < num_key_tiles;
+      // K of tile + 1, V of tile; every warpgroup is done with tile - 1's V
+      // and tile's K (its S ran in the previous iteration).
+      wait_loads();
+      if (tile + 2 < num_key_tiles) load_kv(Keys(), tile + 2, stage, 0);
+      if (next) load_kv(Values(), tile + 1, 0, stage ^ 1);
+      CommitCopies();
+      if (group_has_rows) {
+        fence_o();
+        cuda::wgmma::Fence();
+        if (next) {
+          issue_qk(s, stage ^ 1);
+          cuda::wgmma::Commit();
+        }
+        issue_pv(pa, stage);
+        cuda::wgmma::Commit();
+        if (next) {
+          cuda::wgmma::Wait<1>();  // S of tile + 1 (P·V may still run)
+          cuda::wgmma::FenceOperands(s);
+          softmax(s, tile + 1, stage ^ 1, pa_next, rescale);
+        }
+        cuda::wgmma::Wait<0>();
+        fence_o();
+        if (next) {
+          rescale_o(rescale);
 #pragma unroll
-      for (int panel = 0; panel < kPanels; ++panel) {
-        RescaleRows(o[panel], rescale);
-      }
-
-      // (d) O += P·V: P as bf16 A fragments in registers (16 keys each),
-      // V transposed from shared memory, 16 keys (2048 bytes) per wgmma.
-      uint32_t pa[kKeySteps][4];
+          for (int kk = 0; kk < kKeySteps; ++kk) {
 #pragma unroll
-      for (int kk = 0; kk < kKeySteps; ++kk) PackProbabilities(s, kk, pa[kk]);
-#pragma unroll
-      for (int panel = 0; panel < kPanels; ++panel) {
-        cuda::wgmma::FenceOperands(o[panel]);
-      }
-      cuda::wgmma::Fence();
-#pragma unroll
-      for (int kk = 0; kk < kKeySteps; ++kk) {
-#pragma unroll
-        for (int panel = 0; panel < kPanels; ++panel) {
-          cuda::wgmma::MmaRsTransB(
-              o[panel], pa[kk],
-              cuda::wgmma::Descriptor(
-                  v_address + panel * kKvPanelBytes + kk * 16 * kPanelBytes,
-                  kKvPanelBytes),
-              1);
+            for (int e = 0; e < 4; ++e) pa[kk][e] = pa_next[kk][e];
+          }
         }
       }
-      cuda::wgmma::Commit();
-      cuda::wgmma::Wait<0>();
-#pragma unroll
-      for (int panel = 0; panel < kPanels; ++panel) {
-        cuda::wgmma::FenceOperands(o[panel]);
-      }
     }
-    __syncthreads();  // the next iteration's loads overwrite this stage
   }
   WaitCopies<0>();  // nothing may be in flight when the CTA exits
 
@@ -270,22 +371,30 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <int kHeadDim, int kTileKeys>
+template <int kHeadDim, int kTileKeys, bool kOverlap>
 cudaError_t Launch(const PagedAttentionCudaParams& p, cudaStream_t stream) {
   constexpr int kBytes = TileSizes<kHeadDim, kTileKeys>::kSharedBytes;
   // More than 48 KB of dynamic shared memory must be opted into, once per
   // kernel (not a stream operation: allowed while a graph is captured).
-  static const cudaError_t attribute =
-      cudaFuncSetAttribute(WgmmaVarlenAttentionKernel<kHeadDim, kTileKeys>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+  static const cudaError_t attribute = cudaFuncSetAttribute(
+      WgmmaVarlenAttentionKernel<kHeadDim, kTileKeys, kOverlap>,
+      cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
   if (attribute != cudaSuccess) return attribute;
   const int tokens_per_tile = kTileRows / (p.num_heads / p.num_kv_heads);
   const int tiles = (p.num_tokens + tokens_per_tile - 1) / tokens_per_tile +
                     std::min(p.max_num_seqs, p.num_tokens);
   const dim3 grid(p.num_kv_heads, tiles);
-  WgmmaVarlenAttentionKernel<kHeadDim, kTileKeys>
+  WgmmaVarlenAttentionKernel<kHeadDim, kTileKeys, kOverlap>
       <<<grid, kThreads, kBytes, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <int kHeadDim, int kTileKeys>
+cudaError_t LaunchSchedule(const PagedAttentionCudaParams& p,
+                           cudaStream_t stream) {
+  return PagedAttentionWgmmaOverlaps(p)
+             ? Launch<kHeadDim, kTileKeys, true>(p, stream)
+             : Launch<kHeadDim, kTileKeys, false>(p, stream);
 }
 
 }  // namespace
@@ -300,6 +409,11 @@ bool CudaCurrentDeviceHasWgmma() {
     return false;
   }
   return major == 9 && minor == 0;
+}
+
+bool PagedAttentionWgmmaOverlaps(const PagedAttentionCudaParams& p) {
+  return p.wgmma_overlap < 0 ? kCudaAttentionWgmmaOverlapDefault
+                             : p.wgmma_overlap != 0;
 }
 
 int PagedAttentionWgmmaTileKeys(const PagedAttentionCudaParams& p) {
@@ -331,9 +445,11 @@ cudaError_t LaunchPagedAttentionVarlenWgmmaCuda(
   if (!PagedAttentionWgmmaSupports(p)) return cudaErrorInvalidValue;
   const bool wide = PagedAttentionWgmmaTileKeys(p) == 128;
   if (p.head_dim == 128) {
-    return wide ? Launch<128, 128>(p, stream) : Launch<128, 64>(p, stream);
+    return wide ? LaunchSchedule<128, 128>(p, stream)
+                : LaunchSchedule<128, 64>(p, stream);
   }
-  return wide ? Launch<64, 128>(p, stream) : Launch<64, 64>(p, stream);
+  return wide ? LaunchSchedule<64, 128>(p, stream)
+              : LaunchSchedule<64, 64>(p, stream);
 }
 
 }  // namespace kernels

@@ -178,11 +178,20 @@ __device__ __forceinline__ void LoadQueryTile(
   }
 }
 
-// cp.async of the K and V rows of key tile `tile` (positions tile ·
-// kTileKeys on) through the block table into k_dst /
-// v_dst; key_ok[key] records which keys are real (below kv_len, in a valid
-// block); the others are zero-filled. offset(key, chunk): as LoadQueryTile.
-template <int kHeadDim, int kTileKeys, int kThreads, typename Offset>
+// Which of a key tile's rows LoadKvTile copies.
+enum class KvRows {
+  kKeysAndValues,  // K, V and key_ok
+  kKeys,           // K and key_ok
+  kValues,         // V
+};
+
+// cp.async of the rows of key tile `tile` (positions tile · kTileKeys on)
+// through the block table: K into k_dst, V into v_dst (kRows says which;
+// the other may be null), and key_ok[key] records which keys are real
+// (below kv_len, in a valid block); the others are zero-filled.
+// offset(key, chunk): as LoadQueryTile.
+template <int kHeadDim, int kTileKeys, int kThreads,
+          KvRows kRows = KvRows::kKeysAndValues, typename Offset>
 __device__ __forceinline__ void LoadKvTile(const PagedAttentionCudaParams& p,
                                            const TileKeys& keys, int tile,
                                            __nv_bfloat16* k_dst,
@@ -205,11 +214,15 @@ __device__ __forceinline__ void LoadKvTile(const PagedAttentionCudaParams& p,
     const int bytes = at >= 0 ? 16 : 0;
     const int64_t from = (at >= 0 ? at : 0) + chunk * 8;
     const int dst = offset(key, chunk);
-    mma_tile::CopyAsync16(mma_tile::SharedAddress(k_dst + dst),
-                          keys.k_head + from, bytes);
-    mma_tile::CopyAsync16(mma_tile::SharedAddress(v_dst + dst),
-                          keys.v_head + from, bytes);
-    if (chunk == 0) key_ok[key] = at >= 0;
+    if (kRows != KvRows::kValues) {
+      mma_tile::CopyAsync16(mma_tile::SharedAddress(k_dst + dst),
+                            keys.k_head + from, bytes);
+    }
+    if (kRows != KvRows::kKeys) {
+      mma_tile::CopyAsync16(mma_tile::SharedAddress(v_dst + dst),
+                            keys.v_head + from, bytes);
+    }
+    if (kRows != KvRows::kValues && chunk == 0) key_ok[key] = at >= 0;
   }
 }
 
