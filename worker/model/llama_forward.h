@@ -76,6 +76,9 @@ struct LlamaForwardOptions {
   // the model does not support.
   kernels::VarlenAttentionKernel varlen_attention_kernel =
       kernels::VarlenAttentionKernel::kAuto;
+  // How uniform-decode steps combine the attention's splits on CUDA
+  // (kernels::DecodeReduce); benchmarks compare.
+  kernels::DecodeReduce decode_reduce = kernels::DecodeReduce::kSeparateKernel;
 };
 
 // Static activations, reused by every step and every graph. Element type:
