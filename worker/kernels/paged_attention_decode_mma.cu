@@ -75,6 +75,11 @@ struct DecodeTile {
 template <int kHeadDim>
 __global__ void __launch_bounds__(kThreads)
     MmaDecodeSplitKernel(PagedAttentionCudaParams p) {
+  // With decode_fused_reduce the next kernel is the o_proj GEMM, launched
+  // with programmatic serialization: it may start loading its weights now
+  // (it waits for this whole grid before reading the output). Before the
+  // reduce kernel (a plain launch) this changes nothing.
+  cuda::AllowDependentLaunch();
   using Tile = DecodeTile<kHeadDim>;
   constexpr int kChunks = Tile::kChunksPerRow;
   constexpr int kDimTiles = kHeadDim / 8;   // n8 tiles of O
