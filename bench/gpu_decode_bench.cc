@@ -21,8 +21,9 @@
 // it on checkpoints written by transformers with --batches=1,...,256,
 // --prefill_lens=64,...,2048 and reads --json_out. Graphs are captured for
 // vLLM's default sizes (1, 2, 4, then every multiple of 8) up to the largest
-// batch; each mode's capture time and device memory (CaptureSummary) are
-// reported.
+// batch, and for every prefill length (--prefill_graphs, so PIECEWISE vs
+// eager prefills are measured); each mode's capture time and device memory
+// (CaptureSummary) are reported.
 //
 // A step's time is ModelRunner::Execute's wall time: input upload, the
 // forward (graph replay or eager launches), sampling and the copy of the
@@ -95,6 +96,10 @@ ABSL_FLAG(std::string, decode_reduce, "kernel",
 ABSL_FLAG(std::string, prefill_attention, "auto",
           "The varlen (prefill) steps' attention kernel: auto, tensor_cores "
           "(mma.sync), wgmma (compute capability 9.0) or cuda_cores.");
+ABSL_FLAG(bool, prefill_graphs, true,
+          "Capture graphs at the --prefill_lens sizes too, so PIECEWISE "
+          "(and FULL) prefills replay a graph; false: they run eagerly "
+          "past the largest batch, as before 2026-11-27.");
 ABSL_FLAG(std::string, json_out, "",
           "Also write the results as JSON here (bench/torch_compare/report.py "
           "reads it).");
@@ -118,12 +123,20 @@ std::vector<int> ParseInts(const std::vector<std::string>& texts,
 }
 
 // vLLM's default cudagraph_capture_sizes (1, 2, 4, then multiples of 8) up
-// to the largest batch measured, so every measured batch has a graph.
-std::string CaptureSizesJson(int max_batch) {
+// to the largest batch measured, so every measured batch has a graph, and
+// (--prefill_graphs) every prefill length measured, so a prefill runs in a
+// PIECEWISE (or FULL) graph of its own size instead of eagerly.
+std::string CaptureSizesJson(int max_batch,
+                             const std::vector<int>& prefill_lens) {
   std::vector<int> sizes = {1, 2, 4};
   for (int s = 8; s < max_batch + 8; s += 8) sizes.push_back(s);
   while (sizes.size() > 1 && sizes[sizes.size() - 2] >= max_batch) {
     sizes.pop_back();
+  }
+  if (absl::GetFlag(FLAGS_prefill_graphs)) {
+    sizes.insert(sizes.end(), prefill_lens.begin(), prefill_lens.end());
+    std::sort(sizes.begin(), sizes.end());
+    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
   }
   return absl::StrCat("[", absl::StrJoin(sizes, ","), "]");
 }
@@ -148,7 +161,8 @@ double PeakBytesPerSecond(const std::string& name) {
 
 std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
                                         const std::string& mode,
-                                        int max_model_len, int max_batch) {
+                                        int max_model_len, int max_batch,
+                                        const std::vector<int>& prefill_lens) {
   auto model = LoadModelConfig(dir);
   CHECK(model.ok()) << model.status();
   ModelRunnerOptions o;
@@ -168,7 +182,7 @@ std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
       (64 << 20);
   auto config = ParseCompilationConfig(absl::StrCat(
       R"({"cudagraph_mode":")", mode, R"(","cudagraph_capture_sizes":)",
-      CaptureSizesJson(max_batch), "}"));
+      CaptureSizesJson(max_batch, prefill_lens), "}"));
   CHECK(config.ok()) << config.status();
   o.compilation = *config;
   const std::string kernel = absl::GetFlag(FLAGS_linear_kernel);
@@ -262,7 +276,7 @@ DecodeResult MeasureDecode(Device& device, const std::string& dir,
   const int max_batch = *std::max_element(batches.begin(), batches.end());
   int max_len = context + reps + 64;
   for (const int length : prefill_lens) max_len = std::max(max_len, length);
-  auto r = MakeRunner(device, dir, mode, max_len, max_batch);
+  auto r = MakeRunner(device, dir, mode, max_len, max_batch, prefill_lens);
   DecodeResult out;
   auto capture = r->CaptureGraphs();
   CHECK(capture.ok()) << capture.status();
