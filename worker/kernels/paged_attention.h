@@ -127,7 +127,7 @@ enum class WgmmaSchedule {
   kSerial,
   // FlashAttention-3's intra-warpgroup overlap: the next tile's S and this
   // tile's P·V are issued together, and the next tile's softmax runs while
-  // P·V is on the tensor cores (more registers: one CTA per SM).
+  // P·V is on the tensor cores (10-35 more registers).
   kOverlapped,
 };
 

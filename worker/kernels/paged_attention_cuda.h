@@ -143,12 +143,12 @@ cudaError_t LaunchPagedAttentionVarlenMmaCuda(const PagedAttentionCudaParams& p,
 // head). Same coverage as the tensor-core routine, on compute capability 9.0
 // devices only. Written without a GPU: kAuto does not select it yet.
 // Key positions per K/V tile unless a launch asks for another (64 or 128).
-// Not measured yet; 64 keeps two serial CTAs per SM at both head dims. ptxas
-// -v (registers per thread, no spills), serial / overlapped: 111 / 152 at
-// head_dim 64 with 64-key tiles, 134 / 216 with 128; 126 / 188 at head_dim
-// 128 with 64-key tiles, 214 / 241 with 128. Shared memory: 49 KB (head_dim
-// 64, 64 keys), 81 KB (64, 128), 97 KB (128, 64), 161 KB (128, 128).
-// prefill_attention_bench times every combination.
+// Not measured yet; 64 keeps two CTAs per SM at both head dims (serial).
+// ptxas -v (registers per thread, no spills, no wgmma serialization),
+// serial / overlapped: 111 / 121 at head_dim 64 with 64-key tiles, 134 / 167
+// with 128; 126 / 161 at head_dim 128 with 64-key tiles, 214 / 209 with 128.
+// Shared memory: 49 KB (head_dim 64, 64 keys), 81 KB (64, 128), 97 KB (128,
+// 64), 161 KB (128, 128). prefill_attention_bench times every combination.
 inline constexpr int kCudaAttentionWgmmaTileKeysHd64 = 64;
 inline constexpr int kCudaAttentionWgmmaTileKeysHd128 = 64;
 int PagedAttentionWgmmaTileKeys(const PagedAttentionCudaParams& p);

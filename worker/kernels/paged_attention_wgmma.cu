@@ -25,7 +25,9 @@
 //  - overlapped (FlashAttention-3's intra-warpgroup overlap): K runs one
 //    tile ahead of V; S of tile t + 1 and P·V of tile t are issued
 //    together, and the softmax of t + 1 runs while P·V of t is still on the
-//    tensor cores. ~40-60 more registers: one CTA per SM.
+//    tensor cores; P of t + 1 is packed into the A registers only after
+//    P·V of t is done (ptxas serializes every wgmma of a kernel that writes
+//    a wgmma's input registers while one is in flight: C7513).
 // No atomics and a fixed key order: deterministic, graph replay gives the
 // eager bits. Grids come from the launch shape only.
 //
@@ -224,16 +226,19 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   };
-  // Scale, mask, online softmax of key tile `tile` (the mma.sync kernel's),
-  // its probabilities as P fragments; `rescale`: the factor O takes.
-  auto softmax = [&](float(&s)[kKeyTiles][4], int tile, int k_stage,
-                     uint32_t(&pa)[kKeySteps][4], float(&rescale)[2]) {
+  // Scale, mask, online softmax of key tile `tile` (the mma.sync kernel's):
+  // s becomes its probabilities; `rescale`: the factor O takes.
+  auto scale_exp = [&](float(&s)[kKeyTiles][4], int tile, int k_stage,
+                       float(&rescale)[2]) {
     const int key0 = tile * kTileKeys;
     const bool needs_mask = any_bad_block ||
                             key0 + kTileKeys - 1 > a.first_position ||
                             key0 + kTileKeys > kv_len;
     SoftmaxTile(s, row_max, row_sum, rescale, scale_log2, needs_mask,
                 key_ok[k_stage], key0, position, tq);
+  };
+  // The probabilities as bf16 P fragments (16 keys each).
+  auto pack = [](const float(&s)[kKeyTiles][4], uint32_t(&pa)[kKeySteps][4]) {
 #pragma unroll
     for (int kk = 0; kk < kKeySteps; ++kk) PackProbabilities(s, kk, pa[kk]);
   };
@@ -270,7 +275,8 @@ __global__ void __launch_bounds__(kThreads)
         cuda::wgmma::Commit();
         cuda::wgmma::Wait<0>();
         cuda::wgmma::FenceOperands(s);
-        softmax(s, tile, stage, pa, rescale);
+        scale_exp(s, tile, stage, rescale);
+        pack(s, pa);
         rescale_o(rescale);
         fence_o();
         cuda::wgmma::Fence();
@@ -303,43 +309,48 @@ __global__ void __launch_bounds__(kThreads)
       cuda::wgmma::Commit();
       cuda::wgmma::Wait<0>();
       cuda::wgmma::FenceOperands(s);
-      softmax(s, 0, 0, pa, rescale);
+      scale_exp(s, 0, 0, rescale);
+      pack(s, pa);
       rescale_o(rescale);
     }
-    uint32_t pa_next[kKeySteps][4];
-    for (int tile = 0; tile < num_key_tiles; ++tile) {
+    // Tiles with a successor, then the last one (P·V alone): no branch
+    // around a wgmma inside the loop, which ptxas would serialize.
+    for (int tile = 0; tile + 1 < num_key_tiles; ++tile) {
       const int stage = tile & 1;
-      const bool next = tile + 1 < num_key_tiles;
       // K of tile + 1, V of tile; every warpgroup is done with tile - 1's V
       // and tile's K (its S ran in the previous iteration).
       wait_loads();
       if (tile + 2 < num_key_tiles) load_kv(Keys(), tile + 2, stage, 0);
-      if (next) load_kv(Values(), tile + 1, 0, stage ^ 1);
+      load_kv(Values(), tile + 1, 0, stage ^ 1);
       CommitCopies();
       if (group_has_rows) {
         fence_o();
         cuda::wgmma::Fence();
-        if (next) {
-          issue_qk(s, stage ^ 1);
-          cuda::wgmma::Commit();
-        }
+        issue_qk(s, stage ^ 1);
+        cuda::wgmma::Commit();
         issue_pv(pa, stage);
         cuda::wgmma::Commit();
-        if (next) {
-          cuda::wgmma::Wait<1>();  // S of tile + 1 (P·V may still run)
-          cuda::wgmma::FenceOperands(s);
-          softmax(s, tile + 1, stage ^ 1, pa_next, rescale);
-        }
+        cuda::wgmma::Wait<1>();  // S of tile + 1 (P·V may still run)
+        cuda::wgmma::FenceOperands(s);
+        scale_exp(s, tile + 1, stage ^ 1, rescale);
         cuda::wgmma::Wait<0>();
         fence_o();
-        if (next) {
-          rescale_o(rescale);
-#pragma unroll
-          for (int kk = 0; kk < kKeySteps; ++kk) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) pa[kk][e] = pa_next[kk][e];
-          }
-        }
+        rescale_o(rescale);
+        // P of tile + 1 into the A registers once P·V of tile no longer
+        // reads them (ptxas serializes every wgmma if registers a wgmma
+        // reads are written while one is in flight).
+        pack(s, pa);
+      }
+    }
+    if (num_key_tiles > 0) {
+      wait_loads();  // V of the last tile
+      if (group_has_rows) {
+        fence_o();
+        cuda::wgmma::Fence();
+        issue_pv(pa, (num_key_tiles - 1) & 1);
+        cuda::wgmma::Commit();
+        cuda::wgmma::Wait<0>();
+        fence_o();
       }
     }
   }
