@@ -23,6 +23,12 @@
 //  - MN-major operand (B = V, transposed: its N = head dims are contiguous):
 //    8-row groups along K (keys) are 1024 bytes apart (SBO); a k step of 16
 //    keys starts 2048 bytes further; N spans one panel (LBO: the next panel).
+//
+// ptxas serializes every wgmma of a kernel (and says so: "Potential
+// Performance Loss ... (C75xx)") when it cannot prove the async pipeline
+// safe: a wgmma under a branch it cannot show warpgroup-uniform, or a
+// register a wgmma reads written by other instructions while one is in
+// flight. Build with -Xptxas -v and keep those messages out.
 #ifndef PDWORKER_WORKER_KERNELS_WGMMA_CUH_
 #define PDWORKER_WORKER_KERNELS_WGMMA_CUH_
 
