@@ -67,7 +67,8 @@ struct WgmmaConfig {
   const char* name;    // table column
   const char* system;  // gpu.jsonl
 };
-constexpr WgmmaConfig kWgmmaConfigs[4] = {
+constexpr int kNumWgmmaConfigs = 4;
+constexpr WgmmaConfig kWgmmaConfigs[kNumWgmmaConfigs] = {
     {64, kernels::WgmmaSchedule::kSerial, "wgmma k64 serial",
      "pdworker_wgmma_k64_serial"},
     {64, kernels::WgmmaSchedule::kOverlapped, "wgmma k64 overlapped",
@@ -88,7 +89,7 @@ struct Row {
   // run (another device) or failed. max_diff: the largest |output - the
   // 16-row mma.sync kernel's output| over all of them (a correctness check
   // beside the tests).
-  double wgmma_us[4] = {0, 0, 0, 0};
+  double wgmma_us[kNumWgmmaConfigs] = {};
   double wgmma_max_diff = 0;
   double flops = 0;
 };
@@ -192,7 +193,7 @@ Row Measure(Device& device, Stream& stream, int head_dim, int tokens,
     };
     std::vector<float> want, got;
     CHECK(output(kernels::VarlenAttentionKernel::kTensorCores, &want).ok());
-    for (int c = 0; c < 4; ++c) {
+    for (int c = 0; c < kNumWgmmaConfigs; ++c) {
       const WgmmaConfig& config = kWgmmaConfigs[c];
       p.wgmma_tile_keys = config.tile_keys;
       p.wgmma_schedule = config.schedule;
@@ -265,7 +266,7 @@ int Main(int argc, char** argv) {
     std::printf(
         " max abs diff vs mma.sync | best wgmma / best mma.sync |\n| ---: | "
         "---: |");
-    for (int c = 0; c < 4; ++c) std::printf(" ---: | ---: |");
+    for (int c = 0; c < kNumWgmmaConfigs; ++c) std::printf(" ---: | ---: |");
     std::printf(" ---: | ---: |\n");
     for (const Row& r : rows) {
       const double mma =
@@ -329,7 +330,7 @@ int Main(int argc, char** argv) {
       if (r.cuda_cores_us > 0) {
         record(r, "pdworker_cuda_cores", r.cuda_cores_us);
       }
-      for (int c = 0; c < 4; ++c) {
+      for (int c = 0; c < kNumWgmmaConfigs; ++c) {
         if (r.wgmma_us[c] > 0) {
           record(r, kWgmmaConfigs[c].system, r.wgmma_us[c]);
         }
