@@ -74,7 +74,8 @@ class ForwardGpuTest : public ::testing::TestWithParam<TinyShape> {
     ASSERT_TRUE(arena.ok()) << arena.status();
     step_arena_ = *std::move(arena);
     auto inputs = StepInputs::Create(
-        *step_arena_, {kMaxNumSeqs, kMaxTokens, kMaxBlocksPerSeq}, kBlockSize);
+        *device_, *step_arena_, {kMaxNumSeqs, kMaxTokens, kMaxBlocksPerSeq, 1},
+        kBlockSize);
     ASSERT_TRUE(inputs.ok()) << inputs.status();
     inputs_ = *std::move(inputs);
 

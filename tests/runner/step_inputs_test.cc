@@ -1,6 +1,12 @@
 #include "worker/runner/step_inputs.h"
 
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -16,8 +22,17 @@ constexpr int kBlockSize = 4;
 
 class StepInputsTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    device_ = std::make_unique<CpuDevice>();
+  void SetUp() override { Init(CpuStreamExecution::kInline); }
+
+  void Init(CpuStreamExecution execution) {
+    // Owners of the previous device's memory go first.
+    inputs_.reset();
+    stream_.reset();
+    arena_.reset();
+    device_.reset();
+    CpuDeviceOptions options;
+    options.stream_execution = execution;
+    device_ = std::make_unique<CpuDevice>(options);
     auto arena = Arena::Create(*device_, {1 << 20, 256, "test"});
     ASSERT_TRUE(arena.ok()) << arena.status();
     arena_ = std::move(*arena);
@@ -25,8 +40,8 @@ class StepInputsTest : public ::testing::Test {
     ASSERT_TRUE(stream.ok());
     stream_ = std::move(*stream);
     limits_ = {/*max_num_seqs=*/4, /*max_num_batched_tokens=*/16,
-               /*max_blocks_per_seq=*/8};
-    auto inputs = StepInputs::Create(*arena_, limits_, kBlockSize);
+               /*max_blocks_per_seq=*/8, /*max_uploads_in_flight=*/2};
+    auto inputs = StepInputs::Create(*device_, *arena_, limits_, kBlockSize);
     ASSERT_TRUE(inputs.ok()) << inputs.status();
     inputs_ = std::move(*inputs);
   }
@@ -81,6 +96,13 @@ TEST_F(StepInputsTest, MixedBatchWithPaddingTokens) {
   EXPECT_EQ(tables[1], a->blocks[1]);
   EXPECT_EQ(tables[8], b->blocks[0]);
   EXPECT_EQ(tables[9], b->blocks[1]);
+  // Only the blocks a sequence holds cross the bus; the unpack writes the
+  // rest of each row as zeros over the poisoned buffer.
+  for (int j = 2; j < 8; ++j) EXPECT_EQ(tables[j], 0) << j;
+  for (int j = 10; j < 16; ++j) EXPECT_EQ(tables[j], 0) << j;
+  // Rows past the requests: a zero logits row, never an uninitialized index.
+  EXPECT_EQ(ReadBack(buf.logits_indices, 4),
+            (std::vector<int32_t>{4, 5, -1, -1}));
 }
 
 // Uniform decode of 3 sequences padded to a 4-request key: the padding
@@ -106,6 +128,102 @@ TEST_F(StepInputsTest, UniformDecodeWithPaddingRequest) {
   EXPECT_EQ(inputs_->host_logits_indices()[2], 2);
   EXPECT_EQ(inputs_->host_logits_indices()[3], -1);  // zero logits
   EXPECT_EQ(inputs_->num_reqs(), 3);
+}
+
+// A step after a wider one: nothing of the earlier block tables or logits
+// rows survives in the rows this step uses.
+TEST_F(StepInputsTest, AnEarlierWiderStepLeavesNothingBehind) {
+  ASSERT_TRUE(kv_.Append({{"long", 10}, {"other", 5}}).ok());
+  const std::vector<int32_t> ten(10, 7), five(5, 8), one = {9};
+  ASSERT_TRUE(inputs_
+                  ->Build({{kv_.Find("long"), ten}, {kv_.Find("other"), five}},
+                          {16, 2, 0})
+                  .ok());
+  ASSERT_TRUE(inputs_->Upload(*stream_).ok());
+  ASSERT_TRUE(kv_.Append({{"short", 1}}).ok());
+  const SequenceKv* s = kv_.Find("short");
+  ASSERT_EQ(s->blocks.size(), 1u);
+  ASSERT_TRUE(inputs_->Build({{s, one}}, {1, 1, 0}).ok());
+  ASSERT_TRUE(inputs_->Upload(*stream_).ok());
+
+  const StepBuffers& buf = inputs_->buffers();
+  std::vector<int32_t> row(8, 0);
+  row[0] = s->blocks[0];
+  EXPECT_EQ(ReadBack(buf.block_tables, 8), row);
+  EXPECT_EQ(ReadBack(buf.logits_indices, 4),
+            (std::vector<int32_t>{0, -1, -1, -1}));
+  EXPECT_EQ(ReadBack(buf.num_reqs, 1), (std::vector<int32_t>{1}));
+  EXPECT_EQ(ReadBack(buf.seq_lens, 1), (std::vector<int32_t>{1}));
+  EXPECT_EQ(ReadBack(buf.token_ids, 1), (std::vector<int32_t>{9}));
+  const absl::Span<const int32_t> host_row = inputs_->host_block_table_row(0);
+  EXPECT_EQ(std::vector<int32_t>(host_row.begin(), host_row.end()),
+            std::vector<int32_t>{s->blocks[0]});
+}
+
+TEST_F(StepInputsTest, UploadBeforeAnyBuildIsRefused) {
+  EXPECT_EQ(inputs_->Upload(*stream_).code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+// Opens a gate the stream's first op waits on, from its own thread, after a
+// delay long enough that a Build which did not wait would already have
+// overwritten the staging block.
+class Gate {
+ public:
+  void Open() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(30), [this] { return open_; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
+// With the device behind the host (threaded stream held at a gate), three
+// uploads cycle through two pinned staging blocks: the third Build must wait
+// for the first upload's copy before it rewrites that block, or the first
+// step would read the third step's tokens.
+TEST_F(StepInputsTest, AStagingBlockIsReusedOnlyAfterItsCopyRan) {
+  Init(CpuStreamExecution::kThreaded);
+  ASSERT_TRUE(kv_.Append({{"a", 2}, {"b", 2}, {"c", 2}}).ok());
+  Gate gate;
+  ASSERT_TRUE(
+      stream_
+          ->Launch("wait_for_gate", [&gate](const OpContext&) { gate.Wait(); })
+          .ok());
+  const std::vector<std::vector<int32_t>> tokens = {
+      {11, 12}, {21, 22}, {31, 32}};
+  const char* ids[] = {"a", "b", "c"};
+  std::vector<std::vector<int32_t>> seen(3, std::vector<int32_t>(2, -1));
+  std::thread opener;
+  for (int step = 0; step < 3; ++step) {
+    if (step == 2) {
+      opener = std::thread([&gate] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        gate.Open();
+      });
+    }
+    ASSERT_TRUE(
+        inputs_->Build({{kv_.Find(ids[step]), tokens[step]}}, {2, 1, 0}).ok());
+    ASSERT_TRUE(inputs_->Upload(*stream_).ok());
+    ASSERT_TRUE(stream_
+                    ->CopyToHostAsync(seen[step].data(),
+                                      inputs_->buffers().token_ids,
+                                      2 * sizeof(int32_t))
+                    .ok());
+  }
+  opener.join();
+  ASSERT_TRUE(stream_->Synchronize().ok());
+  EXPECT_EQ(seen, tokens);
 }
 
 TEST_F(StepInputsTest, RejectsShapesThatDoNotFit) {

@@ -5,6 +5,7 @@
 // runtime_conformance_test, which also runs on threaded CPU streams.
 #include "worker/runtime/cpu_stream.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -190,6 +191,35 @@ TEST_P(ThreadedCpuStreamTest, CopyToDeviceStagesTheSourceAtTheCall) {
   gate.Open();
   EXPECT_EQ(Download(x), std::vector<float>(kN, 1.5f));
   EXPECT_FALSE(timed_out.load());
+}
+
+// The pinned copy is not staged: it reads the source when the stream
+// reaches it, as a DMA does, so a host that rewrites the source before an
+// event after the copy completes gets the new bytes here too.
+TEST_P(ThreadedCpuStreamTest, CopyToDeviceAsyncReadsTheSourceWhenItRuns) {
+  DeviceBuffer x = NewFloats(kN);
+  absl::StatusOr<HostMemory> host = device_->AllocateHost(x.size_bytes());
+  ASSERT_TRUE(host.ok()) << host.status();
+  std::fill_n(host->as<float>(), kN, 1.5f);
+  Gate gate;
+  std::atomic<bool> timed_out{false};
+  ASSERT_TRUE(BlockOn(stream(), gate, &timed_out).ok());
+  ASSERT_TRUE(stream().CopyToDeviceAsync(x, *host, x.size_bytes()).ok());
+  std::fill_n(host->as<float>(), kN, -9.0f);
+  gate.Open();
+  EXPECT_EQ(Download(x), std::vector<float>(kN, -9.0f));
+  EXPECT_FALSE(timed_out.load());
+}
+
+TEST_P(ThreadedCpuStreamTest, CopyToDeviceAsyncRefusesMoreThanTheSource) {
+  DeviceBuffer x = NewFloats(kN);
+  absl::StatusOr<HostMemory> host = device_->AllocateHost(sizeof(float));
+  ASSERT_TRUE(host.ok()) << host.status();
+  const absl::Status status =
+      stream().CopyToDeviceAsync(x, *host, x.size_bytes());
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("host source"), absl::string_view::npos)
+      << status;
 }
 
 TEST_P(ThreadedCpuStreamTest, CopyToHostAsyncLandsWhenTheStreamReachesIt) {

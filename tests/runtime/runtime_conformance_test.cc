@@ -14,6 +14,7 @@
 #include "tests/runtime/backend_fixture.h"
 #include "worker/runtime/event.h"
 #include "worker/runtime/testing/test_ops.h"
+#include "worker/runtime/upload_ring.h"
 
 namespace pdworker {
 namespace {
@@ -288,6 +289,18 @@ TEST_P(ForbiddenDuringCaptureTest, CopyToDevice) {
   ExpectCaptureInvalidatedBy("Stream::CopyToDevice");
 }
 
+TEST_P(ForbiddenDuringCaptureTest, CopyToDeviceAsync) {
+  DeviceBuffer x = NewFloats(kN, "x");
+  absl::StatusOr<HostMemory> host = device().AllocateHost(kN * sizeof(float));
+  ASSERT_TRUE(host.ok()) << host.status();
+  ASSERT_TRUE(stream().BeginCapture().ok());
+  const absl::Status status =
+      stream().CopyToDeviceAsync(x, *host, kN * sizeof(float));
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("static buffers"));
+  ExpectCaptureInvalidatedBy("Stream::CopyToDeviceAsync");
+}
+
 TEST_P(ForbiddenDuringCaptureTest, RecordEvent) {
   absl::StatusOr<std::unique_ptr<Event>> event = device().CreateEvent();
   ASSERT_TRUE(event.ok()) << event.status();
@@ -429,6 +442,51 @@ TEST_P(RuntimeConformanceTest, CopyToHostAsyncDeliversBytesAtItsEvent) {
   ASSERT_TRUE(stream().RecordEvent(**copied).ok());
   ASSERT_TRUE((*copied)->Synchronize().ok());
   EXPECT_EQ(host->as<float>()[kN - 1], -4.0f);
+}
+
+// Six uploads through a ring of two pinned blocks, each followed by device
+// work on what it copied, nothing waited for in between: every step must see
+// its own bytes (the ring waits before handing out a block whose copy has
+// not run; on the threaded CPU stream and CUDA the copies run later).
+TEST_P(RuntimeConformanceTest, UploadRingStepsSeeTheirOwnBytes) {
+  absl::StatusOr<std::unique_ptr<UploadRing>> ring =
+      UploadRing::Create(device(), kN * sizeof(float), 2);
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  constexpr int kSteps = 6;
+  std::vector<DeviceBuffer> staged, doubled;
+  for (int step = 0; step < kSteps; ++step) {
+    staged.push_back(NewFloats(kN, "staged"));
+    doubled.push_back(NewFloats(kN, "doubled"));
+    absl::StatusOr<void*> block = (*ring)->Next();
+    ASSERT_TRUE(block.ok()) << block.status();
+    const std::vector<float> values = Ramp(kN, 10.0f * step);
+    std::memcpy(*block, values.data(), kN * sizeof(float));
+    ASSERT_TRUE(
+        (*ring)->Upload(stream(), staged[step], kN * sizeof(float)).ok());
+    ASSERT_TRUE(test_ops::Fill(stream(), doubled[step], 0.0f).ok());
+    ASSERT_TRUE(
+        test_ops::Axpy(stream(), 2.0f, staged[step], doubled[step]).ok());
+  }
+  for (int step = 0; step < kSteps; ++step) {
+    const std::vector<float> values = Ramp(kN, 10.0f * step);
+    const std::vector<float> got = Download(doubled[step]);
+    for (size_t i = 0; i < kN; ++i) {
+      ASSERT_EQ(got[i], 2.0f * values[i])
+          << "step " << step << " element " << i;
+    }
+  }
+}
+
+TEST_P(RuntimeConformanceTest, UploadRingRefusesMoreThanABlock) {
+  absl::StatusOr<std::unique_ptr<UploadRing>> ring =
+      UploadRing::Create(device(), sizeof(float), 1);
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  DeviceBuffer x = NewFloats(kN, "x");
+  ASSERT_TRUE((*ring)->Next().ok());
+  EXPECT_EQ((*ring)->Upload(stream(), x, 2 * sizeof(float)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(UploadRing::Create(device(), 0, 1).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_P(RuntimeConformanceTest, UnrecordedEventCannotBeWaitedFor) {

@@ -24,18 +24,19 @@ namespace {
 // min_tokens); the engine refuses requests that would need more.
 constexpr int kMaxBannedTokensPerSequence = 64;
 
-size_t StepArenaBytes(int max_num_seqs, int max_tokens, int max_blocks,
-                      size_t sampling_workspace_bytes, int num_slots) {
-  // Metadata (8 int32 buffers), sampling parameters, bans, the token feed,
-  // each slot's sampled ids and logprobs, and the sampling workspace, with
-  // alignment slack for each of the ~30 buffers.
-  const size_t seqs = static_cast<size_t>(max_num_seqs);
+size_t StepArenaBytes(const StepLimits& limits, size_t sampling_workspace_bytes,
+                      int num_slots) {
+  // Metadata (8 int32 buffers and the packed block they are unpacked from),
+  // sampling parameters, bans, the token feed, each slot's sampled ids and
+  // logprobs, and the sampling workspace, with alignment slack for each of
+  // the ~30 buffers.
+  const size_t seqs = static_cast<size_t>(limits.max_num_seqs);
   // min_p rows/offsets, logprob rows, logsumexp, raw logprobs, top ids
   // and top logprobs come on top.
-  const size_t ints =
-      static_cast<size_t>(max_tokens) * 3 + seqs * (6 + max_blocks) + 2 +
-      seqs * 2 * kMaxBannedTokensPerSequence + seqs * 2 + seqs * 2 * num_slots +
-      seqs * 2 + seqs * 3 + seqs * 2 * kernels::kMaxTopLogprobs;
+  const size_t ints = static_cast<size_t>(StepInputs::DeviceWords(limits)) +
+                      seqs * 3 + seqs * 2 * kMaxBannedTokensPerSequence +
+                      seqs * 2 + seqs * 2 * num_slots + seqs * 2 + seqs * 3 +
+                      seqs * 2 * kernels::kMaxTopLogprobs;
   return ints * sizeof(int32_t) + seqs * sizeof(uint64_t) +
          sampling_workspace_bytes + 48 * 256;
 }
@@ -168,24 +169,26 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
       const size_t sampling_workspace_bytes,
       kernels::SamplingWorkspaceBytesFor(
           device.kind(), static_cast<int>(c.vocab_size), options.max_num_seqs));
+  // Every slot's step may have its inputs uploaded and not yet copied.
+  const StepLimits step_limits{options.max_num_seqs,
+                               options.max_num_batched_tokens, max_blocks,
+                               static_cast<int>(r->slots_.size())};
   PDW_ASSIGN_OR_RETURN(
       r->step_arena_,
-      Arena::Create(
-          device,
-          {StepArenaBytes(options.max_num_seqs, options.max_num_batched_tokens,
-                          max_blocks, sampling_workspace_bytes,
-                          static_cast<int>(r->slots_.size())),
-           256, "step_inputs"}));
-  StepLimits step_limits{options.max_num_seqs, options.max_num_batched_tokens,
-                         max_blocks};
-  PDW_ASSIGN_OR_RETURN(
-      r->inputs_,
-      StepInputs::Create(*r->step_arena_, step_limits, options.block_size));
+      Arena::Create(device,
+                    {StepArenaBytes(step_limits, sampling_workspace_bytes,
+                                    static_cast<int>(r->slots_.size())),
+                     256, "step_inputs"}));
+  PDW_ASSIGN_OR_RETURN(r->inputs_,
+                       StepInputs::Create(device, *r->step_arena_, step_limits,
+                                          options.block_size));
   PDW_ASSIGN_OR_RETURN(
       r->sampler_,
-      Sampler::Create(*r->step_arena_, options.max_num_seqs,
-                      static_cast<int>(c.vocab_size), sampling_workspace_bytes,
-                      options.max_num_seqs * kMaxBannedTokensPerSequence));
+      Sampler::Create(device, *r->step_arena_,
+                      {options.max_num_seqs, static_cast<int>(c.vocab_size),
+                       sampling_workspace_bytes,
+                       options.max_num_seqs * kMaxBannedTokensPerSequence,
+                       static_cast<int>(r->slots_.size())}));
   const size_t seq_ints = static_cast<size_t>(options.max_num_seqs);
   for (StepSlot& slot : r->slots_) {
     PDW_ASSIGN_OR_RETURN(slot.token_ids,
@@ -203,11 +206,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
     slot.num_tokens.reserve(options.max_num_seqs);
   }
   PDW_ASSIGN_OR_RETURN(
-      r->feed_src_rows_,
-      r->step_arena_->Allocate(seq_ints * sizeof(int32_t), "feed_src_rows"));
-  PDW_ASSIGN_OR_RETURN(
-      r->feed_dst_indices_,
-      r->step_arena_->Allocate(seq_ints * sizeof(int32_t), "feed_dst_indices"));
+      r->feed_,
+      r->step_arena_->Allocate(2 * seq_ints * sizeof(int32_t), "feed_rows"));
   const size_t top = seq_ints * kernels::kMaxTopLogprobs;
   PDW_ASSIGN_OR_RETURN(
       r->logprob_rows_,
@@ -256,6 +256,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
                                kMaxBannedTokensPerSequence);
   r->feed_src_rows_host_.reserve(options.max_num_seqs);
   r->feed_dst_indices_host_.reserve(options.max_num_seqs);
+  r->feed_host_.reserve(2 * options.max_num_seqs);
   LOG(INFO) << "model runner: " << c.num_hidden_layers << " layers, hidden "
             << c.hidden_size << ", vocab " << c.vocab_size << "; mode "
             << r->plan_.mode << " -> " << resolved.mode << "; " << num_blocks
@@ -476,16 +477,17 @@ absl::Status ModelRunner::Enqueue(absl::Span<const SequenceStep> batch,
       feed_dst_indices_host_.push_back(last_token[r]);
     }
     if (feed_src_rows_host_.empty()) continue;
+    feed_host_.assign(feed_src_rows_host_.begin(), feed_src_rows_host_.end());
+    feed_host_.insert(feed_host_.end(), feed_dst_indices_host_.begin(),
+                      feed_dst_indices_host_.end());
     const size_t bytes = feed_src_rows_host_.size() * sizeof(int32_t);
-    PDW_RETURN_IF_ERROR(stream_->CopyToDevice(
-        feed_src_rows_, feed_src_rows_host_.data(), bytes));
-    PDW_RETURN_IF_ERROR(stream_->CopyToDevice(
-        feed_dst_indices_, feed_dst_indices_host_.data(), bytes));
+    PDW_RETURN_IF_ERROR(
+        stream_->CopyToDevice(feed_, feed_host_.data(), 2 * bytes));
     kernels::FeedSampledTokensParams feed;
     feed.sampled_token_ids = slots_[source].token_ids;
-    feed.src_rows = feed_src_rows_;
+    feed.src_rows = feed_.Slice(0, bytes);
     feed.token_ids = inputs_->buffers().token_ids;
-    feed.dst_indices = feed_dst_indices_;
+    feed.dst_indices = feed_.Slice(bytes, bytes);
     feed.num_feeds = static_cast<int>(feed_src_rows_host_.size());
     feed.num_sampled = static_cast<int>(slots_[source].num_tokens.size());
     feed.num_tokens = shape.num_tokens;

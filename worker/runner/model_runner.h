@@ -318,8 +318,9 @@ class ModelRunner {
   std::deque<int> in_flight_;  // slots, oldest first
   int next_slot_ = 0;
   int last_launched_slot_ = -1;
-  // Device buffers the token feed reads: dst token index / src row pairs.
-  DeviceBuffer feed_src_rows_, feed_dst_indices_;
+  // What the token feed reads, int32 [2 * max_num_seqs]: n source rows,
+  // then their n destination token indices (one copy per feed).
+  DeviceBuffer feed_;
   // Raw logprobs of one step (copied to the step's slot before the next):
   // the rows that asked [max_num_seqs], their logsumexp and raw logprob
   // [max_num_seqs], top ids and logprobs [max_num_seqs, kMaxTopLogprobs].
@@ -334,6 +335,7 @@ class ModelRunner {
   std::vector<int32_t> sample_positions_;
   std::vector<int32_t> banned_rows_, banned_token_ids_;
   std::vector<int32_t> feed_src_rows_host_, feed_dst_indices_host_;
+  std::vector<int32_t> feed_host_;  // feed_'s layout
 };
 
 }  // namespace pdworker

@@ -6,14 +6,15 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "worker/runtime/arena.h"
+#include "worker/runtime/device.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
+#include "worker/runtime/upload_ring.h"
 
 namespace pdworker {
 
@@ -45,40 +46,48 @@ struct SamplingBatch {
   absl::Span<const int32_t> banned_token_ids;
 };
 
+// Sampler's sizes, fixed at startup.
+struct SamplerLimits {
+  int max_num_seqs = 0;
+  int vocab_size = 0;
+  // kernels::SamplingWorkspaceBytesFor(the device kind, vocab_size,
+  // max_num_seqs).
+  size_t workspace_bytes = 0;
+  int max_bans = 0;  // bans per step at most
+  // Steps whose parameters may be uploaded but not yet copied by the
+  // device: each has its own pinned block (UploadRing).
+  int max_uploads_in_flight = 1;
+};
+
 class Sampler {
  public:
-  // `workspace_bytes`: kernels::SamplingWorkspaceBytesFor(the arena's
-  // device kind, vocab_size, max_num_seqs). `max_bans`: bans per step at
-  // most.
-  static absl::StatusOr<std::unique_ptr<Sampler>> Create(Arena& arena,
-                                                         int max_num_seqs,
-                                                         int vocab_size,
-                                                         size_t workspace_bytes,
-                                                         int max_bans);
+  static absl::StatusOr<std::unique_ptr<Sampler>> Create(
+      Device& device, Arena& arena, const SamplerLimits& limits);
 
   // Enqueues the bans on `logits` ([rows, vocab] fp32), then sampling of
   // rows [0, batch.options.size()) into `token_ids` (int32) and `logprobs`
-  // (fp32), device buffers of >= that many elements. Returns without
-  // waiting (the host reads the results through its own copy). Not during
-  // capture. INVALID_ARGUMENT for a batch outside the limits.
+  // (fp32), device buffers of >= that many elements. The per-request
+  // parameters, bans and min_p rows the step needs go up in one copy from a
+  // pinned block (none when every row is greedy and nothing is banned).
+  // Returns without waiting (the host reads the results through its own
+  // copy). Not during capture. INVALID_ARGUMENT for a batch outside the
+  // limits.
   absl::Status Launch(Stream& stream, DeviceBuffer logits,
                       const SamplingBatch& batch, DeviceBuffer token_ids,
                       DeviceBuffer logprobs);
 
-  int max_bans() const { return max_bans_; }
+  int max_bans() const { return limits_.max_bans; }
 
  private:
-  Sampler(int max_num_seqs, int vocab_size, int max_bans);
+  Sampler(const SamplerLimits& limits, DeviceBuffer params,
+          DeviceBuffer workspace, std::unique_ptr<UploadRing> ring);
 
-  int max_num_seqs_;
-  int vocab_size_;
-  int max_bans_;
-  DeviceBuffer temperature_, top_k_, top_p_, seeds_, positions_, workspace_,
-      ban_rows_, ban_token_ids_, min_p_rows_, min_p_offsets_;
-  // Host staging, sized at startup.
-  std::vector<float> h_temperature_, h_top_p_, h_min_p_offsets_;
-  std::vector<int32_t> h_top_k_, h_positions_, h_min_p_rows_;
-  std::vector<uint64_t> h_seeds_;
+  SamplerLimits limits_;
+  // Where a step's packed parameters land (seeds, temperature, top_k,
+  // top_p, positions, min_p rows and offsets, ban rows and ids, each as
+  // long as the step needs), and the sampling kernels' scratch.
+  DeviceBuffer params_, workspace_;
+  std::unique_ptr<UploadRing> ring_;
 };
 
 }  // namespace pdworker

@@ -4,21 +4,37 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace pdworker {
 namespace {
 
-absl::StatusOr<DeviceBuffer> Int32Buffer(Arena& arena, int64_t elements,
-                                         absl::string_view label) {
-  return arena.Allocate(static_cast<size_t>(elements) * sizeof(int32_t), label);
+// The packed block at its largest: every array full and every request
+// holding a full block-table row.
+int64_t MaxPackedWords(const StepLimits& limits) {
+  const kernels::PackedStepLayout l = kernels::PackedStepLayout::For(
+      limits.max_num_batched_tokens, limits.max_num_seqs);
+  return l.block_ids +
+         static_cast<int64_t>(limits.max_num_seqs) * limits.max_blocks_per_seq;
 }
 
 }  // namespace
 
+int64_t StepInputs::DeviceWords(const StepLimits& limits) {
+  const int64_t tokens = limits.max_num_batched_tokens;
+  const int64_t seqs = limits.max_num_seqs;
+  // token_ids, positions, slot_mapping; seq_lens, logits_indices,
+  // query_start_loc, num_reqs; block_tables; then the packed block.
+  return 3 * tokens + 3 * seqs + 2 + seqs * limits.max_blocks_per_seq +
+         MaxPackedWords(limits);
+}
+
 absl::StatusOr<std::unique_ptr<StepInputs>> StepInputs::Create(
-    Arena& arena, const StepLimits& limits, int32_t block_size) {
+    Device& device, Arena& arena, const StepLimits& limits,
+    int32_t block_size) {
   if (limits.max_num_seqs <= 0 || limits.max_num_batched_tokens <= 0 ||
-      limits.max_blocks_per_seq <= 0 || block_size <= 0) {
+      limits.max_blocks_per_seq <= 0 || limits.max_uploads_in_flight <= 0 ||
+      block_size <= 0) {
     return absl::InvalidArgumentError("StepInputs: limits must be positive");
   }
   const int64_t tokens = limits.max_num_batched_tokens;
@@ -29,6 +45,9 @@ absl::StatusOr<std::unique_ptr<StepInputs>> StepInputs::Create(
     int64_t elements;
     const char* label;
   };
+  DeviceBuffer packed;
+  const size_t packed_bytes =
+      static_cast<size_t>(MaxPackedWords(limits)) * sizeof(int32_t);
   for (const Slot& s : {
            Slot{&b.token_ids, tokens, "token_ids"},
            Slot{&b.positions, tokens, "positions"},
@@ -39,28 +58,37 @@ absl::StatusOr<std::unique_ptr<StepInputs>> StepInputs::Create(
            Slot{&b.block_tables, seqs * limits.max_blocks_per_seq,
                 "block_tables"},
            Slot{&b.logits_indices, seqs, "logits_indices"},
+           Slot{&packed, MaxPackedWords(limits), "packed_step_inputs"},
        }) {
-    absl::StatusOr<DeviceBuffer> buf = Int32Buffer(arena, s.elements, s.label);
-    if (!buf.ok()) return buf.status();
-    *s.buffer = *buf;
+    PDW_ASSIGN_OR_RETURN(
+        *s.buffer,
+        arena.Allocate(static_cast<size_t>(s.elements) * sizeof(int32_t),
+                       s.label));
   }
-  return std::unique_ptr<StepInputs>(
-      new StepInputs(limits, block_size, std::move(b)));
+  PDW_ASSIGN_OR_RETURN(
+      std::unique_ptr<UploadRing> ring,
+      UploadRing::Create(device, packed_bytes, limits.max_uploads_in_flight));
+  return std::unique_ptr<StepInputs>(new StepInputs(
+      limits, block_size, std::move(b), packed, std::move(ring)));
 }
 
 StepInputs::StepInputs(const StepLimits& limits, int32_t block_size,
-                       StepBuffers buffers)
+                       StepBuffers buffers, DeviceBuffer packed,
+                       std::unique_ptr<UploadRing> ring)
     : limits_(limits),
       block_size_(block_size),
       buffers_(std::move(buffers)),
-      token_ids_(limits.max_num_batched_tokens),
-      positions_(limits.max_num_batched_tokens),
-      slot_mapping_(limits.max_num_batched_tokens),
-      seq_lens_(limits.max_num_seqs),
-      query_start_loc_(limits.max_num_seqs + 1),
-      block_tables_(static_cast<size_t>(limits.max_num_seqs) *
-                    limits.max_blocks_per_seq),
-      logits_indices_(limits.max_num_seqs) {}
+      packed_(packed),
+      ring_(std::move(ring)) {}
+
+absl::Status StepInputs::NextBlock(const PaddedShape& shape) {
+  // Normally no wait: the copy out of this block was enqueued
+  // max_uploads_in_flight uploads ago.
+  PDW_RETURN_IF_ERROR(ring_->Next().status());
+  shape_ = shape;
+  layout_ = kernels::PackedStepLayout::For(shape.num_tokens, shape.num_reqs);
+  return absl::OkStatus();
+}
 
 absl::Status StepInputs::Build(absl::Span<const StepSequence> seqs,
                                const PaddedShape& shape) {
@@ -93,54 +121,62 @@ absl::Status StepInputs::Build(absl::Span<const StepSequence> seqs,
     return absl::InvalidArgumentError(
         "StepInputs: padding requests must exactly cover the padding tokens");
   }
+  PDW_RETURN_IF_ERROR(NextBlock(shape));
 
-  int t = 0;
-  query_start_loc_[0] = 0;
+  int32_t* w = Staged();
+  const kernels::PackedStepLayout& l = layout_;
+  int32_t* token_ids = w + l.token_ids;
+  int32_t* positions = w + l.positions;
+  int32_t* slot_mapping = w + l.slot_mapping;
+  int32_t* seq_lens = w + l.seq_lens;
+  int32_t* query_start_loc = w + l.query_start_loc;
+  int32_t* logits_indices = w + l.logits_indices;
+  int32_t* block_starts = w + l.block_starts;
+  int32_t* block_ids = w + l.block_ids;
+  int t = 0, num_block_ids = 0;
+  query_start_loc[0] = 0;
+  block_starts[0] = 0;
   for (int r = 0; r < num_reqs; ++r) {
     const StepSequence& s = seqs[r];
     const int q_len = static_cast<int>(s.new_tokens.size());
     const int first_pos = s.kv->num_tokens - q_len;
     for (int j = 0; j < q_len; ++j, ++t) {
       const int pos = first_pos + j;
-      token_ids_[t] = s.new_tokens[j];
-      positions_[t] = pos;
-      slot_mapping_[t] =
+      token_ids[t] = s.new_tokens[j];
+      positions[t] = pos;
+      slot_mapping[t] =
           s.kv->blocks[pos / block_size_] * block_size_ + pos % block_size_;
     }
-    seq_lens_[r] = s.kv->num_tokens;
-    query_start_loc_[r + 1] = t;
-    logits_indices_[r] = t - 1;
-    int32_t* row =
-        &block_tables_[static_cast<size_t>(r) * limits_.max_blocks_per_seq];
-    std::copy(s.kv->blocks.begin(), s.kv->blocks.end(), row);
-    std::fill(row + s.kv->blocks.size(), row + limits_.max_blocks_per_seq, 0);
+    seq_lens[r] = s.kv->num_tokens;
+    query_start_loc[r + 1] = t;
+    logits_indices[r] = t - 1;
+    std::copy(s.kv->blocks.begin(), s.kv->blocks.end(),
+              block_ids + num_block_ids);
+    num_block_ids += static_cast<int>(s.kv->blocks.size());
+    block_starts[r + 1] = num_block_ids;
   }
   // Padding tokens: read token 0 at position 0 and write no KV (slot -1).
   for (int p = t; p < shape.num_tokens; ++p) {
-    token_ids_[p] = 0;
-    positions_[p] = 0;
-    slot_mapping_[p] = -1;
+    token_ids[p] = 0;
+    positions[p] = 0;
+    slot_mapping[p] = -1;
   }
-  // Padding requests (uniform keys only): empty context, so attention gives
-  // zeros and never touches a real sequence's blocks. Their logits index is
-  // -1 (a zero row, so zero logits): their padding token's hidden state is
-  // not zero (embedding of token 0 plus the MLP), and rows nobody reads
-  // should not look like real logits.
+  // Padding requests (uniform keys only): empty context and no blocks, so
+  // attention gives zeros and never touches a real sequence's blocks. Their
+  // logits index is -1 (a zero row, so zero logits): their padding token's
+  // hidden state is not zero (embedding of token 0 plus the MLP), and rows
+  // nobody reads should not look like real logits. The unpack writes -1 to
+  // the rows past the padded requests too, so the LM head never reads a
+  // stale index from an earlier step.
   for (int r = num_reqs; r < shape.num_reqs; ++r) {
-    seq_lens_[r] = 0;
-    query_start_loc_[r + 1] = query_start_loc_[r] + shape.padding_query_len;
-    logits_indices_[r] = -1;
-    int32_t* row =
-        &block_tables_[static_cast<size_t>(r) * limits_.max_blocks_per_seq];
-    std::fill(row, row + limits_.max_blocks_per_seq, 0);
+    seq_lens[r] = 0;
+    query_start_loc[r + 1] = query_start_loc[r] + shape.padding_query_len;
+    logits_indices[r] = -1;
+    block_starts[r + 1] = num_block_ids;
   }
-  // Rows the LM head may compute beyond the padded requests read -1 (zero
-  // logits) instead of a stale index from an earlier step.
-  std::fill(logits_indices_.begin() + shape.num_reqs, logits_indices_.end(),
-            -1);
   num_tokens_ = total;
   num_reqs_ = num_reqs;
-  shape_ = shape;
+  num_block_ids_ = num_block_ids;
   return absl::OkStatus();
 }
 
@@ -154,51 +190,44 @@ absl::Status StepInputs::BuildDummy(const PaddedShape& shape) {
         absl::StrCat("StepInputs: bad dummy shape ", shape.num_tokens, " / ",
                      shape.num_reqs));
   }
-  std::fill_n(token_ids_.begin(), shape.num_tokens, 0);
-  std::fill_n(positions_.begin(), shape.num_tokens, 0);
-  std::fill_n(slot_mapping_.begin(), shape.num_tokens, -1);
-  query_start_loc_[0] = 0;
+  PDW_RETURN_IF_ERROR(NextBlock(shape));
+  int32_t* w = Staged();
+  const kernels::PackedStepLayout& l = layout_;
+  std::fill_n(w + l.token_ids, shape.num_tokens, 0);
+  std::fill_n(w + l.positions, shape.num_tokens, 0);
+  std::fill_n(w + l.slot_mapping, shape.num_tokens, -1);
+  std::fill_n(w + l.seq_lens, shape.num_reqs, 0);
+  std::fill_n(w + l.logits_indices, shape.num_reqs, -1);
+  std::fill_n(w + l.block_starts, shape.num_reqs + 1, 0);
+  int32_t* query_start_loc = w + l.query_start_loc;
+  query_start_loc[0] = 0;
   for (int r = 0; r < shape.num_reqs; ++r) {
-    seq_lens_[r] = 0;
-    query_start_loc_[r + 1] = query_start_loc_[r] + shape.padding_query_len;
-    std::fill_n(block_tables_.begin() +
-                    static_cast<size_t>(r) * limits_.max_blocks_per_seq,
-                limits_.max_blocks_per_seq, 0);
+    query_start_loc[r + 1] = query_start_loc[r] + shape.padding_query_len;
   }
-  std::fill(logits_indices_.begin(), logits_indices_.end(), -1);
   num_tokens_ = 0;
   num_reqs_ = 0;
-  shape_ = shape;
+  num_block_ids_ = 0;
   return absl::OkStatus();
 }
 
-absl::Status StepInputs::Upload(Stream& stream) const {
-  const size_t tok = static_cast<size_t>(shape_.num_tokens) * sizeof(int32_t);
-  const size_t req = static_cast<size_t>(shape_.num_reqs) * sizeof(int32_t);
-  const int32_t num_reqs = num_reqs_;
-  struct Copy {
-    DeviceBuffer dst;
-    const void* src;
-    size_t bytes;
-  };
-  for (const Copy& c : {
-           Copy{buffers_.token_ids, token_ids_.data(), tok},
-           Copy{buffers_.positions, positions_.data(), tok},
-           Copy{buffers_.slot_mapping, slot_mapping_.data(), tok},
-           Copy{buffers_.seq_lens, seq_lens_.data(), req},
-           Copy{buffers_.query_start_loc, query_start_loc_.data(),
-                req + sizeof(int32_t)},
-           Copy{buffers_.num_reqs, &num_reqs, sizeof(int32_t)},
-           Copy{buffers_.block_tables, block_tables_.data(),
-                req * limits_.max_blocks_per_seq},
-           Copy{buffers_.logits_indices, logits_indices_.data(),
-                logits_indices_.size() * sizeof(int32_t)},
-       }) {
-    if (c.bytes == 0) continue;
-    absl::Status s = stream.CopyToDevice(c.dst, c.src, c.bytes);
-    if (!s.ok()) return s;
+absl::Status StepInputs::Upload(Stream& stream) {
+  if (shape_.num_tokens == 0) {
+    return absl::FailedPreconditionError(
+        "StepInputs::Upload before Build: nothing to copy");
   }
-  return absl::OkStatus();
+  const int64_t words = layout_.block_ids + num_block_ids_;
+  PDW_RETURN_IF_ERROR(ring_->Upload(
+      stream, packed_, static_cast<size_t>(words) * sizeof(int32_t)));
+  kernels::UnpackStepInputsParams p;
+  p.packed = packed_;
+  p.outputs = buffers_;
+  p.num_tokens = shape_.num_tokens;
+  p.num_reqs = shape_.num_reqs;
+  p.num_real_reqs = num_reqs_;
+  p.num_block_ids = num_block_ids_;
+  p.max_blocks_per_seq = limits_.max_blocks_per_seq;
+  p.num_logits_rows = limits_.max_num_seqs;
+  return kernels::LaunchUnpackStepInputs(stream, p);
 }
 
 }  // namespace pdworker

@@ -50,6 +50,8 @@ class CpuStream final : public Stream {
   absl::Status DoLaunch(absl::string_view name, Op op) override;
   absl::Status DoCopyToDevice(DeviceBuffer dst, const void* src,
                               size_t size_bytes) override;
+  absl::Status DoCopyToDeviceAsync(DeviceBuffer dst, const void* src,
+                                   size_t size_bytes) override;
   absl::Status DoCopyToHost(void* dst, DeviceBuffer src,
                             size_t size_bytes) override;
   absl::Status DoCopyToHostAsync(void* dst, DeviceBuffer src,

@@ -79,6 +79,13 @@ absl::Status CudaStream::DoCopyToDevice(DeviceBuffer dst, const void* src,
                     "cudaMemcpyAsync(host to device)");
 }
 
+absl::Status CudaStream::DoCopyToDeviceAsync(DeviceBuffer dst, const void* src,
+                                             size_t size_bytes) {
+  return CudaStatus(cudaMemcpyAsync(dst.data(), src, size_bytes,
+                                    cudaMemcpyHostToDevice, stream_.get()),
+                    "cudaMemcpyAsync(pinned host to device)");
+}
+
 absl::Status CudaStream::DoCopyToHost(void* dst, DeviceBuffer src,
                                       size_t size_bytes) {
   absl::Status status = DoCopyToHostAsync(dst, src, size_bytes);

@@ -34,6 +34,9 @@ class CudaStream final : public Stream {
   absl::Status DoLaunch(absl::string_view name, Op op) override;
   absl::Status DoCopyToDevice(DeviceBuffer dst, const void* src,
                               size_t size_bytes) override;
+  // From pinned memory: cudaMemcpyAsync returns before the DMA runs.
+  absl::Status DoCopyToDeviceAsync(DeviceBuffer dst, const void* src,
+                                   size_t size_bytes) override;
   absl::Status DoCopyToHost(void* dst, DeviceBuffer src,
                             size_t size_bytes) override;
   // cudaMemcpyAsync without synchronizing. Truly asynchronous only into

@@ -88,6 +88,25 @@ absl::Status Stream::CopyToDevice(DeviceBuffer dst, const void* src,
   return DoCopyToDevice(dst, src, size_bytes);
 }
 
+absl::Status Stream::CopyToDeviceAsync(DeviceBuffer dst, const HostMemory& src,
+                                       size_t size_bytes) {
+  absl::Status refused = RefuseDuringCapture(
+      "Stream::CopyToDeviceAsync",
+      "a captured copy would freeze the host source pointer; write inputs "
+      "into the static buffers before capture or replay");
+  if (!refused.ok()) return refused;
+  absl::Status range =
+      CheckCopyRange("CopyToDeviceAsync", size_bytes, dst, "destination");
+  if (!range.ok()) return range;
+  if (size_bytes > src.size_bytes()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "CopyToDeviceAsync of %d bytes exceeds the %d-byte host source",
+        size_bytes, src.size_bytes()));
+  }
+  if (size_bytes == 0) return absl::OkStatus();
+  return DoCopyToDeviceAsync(dst, src.data(), size_bytes);
+}
+
 absl::Status Stream::CopyToHost(void* dst, DeviceBuffer src,
                                 size_t size_bytes) {
   absl::Status refused = RefuseDuringCapture(

@@ -16,6 +16,7 @@
 #include "dispatcher/graph_backend.h"
 #include "worker/runtime/device.h"
 #include "worker/runtime/device_buffer.h"
+#include "worker/runtime/host_memory.h"
 
 namespace pdworker {
 
@@ -43,7 +44,7 @@ using Op = std::function<void(const OpContext&)>;
 // EndCapture, work is recorded into a graph instead of being executed.
 //
 // Work is asynchronous on CUDA and on the threaded CPU stream: Launch,
-// CopyToDevice, CopyOnDevice, CopyToHostAsync, RecordEvent and graph replay
+// CopyToDevice(Async), CopyOnDevice, CopyToHostAsync, RecordEvent and replay
 // enqueue and return; the work runs later, in enqueue order. The host sees
 // its results only after Synchronize, CopyToHost, or Event::Synchronize of an
 // event recorded after it. Errors of work that already ran asynchronously
@@ -51,8 +52,8 @@ using Op = std::function<void(const OpContext&)>;
 //
 // What CUDA forbids during stream capture is refused on every backend (so the
 // CPU backend catches what would break on a GPU): Synchronize, CopyToHost,
-// CopyToHostAsync, CopyToDevice from host memory, RecordEvent, replaying a
-// graph, and the device-wide operations listed in Device. A refused operation
+// CopyToHostAsync, CopyToDevice(Async) from host memory, RecordEvent, replaying
+// a graph, and the device-wide operations listed in Device. A refused operation
 // returns FAILED_PRECONDITION and invalidates the capture: later launches fail
 // and EndCapture returns an error naming the first offending operation.
 //
@@ -80,6 +81,14 @@ class Stream : public GraphBackend {
   // replay, never inside one.
   absl::Status CopyToDevice(DeviceBuffer dst, const void* src,
                             size_t size_bytes);
+  // Enqueues a copy of the first `size_bytes` of pinned host memory `src`
+  // into `dst` and returns without staging: the device reads `src` when the
+  // copy runs, so the host must not write `src` until an event recorded
+  // after this call has completed. One DMA from page-locked memory, where
+  // CopyToDevice from pageable memory costs a host-side staging copy per
+  // call. Refused during capture, like CopyToDevice.
+  absl::Status CopyToDeviceAsync(DeviceBuffer dst, const HostMemory& src,
+                                 size_t size_bytes);
   // Copies `size_bytes` from `src` into host memory `dst` and waits for the
   // copy (and all earlier work) to finish. Refused during capture.
   absl::Status CopyToHost(void* dst, DeviceBuffer src, size_t size_bytes);
@@ -129,6 +138,9 @@ class Stream : public GraphBackend {
   virtual absl::Status DoLaunch(absl::string_view name, Op op) = 0;
   virtual absl::Status DoCopyToDevice(DeviceBuffer dst, const void* src,
                                       size_t size_bytes) = 0;
+  // `src` is pinned and stays unchanged until the copy has run.
+  virtual absl::Status DoCopyToDeviceAsync(DeviceBuffer dst, const void* src,
+                                           size_t size_bytes) = 0;
   virtual absl::Status DoCopyToHost(void* dst, DeviceBuffer src,
                                     size_t size_bytes) = 0;
   virtual absl::Status DoCopyToHostAsync(void* dst, DeviceBuffer src,
