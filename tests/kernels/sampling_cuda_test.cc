@@ -73,8 +73,8 @@ class SamplingCudaTest : public CudaKernelTest {
     p.vocab_size = vocab;
     p.logprob_mode = mode;
     p.path = path;
-    if (path == SamplingPath::kGreedy) {  // reads the logits alone
-      p.temperature = p.top_k = p.top_p = p.seeds = p.positions = p.workspace =
+    if (path == SamplingPath::kGreedy) {  // logits, and scratch on CUDA
+      p.temperature = p.top_k = p.top_p = p.seeds = p.positions =
           DeviceBuffer();
     }
     const absl::Status status = LaunchSampling(*b.stream, p);
@@ -227,6 +227,42 @@ TEST_F(SamplingCudaTest, GreedyPathSamplesLikeTheCpu) {
       EXPECT_EQ(got.tokens[3], vocab - 1);
     }
   }
+}
+
+// The greedy path's slicing and reduction orders depend on the vocabulary
+// alone: a row sampled alone and inside a batch of 9 (a padded graph's
+// batch vs the real one) gives the same token and the same logprob bits.
+TEST_F(SamplingCudaTest, GreedyRowsDoNotDependOnTheirBatch) {
+  const int vocab = 128256;
+  std::vector<Row> batch;
+  for (uint32_t seed = 0; seed < 9; ++seed) {
+    Row row;
+    row.logits = RandomLogits(vocab, 700 + seed, 3.0f);
+    row.temperature = 0.0f;
+    batch.push_back(row);
+  }
+  const Sampled together =
+      Run(gpu(), batch, LogprobMode::kRaw, SamplingPath::kGreedy);
+  for (size_t r = 0; r < batch.size(); ++r) {
+    const Sampled alone =
+        Run(gpu(), {batch[r]}, LogprobMode::kRaw, SamplingPath::kGreedy);
+    EXPECT_EQ(alone.tokens[0], together.tokens[r]) << "row " << r;
+    EXPECT_EQ(alone.logprobs[0], together.logprobs[r]) << "row " << r;
+  }
+}
+
+TEST_F(SamplingCudaTest, GreedyPathNeedsItsWorkspaceOnCuda) {
+  SamplingParams p;
+  p.logits = gpu().Upload(std::vector<float>(2 * 1000, 0.5f));
+  p.sampled_token_ids = gpu().Alloc(2 * sizeof(int32_t));
+  p.sampled_logprobs = gpu().Alloc(2 * sizeof(float));
+  p.num_reqs = 2;
+  p.vocab_size = 1000;
+  p.path = SamplingPath::kGreedy;
+  const absl::Status status = LaunchSampling(*gpu().stream, p);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("workspace"), absl::string_view::npos)
+      << status;
 }
 
 TEST_F(SamplingCudaTest, RefusedWhileCapturing) {

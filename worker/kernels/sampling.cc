@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 #include "pdw_cuda_config.h"  // PDW_HAVE_CUDA, PDW_HAVE_NCCL
 #include "worker/kernels/kernel_checks.h"
 
@@ -301,7 +302,18 @@ absl::Status LaunchSampling(Stream& stream, const SamplingParams& p) {
          CheckBackendImplemented(stream, kOp)});
     if (!status.ok()) return status;
 #if PDW_HAVE_CUDA
-    if (stream.kind() == DeviceKind::kCuda) return SamplingOnCuda(stream, p);
+    if (stream.kind() == DeviceKind::kCuda) {
+      // The slices' partial results (SamplingWorkspaceBytesFor covers them).
+      PDW_RETURN_IF_ERROR(CheckBuffer(
+          kOp, "workspace", p.workspace,
+          static_cast<int64_t>(GreedySamplingCudaWorkspaceBytes(n)), 1,
+          absl::StrFormat("[num_reqs=%d, 64 slices] greedy partials", n)));
+      if (reinterpret_cast<uintptr_t>(p.workspace.data()) % 4 != 0) {
+        return absl::InvalidArgumentError(
+            "sampling: the greedy path's 'workspace' must be 4-byte aligned");
+      }
+      return SamplingOnCuda(stream, p);
+    }
 #endif
     return stream.Launch(kOp, [p](const OpContext&) { GreedySamplingCpu(p); });
   }

@@ -43,11 +43,14 @@ enum class LogprobMode {
 // greedy over the whole vocabulary — the token is the argmax (ties to the
 // lowest id) and its logprob is log_softmax(logits)[token], which is what
 // kGeneral gives a greedy row without top-k / top-p in either LogprobMode.
-// temperature, top_k, top_p, seeds, positions and workspace are not read
-// (they may be empty). One pass per row, no sort and, on CUDA, no host
-// round trip and no double precision (fp32 log-sum-exp: the logprob within
-// ~1e-6 of kGeneral's). The caller (the runner's Sampler) takes it when
-// every request of the step is greedy and untruncated.
+// temperature, top_k, top_p, seeds and positions are not read (they may be
+// empty), nor is the workspace on the CPU (on CUDA it holds each row's 64
+// slice results: SamplingWorkspaceBytesFor covers them). One pass over the
+// logits, no sort and, on CUDA, no host round trip and no double precision
+// (fp32 log-sum-exp: the logprob within ~1e-6 of kGeneral's); a row's
+// result does not depend on the other rows of the batch. The caller (the
+// runner's Sampler) takes it when every request of the step is greedy and
+// untruncated.
 enum class SamplingPath { kGeneral, kGreedy };
 
 // Per request r < num_reqs (row r of every buffer):
@@ -75,7 +78,7 @@ struct SamplingParams {
   // >= SamplingWorkspaceBytesFor(backend, vocab_size, num_reqs) bytes of
   // scratch, allocated once at startup (CPU: sort order and weights of one
   // row; CUDA: sort buffers for a group of rows, the list of rows that
-  // truncate, and cub's scratch).
+  // truncate, and cub's scratch, or the greedy path's slice results).
   DeviceBuffer workspace;
   DeviceBuffer sampled_token_ids;  // int32 [>= num_reqs], written
   DeviceBuffer sampled_logprobs;   // fp32 [>= num_reqs], written

@@ -33,10 +33,14 @@ struct SamplingCudaParams {
   float greedy_temperature = 0.0f;  // kGreedyTemperature
 };
 
-// SamplingPath::kGreedy: one block per row, argmax and an fp32 log-sum-exp;
-// reads logits only (the other inputs of SamplingCudaParams may be null).
+// SamplingPath::kGreedy: the argmax and an fp32 log-sum-exp per row, each
+// row reduced in 64 slices by 64 blocks (one pass over the logits), then
+// the slices combined by a second kernel. Reads the logits and writes the
+// slices' partial results to `workspace` (>= GreedySamplingCudaWorkspaceBytes
+// (num_reqs) bytes, 4-byte aligned); the other inputs may be null.
 cudaError_t LaunchGreedySamplingCuda(const SamplingCudaParams& p,
                                      cudaStream_t stream);
+size_t GreedySamplingCudaWorkspaceBytes(int num_reqs);
 
 // Workspace bytes for `vocab_size` and up to `max_num_reqs` rows per
 // launch: kCudaSamplingSortRows rows of sort keys and ids (twice: in and
