@@ -1,5 +1,6 @@
 #include "worker/kernels/lm_head.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -82,6 +83,43 @@ TEST_F(LmHeadTest, LogitsOfSelectedRowsMatchReferenceAcrossReplays) {
   Write(p.logits_indices, next);
   ASSERT_TRUE((*graph)->Replay().ok());
   EXPECT_LE(MaxAbsDiff(Read<float>(p.logits), reference(next)), 1e-5);
+}
+
+// Without logits_indices the LM head takes `hidden` as its rows (the final
+// norm gathered them): the logits of the gathered rows, bit for bit.
+TEST_F(LmHeadTest, WithoutIndicesTheRowsAreTheHiddenRows) {
+  constexpr int kTokens = 6, kRows = 3, kHidden = 16, kVocab = 20;
+  const std::vector<float> hidden = RandomFloats(kTokens * kHidden, 61);
+  const std::vector<int32_t> indices = {5, -1, 1};
+  LmHeadParams gathering;
+  gathering.hidden = Upload(hidden);
+  gathering.logits_indices = Upload(indices);
+  gathering.gathered = AllocElements<float>(kRows * kHidden);
+  gathering.weight = Upload(RandomFloats(kVocab * kHidden, 62));
+  gathering.logits = AllocElements<float>(kRows * kVocab);
+  gathering.num_tokens = kTokens;
+  gathering.num_rows = kRows;
+  gathering.hidden_size = kHidden;
+  gathering.vocab_size = kVocab;
+  ASSERT_TRUE(LaunchLmHead(stream(), gathering).ok());
+
+  std::vector<float> rows(kRows * kHidden, 0.0f);
+  for (int r = 0; r < kRows; ++r) {
+    if (indices[r] < 0) continue;
+    std::copy_n(hidden.begin() + indices[r] * kHidden, kHidden,
+                rows.begin() + r * kHidden);
+  }
+  LmHeadParams direct = gathering;
+  direct.hidden = Upload(rows);
+  direct.logits_indices = DeviceBuffer();
+  direct.gathered = DeviceBuffer();
+  direct.logits = AllocElements<float>(kRows * kVocab);
+  ASSERT_TRUE(LaunchLmHead(stream(), direct).ok());
+  EXPECT_EQ(Read<float>(direct.logits), Read<float>(gathering.logits));
+
+  direct.hidden = AllocElements<float>(kRows * kHidden - 1);
+  EXPECT_THAT(LaunchLmHead(stream(), direct),
+              IsInvalidArgumentMentioning("'hidden'"));
 }
 
 TEST_F(LmHeadTest, RejectsBadBuffers) {

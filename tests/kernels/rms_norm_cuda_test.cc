@@ -80,6 +80,70 @@ TEST_P(RmsNormCudaTest, FusedAddMatchesTheCpuKernel) {
               kAbs, "fused_add_rms_norm residual");
 }
 
+// The final norm's gather of the LM head's rows (every kernel variant, by
+// width): output row t has the bits the ungathered norm writes for input row
+// indices[t] (the fused add: without storing the residual, which stays as
+// it was), and -1 / out-of-range indices give +0 rows.
+TEST_P(RmsNormCudaTest, GatherGivesTheUngatheredBits) {
+  const int hidden = GetParam();
+  const int tokens = 7;
+  const std::vector<float> x = RandomBf16Floats(tokens * hidden, 15, -2, 2);
+  const std::vector<float> res = RandomBf16Floats(tokens * hidden, 16, -2, 2);
+  const std::vector<float> w = RandomBf16Floats(hidden, 17, 0.5f, 1.5f);
+  const std::vector<int32_t> indices = {6, -1, 0, 3, tokens, 6};
+  const int rows = static_cast<int>(indices.size());
+  const std::vector<float> zero_row(hidden, 0.0f);
+  auto expect_gathered = [&](const std::vector<float>& got,
+                             const std::vector<float>& every,
+                             const char* what) {
+    for (int t = 0; t < rows; ++t) {
+      const bool valid = indices[t] >= 0 && indices[t] < tokens;
+      const std::vector<float> row(got.begin() + t * hidden,
+                                   got.begin() + (t + 1) * hidden);
+      const std::vector<float> want =
+          valid ? std::vector<float>(every.begin() + indices[t] * hidden,
+                                     every.begin() + (indices[t] + 1) * hidden)
+                : zero_row;
+      EXPECT_TRUE(SameBits(row, want)) << what << " row " << t;
+    }
+  };
+
+  RmsNormParams all{GpuBf16(x),
+                    GpuBf16(w),
+                    gpu().Alloc(2 * x.size()),
+                    tokens,
+                    hidden,
+                    1e-5f,
+                    DType::kBFloat16};
+  ASSERT_TRUE(LaunchRmsNorm(*gpu().stream, all).ok());
+  RmsNormParams g = all;
+  g.output = gpu().Alloc(2 * rows * hidden);  // 0xFF poison
+  g.num_tokens = rows;
+  g.row_indices = gpu().Upload(indices);
+  g.num_input_rows = tokens;
+  ASSERT_TRUE(LaunchRmsNorm(*gpu().stream, g).ok());
+  expect_gathered(ReadGpuBf16(g.output, rows * hidden),
+                  ReadGpuBf16(all.output, x.size()), "rms_norm");
+
+  FusedAddRmsNormParams fall{GpuBf16(x),     GpuBf16(res), GpuBf16(w),
+                             DeviceBuffer(), tokens,       hidden,
+                             1e-5f,          DType::kBFloat16};
+  fall.output = gpu().Alloc(2 * x.size());
+  ASSERT_TRUE(LaunchFusedAddRmsNorm(*gpu().stream, fall).ok());
+  FusedAddRmsNormParams fg = fall;
+  fg.residual = GpuBf16(res);
+  fg.output = gpu().Alloc(2 * rows * hidden);
+  fg.num_tokens = rows;
+  fg.row_indices = gpu().Upload(indices);
+  fg.num_input_rows = tokens;
+  ASSERT_TRUE(LaunchFusedAddRmsNorm(*gpu().stream, fg).ok());
+  expect_gathered(ReadGpuBf16(fg.output, rows * hidden),
+                  ReadGpuBf16(fall.output, x.size()), "fused_add_rms_norm");
+  EXPECT_TRUE(SameBits(ReadGpuBf16(fg.residual, x.size()),
+                       ReadGpuBf16(GpuBf16(res), x.size())))
+      << "the gathering fused add must not store the residual";
+}
+
 // Tiny-model width, Llama-1B width, and a width that is no multiple of the
 // block size.
 // 64 and 2048: the one-pass kernel with one 16-byte vector per thread (or

@@ -1,6 +1,7 @@
 #include "worker/kernels/rms_norm.h"
 
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
 #include "tests/kernels/kernel_test_util.h"
@@ -104,6 +105,99 @@ TEST_F(RmsNormTest, FusedAddUpdatesResidualAndNormalizesTheSum) {
     EXPECT_LE(MaxAbsDiff(Read<float>(p.residual), sum), 1e-6);
     EXPECT_LE(MaxAbsDiff(Read<float>(p.output), expected), kTolerance);
   }
+}
+
+// The gather of the LM head's rows: output row t is the norm of input row
+// indices[t], bit for bit what the norm without a gather writes for that
+// row; -1 and out-of-range indices give zero rows.
+TEST_F(RmsNormTest, GatherNormalizesTheIndexedRowsBitForBit) {
+  constexpr int kRows = 6, kHidden = 40;
+  const std::vector<float> x = RandomFloats(kRows * kHidden, 21, -3.0f, 3.0f);
+  const std::vector<float> w = RandomFloats(kHidden, 22, 0.5f, 1.5f);
+  RmsNormParams all;
+  all.input = Upload(x);
+  all.weight = Upload(w);
+  all.output = AllocElements<float>(kRows * kHidden);
+  all.num_tokens = kRows;
+  all.hidden_size = kHidden;
+  ASSERT_TRUE(LaunchRmsNorm(stream(), all).ok());
+  const std::vector<float> every = Read<float>(all.output);
+
+  const std::vector<int32_t> indices = {4, -1, 0, kRows, 4};
+  RmsNormParams g = all;
+  g.output = AllocElements<float>(indices.size() * kHidden);
+  g.num_tokens = static_cast<int>(indices.size());
+  g.row_indices = Upload(indices);
+  g.num_input_rows = kRows;
+  ASSERT_TRUE(LaunchRmsNorm(stream(), g).ok());
+  const std::vector<float> got = Read<float>(g.output);
+  for (size_t t = 0; t < indices.size(); ++t) {
+    const bool valid = indices[t] >= 0 && indices[t] < kRows;
+    for (int i = 0; i < kHidden; ++i) {
+      ASSERT_EQ(got[t * kHidden + i],
+                valid ? every[indices[t] * kHidden + i] : 0.0f)
+          << "row " << t << " element " << i;
+    }
+  }
+  EXPECT_EQ(Read<float>(g.input), x);
+}
+
+// The fused add's gather: the same output rows as the fused add over every
+// row followed by a gather, and the residual is left alone.
+TEST_F(RmsNormTest, FusedAddGatherMatchesTheFullAddAndLeavesTheResidual) {
+  constexpr int kRows = 5, kHidden = 24;
+  const std::vector<float> x = RandomFloats(kRows * kHidden, 23);
+  const std::vector<float> r = RandomFloats(kRows * kHidden, 24);
+  const std::vector<float> w = RandomFloats(kHidden, 25, 0.5f, 1.5f);
+  FusedAddRmsNormParams all;
+  all.input = Upload(x);
+  all.residual = Upload(r);
+  all.weight = Upload(w);
+  all.output = AllocElements<float>(kRows * kHidden);
+  all.num_tokens = kRows;
+  all.hidden_size = kHidden;
+  ASSERT_TRUE(LaunchFusedAddRmsNorm(stream(), all).ok());
+  const std::vector<float> every = Read<float>(all.output);
+
+  const std::vector<int32_t> indices = {2, 2, -7, 0};
+  FusedAddRmsNormParams g = all;
+  g.residual = Upload(r);
+  g.output = AllocElements<float>(indices.size() * kHidden);
+  g.num_tokens = static_cast<int>(indices.size());
+  g.row_indices = Upload(indices);
+  g.num_input_rows = kRows;
+  ASSERT_TRUE(LaunchFusedAddRmsNorm(stream(), g).ok());
+  const std::vector<float> got = Read<float>(g.output);
+  for (size_t t = 0; t < indices.size(); ++t) {
+    for (int i = 0; i < kHidden; ++i) {
+      ASSERT_EQ(got[t * kHidden + i],
+                indices[t] >= 0 ? every[indices[t] * kHidden + i] : 0.0f)
+          << "row " << t << " element " << i;
+    }
+  }
+  EXPECT_EQ(Read<float>(g.residual), r);
+}
+
+TEST_F(RmsNormTest, GatherNeedsItsIndicesAndADisjointOutput) {
+  constexpr int kRows = 4, kHidden = 16;
+  RmsNormParams p;
+  p.input = Upload(RandomFloats(kRows * kHidden, 26));
+  p.weight = Upload(RandomFloats(kHidden, 27));
+  p.output = AllocElements<float>(kRows * kHidden);
+  p.num_tokens = 3;
+  p.hidden_size = kHidden;
+  p.row_indices = Upload(std::vector<int32_t>{0, 1});  // 2 < num_tokens
+  p.num_input_rows = kRows;
+  EXPECT_THAT(LaunchRmsNorm(stream(), p),
+              IsInvalidArgumentMentioning("row_indices"));
+  p.row_indices = Upload(std::vector<int32_t>{0, 1, 2});
+  p.num_input_rows = 0;
+  EXPECT_THAT(LaunchRmsNorm(stream(), p),
+              IsInvalidArgumentMentioning("num_input_rows"));
+  p.num_input_rows = kRows;
+  p.output = p.input;  // in place is fine without a gather, not with one
+  EXPECT_THAT(LaunchRmsNorm(stream(), p),
+              IsInvalidArgumentMentioning("output"));
 }
 
 TEST_F(RmsNormTest, RejectsBadBuffers) {

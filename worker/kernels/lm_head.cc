@@ -96,6 +96,7 @@ absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p) {
                   CheckPositive(kOp, "vocab_size", p.vocab_size),
                   CheckModelDType(stream, kOp, "dtype", p.dtype)});
   if (!status.ok()) return status;
+  const bool gather = !p.logits_indices.empty();
   const int64_t gathered_elements =
       static_cast<int64_t>(p.num_rows) * p.hidden_size;
   const int64_t logits_elements =
@@ -104,17 +105,28 @@ absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p) {
       static_cast<int64_t>(p.vocab_size) * p.hidden_size;
   const size_t element = DTypeSize(p.dtype);
   const absl::string_view type = ShortDTypeName(p.dtype);
+  // The GEMM's input: the gathered rows, or `hidden` itself.
+  const DeviceBuffer rows = gather ? p.gathered : p.hidden;
   status = FirstError(
       {CheckBuffer(kOp, "hidden", p.hidden,
-                   static_cast<int64_t>(p.num_tokens) * p.hidden_size, element,
-                   absl::StrFormat("[num_tokens=%d, hidden_size=%d] %s",
-                                   p.num_tokens, p.hidden_size, type)),
-       CheckBuffer(kOp, "logits_indices", p.logits_indices, p.num_rows,
-                   sizeof(int32_t),
-                   absl::StrFormat("[num_rows=%d] int32", p.num_rows)),
-       CheckBuffer(kOp, "gathered", p.gathered, gathered_elements, element,
-                   absl::StrFormat("[num_rows=%d, hidden_size=%d] %s",
-                                   p.num_rows, p.hidden_size, type)),
+                   static_cast<int64_t>(gather ? p.num_tokens : p.num_rows) *
+                       p.hidden_size,
+                   element,
+                   gather
+                       ? absl::StrFormat("[num_tokens=%d, hidden_size=%d] %s",
+                                         p.num_tokens, p.hidden_size, type)
+                       : absl::StrFormat("[num_rows=%d, hidden_size=%d] %s (no "
+                                         "logits_indices: the rows themselves)",
+                                         p.num_rows, p.hidden_size, type)),
+       gather ? CheckBuffer(kOp, "logits_indices", p.logits_indices, p.num_rows,
+                            sizeof(int32_t),
+                            absl::StrFormat("[num_rows=%d] int32", p.num_rows))
+              : absl::OkStatus(),
+       gather ? CheckBuffer(kOp, "gathered", p.gathered, gathered_elements,
+                            element,
+                            absl::StrFormat("[num_rows=%d, hidden_size=%d] %s",
+                                            p.num_rows, p.hidden_size, type))
+              : absl::OkStatus(),
        CheckBuffer(kOp, "weight", p.weight, weight_elements, element,
                    absl::StrFormat("[vocab_size=%d, hidden_size=%d] %s",
                                    p.vocab_size, p.hidden_size, type)),
@@ -122,25 +134,28 @@ absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p) {
                    absl::StrFormat("[num_rows=%d, vocab_size=%d] fp32",
                                    p.num_rows, p.vocab_size)),
        CheckDisjoint(kOp, "logits", p.logits, sizeof(float) * logits_elements,
-                     "gathered", p.gathered, element * gathered_elements),
+                     gather ? "gathered" : "hidden", rows,
+                     element * gathered_elements),
        CheckDisjoint(kOp, "logits", p.logits, sizeof(float) * logits_elements,
                      "weight", p.weight, element * weight_elements),
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
 
-  GatherRowsParams gather;
-  gather.input = p.hidden;
-  gather.indices = p.logits_indices;
-  gather.output = p.gathered;
-  gather.num_input_rows = p.num_tokens;
-  gather.num_indices = p.num_rows;
-  gather.row_size = p.hidden_size;
-  gather.dtype = p.dtype;
-  status = LaunchGatherRows(stream, gather);
-  if (!status.ok()) return status;
+  if (gather) {
+    GatherRowsParams g;
+    g.input = p.hidden;
+    g.indices = p.logits_indices;
+    g.output = p.gathered;
+    g.num_input_rows = p.num_tokens;
+    g.num_indices = p.num_rows;
+    g.row_size = p.hidden_size;
+    g.dtype = p.dtype;
+    status = LaunchGatherRows(stream, g);
+    if (!status.ok()) return status;
+  }
 
   LinearParams linear;
-  linear.input = p.gathered;
+  linear.input = rows;
   linear.weight = p.weight;
   linear.output = p.logits;
   linear.num_tokens = p.num_rows;

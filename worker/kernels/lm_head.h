@@ -36,11 +36,16 @@ absl::Status LaunchGatherRows(Stream& stream, const GatherRowsParams& p);
 // num_rows is the padded request count of the captured batch; the runner
 // fills logits_indices for padding requests with −1 (zero logits) or any
 // valid row, and samples only the real ones.
+// With `logits_indices` empty there is no gather: `hidden` already holds
+// the num_rows rows (the final norm gathered them: RmsNormParams::
+// row_indices), one kernel fewer per step.
 struct LmHeadParams {
   DeviceBuffer hidden;          // [>= num_tokens, hidden_size], normed
   DeviceBuffer logits_indices;  // int32 [>= num_rows]: each request's last
-                                // query row (query_start_loc[r + 1] − 1)
-  DeviceBuffer gathered;        // [>= num_rows, hidden_size] scratch
+                                // query row (query_start_loc[r + 1] − 1),
+                                // or empty (no gather)
+  DeviceBuffer gathered;        // [>= num_rows, hidden_size] scratch; unused
+                                // without a gather
   // [vocab_size, hidden_size] (lm_head.weight, or embed_tokens.weight when
   // tie_word_embeddings).
   DeviceBuffer weight;

@@ -1,10 +1,12 @@
 #include "worker/kernels/rms_norm.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
 
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 #include "pdw_cuda_config.h"  // PDW_HAVE_CUDA, PDW_HAVE_NCCL
 #include "worker/kernels/kernel_checks.h"
 
@@ -31,13 +33,27 @@ void NormalizeRow(const float* x, const float* weight, float* out, int hidden,
   for (int i = 0; i < hidden; ++i) out[i] = x[i] * inv_rms * weight[i];
 }
 
+// Output row t's input row: t, or row_indices[t] when gathering; -1 for a
+// zero row (an index outside [0, num_input_rows)).
+int64_t InputRow(const DeviceBuffer& row_indices, int num_input_rows, int t) {
+  if (row_indices.empty()) return t;
+  const int32_t index = row_indices.as<const int32_t>()[t];
+  return index >= 0 && index < num_input_rows ? index : -1;
+}
+
 void RmsNormCpu(const RmsNormParams& p) {
   const float* in = p.input.as<const float>();
   const float* weight = p.weight.as<const float>();
   float* out = p.output.as<float>();
   for (int t = 0; t < p.num_tokens; ++t) {
-    const int64_t row = static_cast<int64_t>(t) * p.hidden_size;
-    NormalizeRow(in + row, weight, out + row, p.hidden_size, p.epsilon);
+    float* out_row = out + static_cast<int64_t>(t) * p.hidden_size;
+    const int64_t row = InputRow(p.row_indices, p.num_input_rows, t);
+    if (row < 0) {
+      std::fill_n(out_row, p.hidden_size, 0.0f);
+      continue;
+    }
+    NormalizeRow(in + row * p.hidden_size, weight, out_row, p.hidden_size,
+                 p.epsilon);
   }
 }
 
@@ -47,13 +63,33 @@ void FusedAddRmsNormCpu(const FusedAddRmsNormParams& p) {
   const float* weight = p.weight.as<const float>();
   float* out = p.output.as<float>();
   for (int t = 0; t < p.num_tokens; ++t) {
-    const int64_t row = static_cast<int64_t>(t) * p.hidden_size;
-    float* res = residual + row;
+    float* out_row = out + static_cast<int64_t>(t) * p.hidden_size;
+    const int64_t index = InputRow(p.row_indices, p.num_input_rows, t);
+    if (index < 0) {
+      std::fill_n(out_row, p.hidden_size, 0.0f);
+      continue;
+    }
+    const int64_t row = index * p.hidden_size;
+    // Gathering, the updated row is not stored: it is built in the output
+    // row (disjoint from input and residual) and normalized in place.
+    float* res = p.row_indices.empty() ? residual + row : out_row;
     // The whole input row is consumed here, before the output row (which may
     // be the same memory) is written.
-    for (int i = 0; i < p.hidden_size; ++i) res[i] += in[row + i];
-    NormalizeRow(res, weight, out + row, p.hidden_size, p.epsilon);
+    for (int i = 0; i < p.hidden_size; ++i) {
+      res[i] = residual[row + i] + in[row + i];
+    }
+    NormalizeRow(res, weight, out_row, p.hidden_size, p.epsilon);
   }
+}
+
+// The gather's index buffer and the rows it reads, or OK without a gather.
+absl::Status CheckGather(absl::string_view op, const DeviceBuffer& row_indices,
+                         int num_tokens, int num_input_rows) {
+  if (row_indices.empty()) return absl::OkStatus();
+  return FirstError(
+      {CheckPositive(op, "num_input_rows", num_input_rows),
+       CheckBuffer(op, "row_indices", row_indices, num_tokens, sizeof(int32_t),
+                   absl::StrFormat("[num_tokens=%d] int32", num_tokens))});
 }
 
 absl::Status CheckRowsAndWeight(absl::string_view op, int num_tokens,
@@ -97,15 +133,24 @@ absl::Status LaunchRmsNorm(Stream& stream, const RmsNormParams& p) {
                   CheckRowsAndWeight(kOp, p.num_tokens, p.hidden_size,
                                      p.epsilon, p.weight, p.dtype)});
   if (!status.ok()) return status;
+  PDW_RETURN_IF_ERROR(
+      CheckGather(kOp, p.row_indices, p.num_tokens, p.num_input_rows));
+  const bool gather = !p.row_indices.empty();
+  const int input_rows = gather ? p.num_input_rows : p.num_tokens;
   const int64_t elements = static_cast<int64_t>(p.num_tokens) * p.hidden_size;
+  const int64_t in_elements = static_cast<int64_t>(input_rows) * p.hidden_size;
   const size_t element = DTypeSize(p.dtype);
   const std::string layout =
       ActivationLayout(p.num_tokens, p.hidden_size, p.dtype);
+  const size_t out_bytes = element * elements, in_bytes = element * in_elements;
   status = FirstError(
-      {CheckBuffer(kOp, "input", p.input, elements, element, layout),
+      {CheckBuffer(kOp, "input", p.input, in_elements, element,
+                   ActivationLayout(input_rows, p.hidden_size, p.dtype)),
        CheckBuffer(kOp, "output", p.output, elements, element, layout),
-       CheckSameOrDisjoint(kOp, "output", p.output, element * elements, "input",
-                           p.input, element * elements),
+       gather ? CheckDisjoint(kOp, "output", p.output, out_bytes, "input",
+                              p.input, in_bytes)
+              : CheckSameOrDisjoint(kOp, "output", p.output, out_bytes, "input",
+                                    p.input, in_bytes),
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
 #if PDW_HAVE_CUDA
@@ -117,6 +162,8 @@ absl::Status LaunchRmsNorm(Stream& stream, const RmsNormParams& p) {
     c.num_tokens = p.num_tokens;
     c.hidden_size = p.hidden_size;
     c.epsilon = p.epsilon;
+    c.row_indices = gather ? p.row_indices.as<const int32_t>() : nullptr;
+    c.num_input_rows = p.num_input_rows;
     return RmsNormOnCuda(stream, kOp, c);
   }
 #endif
@@ -131,21 +178,31 @@ absl::Status LaunchFusedAddRmsNorm(Stream& stream,
                   CheckRowsAndWeight(kOp, p.num_tokens, p.hidden_size,
                                      p.epsilon, p.weight, p.dtype)});
   if (!status.ok()) return status;
+  PDW_RETURN_IF_ERROR(
+      CheckGather(kOp, p.row_indices, p.num_tokens, p.num_input_rows));
+  const bool gather = !p.row_indices.empty();
+  const int input_rows = gather ? p.num_input_rows : p.num_tokens;
   const int64_t elements = static_cast<int64_t>(p.num_tokens) * p.hidden_size;
+  const int64_t in_elements = static_cast<int64_t>(input_rows) * p.hidden_size;
   const size_t element = DTypeSize(p.dtype);
-  const size_t bytes = element * elements;
+  const size_t bytes = element * elements, in_bytes = element * in_elements;
   const std::string layout =
       ActivationLayout(p.num_tokens, p.hidden_size, p.dtype);
+  const std::string in_layout =
+      ActivationLayout(input_rows, p.hidden_size, p.dtype);
   status = FirstError(
-      {CheckBuffer(kOp, "input", p.input, elements, element, layout),
-       CheckBuffer(kOp, "residual", p.residual, elements, element, layout),
+      {CheckBuffer(kOp, "input", p.input, in_elements, element, in_layout),
+       CheckBuffer(kOp, "residual", p.residual, in_elements, element,
+                   in_layout),
        CheckBuffer(kOp, "output", p.output, elements, element, layout),
-       CheckDisjoint(kOp, "residual", p.residual, bytes, "input", p.input,
+       CheckDisjoint(kOp, "residual", p.residual, in_bytes, "input", p.input,
+                     in_bytes),
+       CheckDisjoint(kOp, "residual", p.residual, in_bytes, "output", p.output,
                      bytes),
-       CheckDisjoint(kOp, "residual", p.residual, bytes, "output", p.output,
-                     bytes),
-       CheckSameOrDisjoint(kOp, "output", p.output, bytes, "input", p.input,
-                           bytes),
+       gather ? CheckDisjoint(kOp, "output", p.output, bytes, "input", p.input,
+                              in_bytes)
+              : CheckSameOrDisjoint(kOp, "output", p.output, bytes, "input",
+                                    p.input, in_bytes),
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
 #if PDW_HAVE_CUDA
@@ -158,6 +215,8 @@ absl::Status LaunchFusedAddRmsNorm(Stream& stream,
     c.num_tokens = p.num_tokens;
     c.hidden_size = p.hidden_size;
     c.epsilon = p.epsilon;
+    c.row_indices = gather ? p.row_indices.as<const int32_t>() : nullptr;
+    c.num_input_rows = p.num_input_rows;
     return RmsNormOnCuda(stream, kOp, c);
   }
 #endif

@@ -19,19 +19,44 @@ using cuda::ToFloat;
 // skinny GEMMs' RMSNorm prologue reproduces it bit for bit).
 constexpr int kThreads = cuda::kRmsNormThreads;
 
+// Output row blockIdx.x's input row, or -1 for a zero row (a gather index
+// outside [0, num_input_rows)).
+__device__ __forceinline__ int64_t InputRow(const int32_t* row_indices,
+                                            int num_input_rows) {
+  if (row_indices == nullptr) return blockIdx.x;
+  const int32_t index = row_indices[blockIdx.x];
+  return index >= 0 && index < num_input_rows ? index : -1;
+}
+
 // grid: [num_tokens]; block: kThreads. Each thread owns the elements
 // i ≡ threadIdx.x (mod kThreads) of the row in both passes, so `output` may
 // alias `input` (or be written over elements the same thread read) and the
-// second pass re-reads the residual values this very thread stored.
+// second pass re-reads the residual values this very thread stored. When
+// gathering, the residual is not stored: the second pass recomputes the
+// rounded sum (the same bits).
 __global__ void RmsNormKernel(const __nv_bfloat16* input,
                               __nv_bfloat16* residual,
                               const __nv_bfloat16* __restrict__ weight,
                               __nv_bfloat16* output, int hidden_size,
-                              float epsilon) {
+                              float epsilon, const int32_t* row_indices,
+                              int num_input_rows) {
   cuda::AllowDependentLaunch();
   __shared__ float scratch[32];
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * hidden_size;
+  const int64_t in_row = InputRow(row_indices, num_input_rows);
+  __nv_bfloat16* out = output + static_cast<int64_t>(blockIdx.x) * hidden_size;
+  if (in_row < 0) {
+    for (int i = threadIdx.x; i < hidden_size; i += blockDim.x) {
+      out[i] = FromFloat<__nv_bfloat16>(0.0f);
+    }
+    return;
+  }
+  const int64_t row = in_row * hidden_size;
   const __nv_bfloat16* x = input + row;
+  const bool store = row_indices == nullptr;
+  // The residual-updated value of element i, as stored (rounded to bf16).
+  auto updated = [&](int i) {
+    return FromFloat<__nv_bfloat16>(ToFloat(residual[row + i]) + ToFloat(x[i]));
+  };
 
   // Pass 1: sum of squares (and, fused, the residual update).
   float sum_squares = 0.0f;
@@ -41,12 +66,10 @@ __global__ void RmsNormKernel(const __nv_bfloat16* input,
       sum_squares += v * v;
     }
   } else {
-    __nv_bfloat16* res = residual + row;
     for (int i = threadIdx.x; i < hidden_size; i += blockDim.x) {
-      const __nv_bfloat16 updated =
-          FromFloat<__nv_bfloat16>(ToFloat(res[i]) + ToFloat(x[i]));
-      res[i] = updated;
-      const float v = ToFloat(updated);
+      const __nv_bfloat16 u = updated(i);
+      if (store) residual[row + i] = u;
+      const float v = ToFloat(u);
       sum_squares += v * v;
     }
   }
@@ -56,12 +79,12 @@ __global__ void RmsNormKernel(const __nv_bfloat16* input,
   const float inv_rms =
       1.0f / sqrtf(sum_squares / static_cast<float>(hidden_size) + epsilon);
 
-  // Pass 2: normalize. The fused variant normalizes the stored residual.
-  const __nv_bfloat16* source = residual == nullptr ? x : residual + row;
-  __nv_bfloat16* out = output + row;
+  // Pass 2: normalize. The fused variant normalizes the updated residual.
   for (int i = threadIdx.x; i < hidden_size; i += blockDim.x) {
-    out[i] = FromFloat<__nv_bfloat16>(ToFloat(source[i]) * inv_rms *
-                                      ToFloat(weight[i]));
+    const float v = residual == nullptr ? ToFloat(x[i])
+                    : store             ? ToFloat(residual[row + i])
+                                        : ToFloat(updated(i));
+    out[i] = FromFloat<__nv_bfloat16>(v * inv_rms * ToFloat(weight[i]));
   }
 }
 
@@ -75,11 +98,22 @@ template <int kVecs>
 __global__ void __launch_bounds__(kThreads)
     RmsNormVecKernel(const __nv_bfloat16* input, __nv_bfloat16* residual,
                      const __nv_bfloat16* __restrict__ weight,
-                     __nv_bfloat16* output, int hidden_size, float epsilon) {
+                     __nv_bfloat16* output, int hidden_size, float epsilon,
+                     const int32_t* row_indices, int num_input_rows) {
   cuda::AllowDependentLaunch();
   __shared__ float scratch[32];
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * hidden_size;
   const int vectors = hidden_size / 8;
+  const int64_t in_row = InputRow(row_indices, num_input_rows);
+  uint4* out = reinterpret_cast<uint4*>(
+      output + static_cast<int64_t>(blockIdx.x) * hidden_size);
+  if (in_row < 0) {
+    for (int i = threadIdx.x; i < vectors; i += kThreads) {
+      out[i] = make_uint4(0, 0, 0, 0);  // bf16 +0.0 is all zero bits
+    }
+    return;
+  }
+  const bool store = row_indices == nullptr;
+  const int64_t row = in_row * hidden_size;
   const uint4* x = reinterpret_cast<const uint4*>(input + row);
   uint4* res =
       residual == nullptr ? nullptr : reinterpret_cast<uint4*>(residual + row);
@@ -97,7 +131,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = 0; e < 8; ++e) r[e] += v[k][e];
       // the norm sees the rounded residual
       const uint4 updated = cuda::PackBf16x8(r);
-      res[i] = updated;
+      if (store) res[i] = updated;
       Bf16x8ToFloat(updated, v[k]);
     }
     sum_squares = cuda::AddSquares(v[k], sum_squares);
@@ -105,7 +139,6 @@ __global__ void __launch_bounds__(kThreads)
   const float inv_rms =
       cuda::InvRms(BlockSum(sum_squares, scratch), hidden_size, epsilon);
   const uint4* w = reinterpret_cast<const uint4*>(weight);
-  uint4* out = reinterpret_cast<uint4*>(output + row);
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     const int i = threadIdx.x + k * kThreads;
@@ -123,16 +156,20 @@ cudaError_t LaunchRmsNormCuda(const RmsNormCudaParams& p, cudaStream_t stream) {
                           (p.residual == nullptr || Aligned16(p.residual));
   if (vectorized && vectors <= kThreads) {
     RmsNormVecKernel<1><<<p.num_tokens, kThreads, 0, stream>>>(
-        p.input, p.residual, p.weight, p.output, p.hidden_size, p.epsilon);
+        p.input, p.residual, p.weight, p.output, p.hidden_size, p.epsilon,
+        p.row_indices, p.num_input_rows);
   } else if (vectorized && vectors <= 2 * kThreads) {
     RmsNormVecKernel<2><<<p.num_tokens, kThreads, 0, stream>>>(
-        p.input, p.residual, p.weight, p.output, p.hidden_size, p.epsilon);
+        p.input, p.residual, p.weight, p.output, p.hidden_size, p.epsilon,
+        p.row_indices, p.num_input_rows);
   } else if (vectorized && vectors <= 4 * kThreads) {
     RmsNormVecKernel<4><<<p.num_tokens, kThreads, 0, stream>>>(
-        p.input, p.residual, p.weight, p.output, p.hidden_size, p.epsilon);
+        p.input, p.residual, p.weight, p.output, p.hidden_size, p.epsilon,
+        p.row_indices, p.num_input_rows);
   } else {
     RmsNormKernel<<<p.num_tokens, kThreads, 0, stream>>>(
-        p.input, p.residual, p.weight, p.output, p.hidden_size, p.epsilon);
+        p.input, p.residual, p.weight, p.output, p.hidden_size, p.epsilon,
+        p.row_indices, p.num_input_rows);
   }
   return cudaGetLastError();
 }

@@ -23,9 +23,18 @@ struct RmsNormParams {
   int hidden_size = 0;
   float epsilon = 1e-6f;  // config.json "rms_norm_eps"
   DType dtype = DType::kFloat32;
+  // Optional gather (the LM head's rows, so the final norm and the gather
+  // are one kernel): output row t normalizes input row row_indices[t]
+  // (int32 [>= num_tokens], read on the device); an index outside
+  // [0, num_input_rows) gives a zero row. num_tokens then counts output
+  // rows, `input` holds num_input_rows rows, and `output` must not overlap
+  // it. Each output row has the bits the norm of its input row has without
+  // the gather.
+  DeviceBuffer row_indices = {};
+  int num_input_rows = 0;
 };
 
-// output[t] = rmsnorm(input[t]) * weight.
+// output[t] = rmsnorm(input[t]) * weight (input[row_indices[t]] gathering).
 absl::Status LaunchRmsNorm(Stream& stream, const RmsNormParams& p);
 
 // The pre-attention / pre-MLP norm of every layer after the first, as
@@ -45,6 +54,14 @@ struct FusedAddRmsNormParams {
   int hidden_size = 0;
   float epsilon = 1e-6f;
   DType dtype = DType::kFloat32;  // of every tensor above
+  // Optional gather, as RmsNormParams's (the last layer's add and the final
+  // norm of the sampled rows only): output[t] = rmsnorm(residual[i] +
+  // input[i]) * weight for i = row_indices[t], with the sum rounded as the
+  // stored residual would be, and the residual is not written (nothing reads
+  // it after the final norm; rows gathered twice cannot race). `output` must
+  // overlap neither input nor residual.
+  DeviceBuffer row_indices = {};
+  int num_input_rows = 0;
 };
 
 absl::Status LaunchFusedAddRmsNorm(Stream& stream,

@@ -7,6 +7,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+
 namespace pdworker {
 namespace kernels {
 
@@ -17,9 +19,14 @@ struct RmsNormCudaParams {
   __nv_bfloat16* residual = nullptr;
   const __nv_bfloat16* weight = nullptr;  // [hidden_size]
   __nv_bfloat16* output = nullptr;        // may be `input`
-  int num_tokens = 0;
+  int num_tokens = 0;                     // output rows
   int hidden_size = 0;
   float epsilon = 1e-6f;
+  // Gather: output row t from input (and residual) row row_indices[t]; an
+  // index outside [0, num_input_rows) gives a zero row; the residual is not
+  // written. nullptr: row t from row t.
+  const int32_t* row_indices = nullptr;
+  int num_input_rows = 0;
 };
 
 // One block per row. With `residual` set: residual = bf16(residual + input),

@@ -402,29 +402,34 @@ absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
     }
     return kernels::LaunchLinear(stream_, Linears(i, num_tokens, fused).qkv);
   }
-  // Last piece: final norm, then logits for each request's last token.
+  // Last piece: the final norm of each request's last token only (it also
+  // gathers those rows, logits_indices[r], into `gathered`; -1 gives a zero
+  // row), then their logits. Rows nobody samples are never normalized.
+  const int num_rows = LogitsRows(context);
   if (fused) {
     // down already added itself to the residual.
     kernels::RmsNormParams final_norm{act_.residual, weights_.final_norm,
-                                      act_.hidden,   num_tokens,
+                                      act_.gathered, num_rows,
                                       hidden,        eps,
                                       dtype};
+    final_norm.row_indices = step_.logits_indices;
+    final_norm.num_input_rows = num_tokens;
     PDW_RETURN_IF_ERROR(kernels::LaunchRmsNorm(stream_, final_norm));
   } else {
     kernels::FusedAddRmsNormParams final_norm{
-        act_.hidden, act_.residual, weights_.final_norm,
-        act_.hidden, num_tokens,    hidden,
-        eps,         dtype};
+        act_.hidden,   act_.residual, weights_.final_norm,
+        act_.gathered, num_rows,      hidden,
+        eps,           dtype};
+    final_norm.row_indices = step_.logits_indices;
+    final_norm.num_input_rows = num_tokens;
     PDW_RETURN_IF_ERROR(kernels::LaunchFusedAddRmsNorm(stream_, final_norm));
   }
   kernels::LmHeadParams head;
-  head.hidden = act_.hidden;
-  head.logits_indices = step_.logits_indices;
-  head.gathered = act_.gathered;
+  head.hidden = act_.gathered;  // no logits_indices: already gathered
   head.weight = weights_.lm_head;
   head.logits = act_.logits;
   head.num_tokens = num_tokens;
-  head.num_rows = LogitsRows(context);
+  head.num_rows = num_rows;
   head.hidden_size = hidden;
   head.vocab_size = static_cast<int>(config_.vocab_size);
   head.dtype = dtype;

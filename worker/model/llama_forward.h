@@ -6,13 +6,15 @@
 //   piece l      o_proj[l-1] -> post_norm -> MLP -> input_norm[l] -> qkv[l]
 //   ...
 //   piece L      o_proj[L-1] -> post_norm -> MLP -> final norm -> lm_head
+//                (the final norm gathers the sampled rows: the LM head's
+//                 gather is not a kernel of its own)
 //
 // Fused decode steps (CUDA, where the skinny GEMMs run, DecodeFusion::kOn):
 // each RMSNorm rides in the next projection's prologue (qkv, gate_up), each
 // residual add in the previous one's epilogue (o_proj, down), and RoPE with
 // the KV-cache write in qkv's epilogue, so a layer is qkv -> paged attention
-// -> o_proj -> gate_up -> down with no norm or RoPE kernels; the final norm
-// stays. Bit-identical to the unfused sequence. (In PIECEWISE graphs the KV
+// -> o_proj -> gate_up -> down with no norm or RoPE kernels; the final
+// norm (with the gather) stays. Bit-identical to the unfused sequence. (In PIECEWISE graphs the KV
 // write then sits inside the piece before the attention split op.)
 //
 // A FULL GraphWrapper wraps the whole sequence; a PIECEWISE GraphWrapper

@@ -35,8 +35,8 @@ struct StepLimits {
   int max_blocks_per_seq = 0;      // block-table width
   // Steps whose inputs may be uploaded but not yet copied by the device
   // (the runner's steps in flight, plus the one being built): each has its
-  // own pinned staging block, and Build waits only when it must reuse one
-  // whose copy has not run yet.
+  // own block of the upload ring, and Build waits only when it must reuse
+  // one whose copy has not run yet.
   int max_uploads_in_flight = 1;
 };
 
