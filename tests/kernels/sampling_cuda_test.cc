@@ -21,6 +21,7 @@ namespace {
 
 using testing::Backend;
 using testing::CudaKernelTest;
+using testing::SameBits;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -41,8 +42,10 @@ struct Sampled {
 
 class SamplingCudaTest : public CudaKernelTest {
  protected:
+  // num_truncated_rows: -1 (read back on the device) or the host's count.
   Sampled Run(Backend& b, const std::vector<Row>& rows, LogprobMode mode,
-              SamplingPath path = SamplingPath::kGeneral) {
+              SamplingPath path = SamplingPath::kGeneral,
+              int num_truncated_rows = -1) {
     const int n = static_cast<int>(rows.size());
     const int vocab = static_cast<int>(rows[0].logits.size());
     std::vector<float> flat, temperature, top_p;
@@ -73,6 +76,7 @@ class SamplingCudaTest : public CudaKernelTest {
     p.vocab_size = vocab;
     p.logprob_mode = mode;
     p.path = path;
+    p.num_truncated_rows = num_truncated_rows;
     if (path == SamplingPath::kGreedy) {  // logits, and scratch on CUDA
       p.temperature = p.top_k = p.top_p = p.seeds = p.positions =
           DeviceBuffer();
@@ -138,6 +142,41 @@ TEST_F(SamplingCudaTest, EveryParameterCombinationSamplesLikeTheCpu) {
     }
   }
   ExpectSameSamples(rows, "combinations");
+}
+
+// The runner passes the count of top-k / top-p rows from the options it
+// holds, so sampling does not synchronize the stream: the same samples, bit
+// for bit, as when the kernel reads the count back.
+TEST_F(SamplingCudaTest, TheHostsTruncatedCountSamplesLikeTheReadBack) {
+  const int vocab = 1000;
+  std::vector<Row> rows;
+  uint32_t seed = 300;
+  for (const int32_t top_k : {0, 7, vocab, -1}) {
+    for (const float top_p : {1.0f, 0.8f, kNaN}) {
+      Row r;
+      r.logits = RandomLogits(vocab, seed, 2.0f);
+      r.temperature = 0.9f;
+      r.top_k = top_k;
+      r.top_p = top_p;
+      r.seed = seed;
+      r.position = static_cast<int32_t>(seed);
+      rows.push_back(r);
+      ++seed;
+    }
+  }
+  int truncated = 0;
+  for (const Row& r : rows) {
+    truncated += SamplingRowTruncates(r.top_k, r.top_p, vocab);
+  }
+  // top_k 7 with each top_p, and top_p 0.8 with each top_k that is off.
+  ASSERT_EQ(truncated, 6);
+  for (const LogprobMode mode : {LogprobMode::kProcessed, LogprobMode::kRaw}) {
+    const Sampled read_back = Run(gpu(), rows, mode);
+    const Sampled counted =
+        Run(gpu(), rows, mode, SamplingPath::kGeneral, truncated);
+    EXPECT_EQ(counted.tokens, read_back.tokens);
+    EXPECT_TRUE(SameBits(counted.logprobs, read_back.logprobs));
+  }
 }
 
 TEST_F(SamplingCudaTest, SpecialLogitsSampleLikeTheCpu) {

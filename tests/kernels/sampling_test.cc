@@ -443,6 +443,26 @@ TEST_F(SamplingTest, RejectsBadBuffers) {
   bad.num_reqs = 0;
   EXPECT_THAT(LaunchSampling(stream(), bad),
               IsInvalidArgumentMentioning("num_reqs"));
+  for (const int count : {-2, kReqs + 1}) {
+    bad = p;
+    bad.num_truncated_rows = count;
+    EXPECT_THAT(LaunchSampling(stream(), bad),
+                IsInvalidArgumentMentioning("num_truncated_rows"));
+  }
+}
+
+// The host's test of which rows take the top-k / top-p path, as the device
+// applies it: top_k in (0, vocab), top_p below 1, NaN top_p off.
+TEST_F(SamplingTest, RowTruncatesOnTopKInsideTheVocabularyOrTopPBelowOne) {
+  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_FALSE(SamplingRowTruncates(0, 1.0f, 100));
+  EXPECT_TRUE(SamplingRowTruncates(1, 1.0f, 100));
+  EXPECT_TRUE(SamplingRowTruncates(99, 1.0f, 100));
+  EXPECT_FALSE(SamplingRowTruncates(100, 1.0f, 100));
+  EXPECT_FALSE(SamplingRowTruncates(-3, 1.0f, 100));
+  EXPECT_TRUE(SamplingRowTruncates(0, 0.999f, 100));
+  EXPECT_FALSE(SamplingRowTruncates(0, kNaN, 100));
+  EXPECT_FALSE(SamplingRowTruncates(0, 1.5f, 100));
 }
 
 }  // namespace

@@ -225,6 +225,7 @@ absl::Status SamplingOnCuda(Stream& stream, const SamplingParams& p) {
   c.vocab_size = p.vocab_size;
   c.raw_logprobs = p.logprob_mode == LogprobMode::kRaw;
   c.greedy_temperature = kGreedyTemperature;
+  c.num_truncated_rows = p.num_truncated_rows;
   const bool greedy = p.path == SamplingPath::kGreedy;
   return LaunchCudaOp(stream, kOp, [c, greedy](const OpContext& ctx) {
     const auto cuda_stream = static_cast<cudaStream_t>(ctx.cuda_stream);
@@ -338,6 +339,11 @@ absl::Status LaunchSampling(Stream& stream, const SamplingParams& p) {
                    sizeof(float), absl::StrFormat("[num_reqs=%d] fp32", n)),
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
+  if (p.num_truncated_rows < -1 || p.num_truncated_rows > n) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "sampling: num_truncated_rows must be in [-1, num_reqs=%d], got %d", n,
+        p.num_truncated_rows));
+  }
   absl::StatusOr<size_t> workspace_bytes =
       SamplingWorkspaceBytesFor(stream.kind(), p.vocab_size, p.num_reqs);
   if (!workspace_bytes.ok()) return workspace_bytes.status();

@@ -586,19 +586,21 @@ cudaError_t LaunchSamplingCuda(const SamplingCudaParams& p,
   if (error != cudaSuccess) return error;
   const Workspace w = Carve(p.workspace, p.vocab_size, p.num_reqs, temp_bytes);
 
-  // Which rows need the sorted path. The host needs the count to size the
-  // sort passes, so read it back (sampling runs eagerly after the forward,
-  // never inside a graph, and the caller waits for the tokens anyway); a
-  // greedy / temperature-only batch then costs two small launches.
+  // Which rows need the sorted path. The host needs their count to size the
+  // sort passes: the caller's (the runner counts them from the options it
+  // holds), or read back, which synchronizes the stream: the host then waits
+  // for the whole forward before it can enqueue the next step.
   ListTruncatedRowsKernel<<<1, 1024, 0, stream>>>(p, w.truncated);
   error = cudaGetLastError();
   if (error != cudaSuccess) return error;
-  int32_t num_truncated = 0;
-  error = cudaMemcpyAsync(&num_truncated, w.truncated, sizeof(int32_t),
-                          cudaMemcpyDeviceToHost, stream);
-  if (error != cudaSuccess) return error;
-  error = cudaStreamSynchronize(stream);
-  if (error != cudaSuccess) return error;
+  int32_t num_truncated = p.num_truncated_rows;
+  if (num_truncated < 0) {
+    error = cudaMemcpyAsync(&num_truncated, w.truncated, sizeof(int32_t),
+                            cudaMemcpyDeviceToHost, stream);
+    if (error != cudaSuccess) return error;
+    error = cudaStreamSynchronize(stream);
+    if (error != cudaSuccess) return error;
+  }
 
   // Rows without top-k / top-p, all at once.
   SampleKernel<<<p.num_reqs, kThreads, 0, stream>>>(p, w, nullptr, 0);

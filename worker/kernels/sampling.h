@@ -86,7 +86,21 @@ struct SamplingParams {
   int vocab_size = 0;
   LogprobMode logprob_mode = LogprobMode::kProcessed;
   SamplingPath path = SamplingPath::kGeneral;
+  // kGeneral on CUDA: how many rows use top-k or top-p
+  // (SamplingRowTruncates of their host values), which sizes the sort
+  // passes. -1: counted on the device and read back, a stream
+  // synchronization that makes the host wait for everything enqueued
+  // before (the whole forward). The runner knows the options and passes
+  // the count. Must be in [-1, num_reqs] and, when >= 0, exact.
+  int num_truncated_rows = -1;
 };
+
+// Whether a row with these options takes the sorted (top-k / top-p) path:
+// top_k in (0, vocab_size), or top_p < 1 (NaN: off). The device applies the
+// same test to the values in the buffers.
+inline bool SamplingRowTruncates(int32_t top_k, float top_p, int vocab_size) {
+  return (top_k > 0 && top_k < vocab_size) || top_p < 1.0f;
+}
 
 // The CPU kernel's workspace.
 size_t SamplingWorkspaceBytes(int vocab_size);

@@ -31,6 +31,8 @@ struct SamplingCudaParams {
   int vocab_size = 0;
   bool raw_logprobs = false;        // LogprobMode::kRaw
   float greedy_temperature = 0.0f;  // kGreedyTemperature
+  // SamplingParams::num_truncated_rows: >= 0 skips the read-back.
+  int num_truncated_rows = -1;
 };
 
 // SamplingPath::kGreedy: the argmax and an fp32 log-sum-exp per row, each
@@ -49,8 +51,9 @@ size_t GreedySamplingCudaWorkspaceBytes(int num_reqs);
 cudaError_t SamplingCudaWorkspaceBytes(int vocab_size, int max_num_reqs,
                                        size_t* bytes);
 
-// A small kernel lists the rows that use top-k / top-p and the host reads
-// their count back (sampling runs eagerly, never in a graph); then one
+// A small kernel lists the rows that use top-k / top-p and, unless the
+// caller gave their count (num_truncated_rows), the host reads it back (a
+// stream synchronization: sampling runs eagerly, never in a graph); then one
 // 1024-thread block per row samples every other row from the logits, and
 // the listed rows go through groups of kCudaSamplingSortRows: a prepare
 // kernel (sort keys), one cub segmented radix sort (descending, stable: ties

@@ -123,8 +123,7 @@ absl::Status Sampler::Launch(Stream& stream, DeviceBuffer logits,
   for (int r = 0; r < n && all_greedy; ++r) {
     const SamplingOptions& o = batch.options[r];
     all_greedy = !(o.temperature >= kernels::kGreedyTemperature) &&
-                 !(o.top_k > 0 && o.top_k < vocab_size) &&
-                 !(o.top_p < 1.0f);  // NaN: off, as the kernels read it
+                 !kernels::SamplingRowTruncates(o.top_k, o.top_p, vocab_size);
   }
   // min_p: mask, in the raw logits, what falls below the row's max by
   // more than T * ln(min_p) (the sampler divides by T afterwards).
@@ -142,6 +141,13 @@ absl::Status Sampler::Launch(Stream& stream, DeviceBuffer logits,
   p.vocab_size = vocab_size;
   p.path = all_greedy ? kernels::SamplingPath::kGreedy
                       : kernels::SamplingPath::kGeneral;
+  // The sort passes' size from the options here, so the CUDA kernel does
+  // not read it back (which would make this call wait for the forward).
+  p.num_truncated_rows = 0;
+  for (const SamplingOptions& o : batch.options) {
+    p.num_truncated_rows +=
+        kernels::SamplingRowTruncates(o.top_k, o.top_p, vocab_size);
+  }
   kernels::BanTokensParams bp;
   kernels::MaskBelowMaxParams mp;
   const int rows = all_greedy ? 0 : n;
