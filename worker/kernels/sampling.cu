@@ -30,6 +30,21 @@ constexpr float kNegInf = -INFINITY;
 
 size_t Aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
+// Rows without top-k / top-p are sampled in kRowSlices slices of their
+// vocabulary (one block each), see SliceMaxKernel.
+constexpr int kRowSlices = 64;
+// Written without a GPU (2026-11-27): false puts those rows back on
+// SampleKernel's one block per row, should the GPU suite disagree.
+constexpr bool kSliceUntruncatedRows = true;
+constexpr int kSliceThreads = 256;
+// A slice's sums of exp((logit - row max) / T) and of exp(logit - row max)
+// (the raw logprob's denominator), in double.
+struct SliceSums {
+  double weights;
+  double raw;
+};
+constexpr size_t kSliceMaxBytes = 8;  // sizeof(ArgMax), asserted below
+
 // The workspace, carved in this order (each part 256-byte aligned).
 struct Workspace {
   float* keys_in;      // [kCudaSamplingSortRows, vocab]
@@ -43,7 +58,15 @@ struct Workspace {
   int32_t* truncated;
   void* sort_temp;  // cub scratch
   size_t sort_temp_bytes;
+  // [num_reqs, kRowSlices] ArgMax, then [num_reqs, kRowSlices] SliceSums:
+  // the sliced rows' partial results.
+  void* row_slices;
 };
+
+size_t RowSliceBytes(int num_reqs) {
+  return static_cast<size_t>(num_reqs) * kRowSlices *
+         (kSliceMaxBytes + sizeof(SliceSums));
+}
 
 size_t SortBytes(int vocab_size) {
   const size_t items = static_cast<size_t>(kCudaSamplingSortRows) * vocab_size;
@@ -77,6 +100,8 @@ Workspace Carve(void* base, int vocab_size, int num_reqs,
   at += ListBytes(num_reqs);
   w.sort_temp = at;
   w.sort_temp_bytes = sort_temp_bytes;
+  at += Aligned(sort_temp_bytes);
+  w.row_slices = at;
   return w;
 }
 
@@ -412,6 +437,210 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// --- Rows without top-k / top-p: kRowSlices blocks per row. ---------------
+//
+// SampleKernel gives such a row one 1024-thread block: its max pass and two
+// passes of double-precision exps over the whole vocabulary run on one SM
+// while the rest of the GPU idles. Here three kernels spread a row over
+// kRowSlices blocks; the decisions are SampleKernel's:
+//   1. SliceMaxKernel: each slice's max and argmax (ties to the lowest id);
+//   2. SliceSumKernel: the row's max (the slices folded in order), then each
+//      slice's sums of exp((logit - max) / T) and exp(logit - max), double;
+//   3. SliceSampleKernel (one block per row): the total (slice sums added in
+//      slice order), the slice where the running mass first exceeds u·total,
+//      and the inverse CDF inside that slice (ScanChunks / InverseCdf over
+//      its ids, from the slice's prefix). Greedy rows take the argmax.
+// The totals are summed in a different order than the CPU's loop, so the
+// two backends may differ only where u·total lies within ~1e-15 (relative)
+// of a CDF boundary, as with SampleKernel. Kernels 2 and 3 are launched
+// with programmatic serialization and wait for their predecessor first.
+
+// Slice `slice` of a row: ids [begin, end).
+__device__ __forceinline__ void RowSlice(int vocab, int slice, int* begin,
+                                         int* end) {
+  const int span = (vocab + kRowSlices - 1) / kRowSlices;
+  *begin = min(vocab, slice * span);
+  *end = min(vocab, *begin + span);
+}
+
+static_assert(sizeof(ArgMax) == kSliceMaxBytes, "ArgMax is (float, int)");
+
+__device__ __forceinline__ ArgMax* SliceMaxes(const Workspace& w, int r) {
+  return static_cast<ArgMax*>(w.row_slices) + r * kRowSlices;
+}
+__device__ __forceinline__ SliceSums* SliceSumsOf(const Workspace& w,
+                                                  int num_reqs, int r) {
+  return reinterpret_cast<SliceSums*>(static_cast<char*>(w.row_slices) +
+                                      static_cast<size_t>(num_reqs) *
+                                          kRowSlices * kSliceMaxBytes) +
+         r * kRowSlices;
+}
+
+// The row's max and argmax: its slices folded in slice order.
+__device__ __forceinline__ ArgMax RowMax(const ArgMax* slices) {
+  ArgMax best = slices[0];
+  for (int i = 1; i < kRowSlices; ++i) best = ArgMaxOp()(best, slices[i]);
+  return best;
+}
+
+using SliceArgMax = cub::BlockReduce<ArgMax, kSliceThreads>;
+using SliceSum = cub::BlockReduce<double, kSliceThreads>;
+
+// grid: [kRowSlices, num_reqs], block: kSliceThreads.
+__global__ void __launch_bounds__(kSliceThreads)
+    SliceMaxKernel(SamplingCudaParams p, Workspace w) {
+  cuda::AllowDependentLaunch();
+  __shared__ typename SliceArgMax::TempStorage temp;
+  const int r = blockIdx.y;
+  if (Truncates(p, r)) return;  // the sorted path samples it
+  const float* row = p.logits + static_cast<int64_t>(r) * p.vocab_size;
+  int begin, end;
+  RowSlice(p.vocab_size, blockIdx.x, &begin, &end);
+  ArgMax local{kNegInf, INT_MAX};
+  for (int v = begin + threadIdx.x; v < end; v += kSliceThreads) {
+    const float l = Logit(row[v]);
+    if (l > local.value) local = {l, v};  // strided ascending: lowest id
+  }
+  const ArgMax best = SliceArgMax(temp).Reduce(local, ArgMaxOp());
+  if (threadIdx.x == 0) SliceMaxes(w, r)[blockIdx.x] = best;
+}
+
+// grid: [kRowSlices, num_reqs], block: kSliceThreads.
+__global__ void __launch_bounds__(kSliceThreads)
+    SliceSumKernel(SamplingCudaParams p, Workspace w) {
+  cuda::WaitForPreviousKernel();
+  cuda::AllowDependentLaunch();
+  __shared__ typename SliceSum::TempStorage temp;
+  __shared__ float max_shared;
+  const int r = blockIdx.y;
+  if (Truncates(p, r)) return;
+  if (threadIdx.x == 0) max_shared = RowMax(SliceMaxes(w, r)).value;
+  __syncthreads();
+  const float max_logit = max_shared;
+  SliceSums sums{0.0, 0.0};
+  if (max_logit != kNegInf) {
+    const float temperature = p.temperature[r];
+    const bool greedy = !(temperature >= p.greedy_temperature);
+    const double inv_temperature = greedy ? 1.0 : 1.0 / temperature;
+    const float* row = p.logits + static_cast<int64_t>(r) * p.vocab_size;
+    int begin, end;
+    RowSlice(p.vocab_size, blockIdx.x, &begin, &end);
+    double weights = 0.0, raw = 0.0;
+    for (int v = begin + threadIdx.x; v < end; v += kSliceThreads) {
+      const double d = static_cast<double>(Logit(row[v])) - max_logit;
+      weights += exp(d * inv_temperature);
+      if (p.raw_logprobs) raw += exp(d);
+    }
+    sums.weights = SliceSum(temp).Sum(weights);
+    __syncthreads();  // temp is reused
+    if (p.raw_logprobs) sums.raw = SliceSum(temp).Sum(raw);
+  }
+  if (threadIdx.x == 0) SliceSumsOf(w, p.num_reqs, r)[blockIdx.x] = sums;
+}
+
+// grid: [num_reqs], block: kThreads.
+__global__ void __launch_bounds__(kThreads)
+    SliceSampleKernel(SamplingCudaParams p, Workspace w) {
+  cuda::WaitForPreviousKernel();
+  __shared__ SharedState s;
+  __shared__ double totals[2];  // weights, raw
+  __shared__ double prefix_shared;
+  __shared__ int slice_shared;
+  const int r = blockIdx.x;
+  if (Truncates(p, r)) return;
+  const int vocab = p.vocab_size;
+  const float* row = p.logits + static_cast<int64_t>(r) * vocab;
+  const float temperature = p.temperature[r];
+  const bool greedy = !(temperature >= p.greedy_temperature);  // NaN: greedy
+  const double inv_temperature = greedy ? 1.0 : 1.0 / temperature;
+  const double u = Uniform(p.seeds[r], p.positions[r]);
+  const SliceSums* sums = SliceSumsOf(w, p.num_reqs, r);
+  if (threadIdx.x == 0) {
+    s.argmax_result = RowMax(SliceMaxes(w, r));
+    double total = 0.0, raw_total = 0.0;
+    for (int i = 0; i < kRowSlices; ++i) {
+      total += sums[i].weights;
+      raw_total += sums[i].raw;
+    }
+    totals[0] = total;
+    totals[1] = raw_total;
+    // The first slice whose running mass exceeds the target; if rounding
+    // leaves none, the last slice with mass (its last positive weight is
+    // InverseCdf's fallback too).
+    const double target = u * total;
+    double prefix = 0.0;
+    int slice = -1, last = 0;
+    double last_prefix = 0.0;
+    for (int i = 0; i < kRowSlices; ++i) {
+      if (sums[i].weights > 0.0) {
+        last = i;
+        last_prefix = prefix;
+      }
+      if (prefix + sums[i].weights > target) {
+        slice = i;
+        break;
+      }
+      prefix += sums[i].weights;
+    }
+    slice_shared = slice >= 0 ? slice : last;
+    prefix_shared = slice >= 0 ? prefix : last_prefix;
+  }
+  __syncthreads();
+  const float max_logit = s.argmax_result.value;
+  int32_t token = 0;
+  float logprob = kNegInf;
+  if (max_logit != kNegInf) {  // else: nothing has mass, token 0, logprob -inf
+    auto weight_by_id = [row, max_logit, inv_temperature](int v) {
+      return exp((static_cast<double>(Logit(row[v])) - max_logit) *
+                 inv_temperature);
+    };
+    const double total = totals[0];
+    int chosen = s.argmax_result.index;
+    if (!greedy) {
+      int begin, end;
+      RowSlice(vocab, slice_shared, &begin, &end);
+      auto weight_in_slice = [weight_by_id, begin](int m) {
+        return weight_by_id(begin + m);
+      };
+      const Chunk c = ScanChunks(s, end - begin, weight_in_slice);
+      chosen =
+          begin + InverseCdf(s, c, weight_in_slice, u * total - prefix_shared);
+    }
+    token = chosen;
+    logprob = p.raw_logprobs
+                  ? static_cast<float>(static_cast<double>(Logit(row[token])) -
+                                       max_logit - log(totals[1]))
+                  : static_cast<float>(log(weight_by_id(chosen) / total));
+  }
+  if (threadIdx.x == 0) {
+    p.sampled_token_ids[r] = token;
+    p.sampled_logprobs[r] = logprob;
+  }
+}
+
+// The three kernels above for every row that does not truncate.
+cudaError_t LaunchSlicedRows(const SamplingCudaParams& p, const Workspace& w,
+                             cudaStream_t stream) {
+  SliceMaxKernel<<<dim3(kRowSlices, p.num_reqs), kSliceThreads, 0, stream>>>(p,
+                                                                             w);
+  cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) return error;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(kRowSlices, p.num_reqs);
+  config.blockDim = dim3(kSliceThreads);
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  error = cudaLaunchKernelEx(&config, SliceSumKernel, p, w);
+  if (error != cudaSuccess) return error;
+  config.gridDim = dim3(p.num_reqs);
+  config.blockDim = dim3(kThreads);
+  return cudaLaunchKernelEx(&config, SliceSampleKernel, p, w);
+}
+
 // --- Greedy rows (SamplingPath::kGreedy): kGreedySlices blocks per row. ---
 //
 // One 1024-thread block per row read the row's 128k logits twice from one
@@ -573,9 +802,9 @@ cudaError_t SamplingCudaWorkspaceBytes(int vocab_size, int max_num_reqs,
   const cudaError_t error = SortTempBytes(vocab_size, &temp_bytes);
   if (error != cudaSuccess) return error;
   // The greedy path's slices reuse the start of the same scratch.
-  *bytes = std::max(
-      SortBytes(vocab_size) + ListBytes(max_num_reqs) + Aligned(temp_bytes),
-      GreedySamplingCudaWorkspaceBytes(max_num_reqs));
+  *bytes = std::max(SortBytes(vocab_size) + ListBytes(max_num_reqs) +
+                        Aligned(temp_bytes) + RowSliceBytes(max_num_reqs),
+                    GreedySamplingCudaWorkspaceBytes(max_num_reqs));
   return cudaSuccess;
 }
 
@@ -602,9 +831,14 @@ cudaError_t LaunchSamplingCuda(const SamplingCudaParams& p,
     if (error != cudaSuccess) return error;
   }
 
-  // Rows without top-k / top-p, all at once.
-  SampleKernel<<<p.num_reqs, kThreads, 0, stream>>>(p, w, nullptr, 0);
-  error = cudaGetLastError();
+  // Rows without top-k / top-p, all at once, each over kRowSlices blocks
+  // (kSliceUntruncatedRows; SampleKernel's one block per row otherwise).
+  if (kSliceUntruncatedRows) {
+    error = LaunchSlicedRows(p, w, stream);
+  } else {
+    SampleKernel<<<p.num_reqs, kThreads, 0, stream>>>(p, w, nullptr, 0);
+    error = cudaGetLastError();
+  }
   if (error != cudaSuccess) return error;
   // Rows with top-k / top-p, kCudaSamplingSortRows per sort.
   const int32_t* rows = w.truncated + 1;
