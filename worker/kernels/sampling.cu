@@ -1,13 +1,14 @@
 // Token sampling on CUDA: the CPU kernel's decisions (worker/kernels/
-// sampling.cc) computed by one 1024-thread block per request.
+// sampling.cc) computed on the GPU: rows with top-k / top-p by one
+// 1024-thread block each after a sort, the others over 64 blocks each.
 //
 // Same math, in the same precision: weights exp((logit - max) / T) in
 // double, the counter-based uniform u = SamplingUniform(seed, position)
 // bit for bit, candidates ordered most likely first with ties to the lower
 // id (a stable descending radix sort of ids in ascending order), top-k, then
 // the shortest top-p prefix, then the inverse CDF. The one difference is the
-// summation order of the double sums (contiguous per-thread chunks combined
-// by a block scan instead of one sequential loop) and CUDA's double exp vs
+// summation order of the double sums (per-thread chunks and slices combined
+// in fixed orders instead of one sequential loop) and CUDA's double exp vs
 // glibc's (both within 1 ulp): the two backends pick different tokens only
 // when u·total falls within ~1e-15 (relative) of a CDF boundary.
 #include <algorithm>

@@ -46,15 +46,17 @@ size_t GreedySamplingCudaWorkspaceBytes(int num_reqs);
 
 // Workspace bytes for `vocab_size` and up to `max_num_reqs` rows per
 // launch: kCudaSamplingSortRows rows of sort keys and ids (twice: in and
-// out), segment offsets, the list of rows that truncate, and cub's
-// radix-sort scratch (queried from cub, which needs a current CUDA device).
+// out), segment offsets, the list of rows that truncate, cub's radix-sort
+// scratch (queried from cub, which needs a current CUDA device) and the
+// sliced rows' partial results; or the greedy path's, if larger.
 cudaError_t SamplingCudaWorkspaceBytes(int vocab_size, int max_num_reqs,
                                        size_t* bytes);
 
 // A small kernel lists the rows that use top-k / top-p and, unless the
 // caller gave their count (num_truncated_rows), the host reads it back (a
-// stream synchronization: sampling runs eagerly, never in a graph); then one
-// 1024-thread block per row samples every other row from the logits, and
+// stream synchronization: sampling runs eagerly, never in a graph); then
+// every other row is sampled from the logits over 64 blocks (three kernels:
+// slice maxima, slice sums, the inverse CDF in the crossing slice), and
 // the listed rows go through groups of kCudaSamplingSortRows: a prepare
 // kernel (sort keys), one cub segmented radix sort (descending, stable: ties
 // keep the lower id first) and the sampling kernel. Returns the first error.
