@@ -144,6 +144,26 @@ TEST_F(SamplingCudaTest, EveryParameterCombinationSamplesLikeTheCpu) {
   ExpectSameSamples(rows, "combinations");
 }
 
+// Rows without top-k / top-p take the sliced kernels (64 blocks a row, the
+// inverse CDF inside the crossing slice): a Qwen-sized vocabulary, flat and
+// peaked rows, greedy and sampled, next to one sorted row, like the CPU.
+TEST_F(SamplingCudaTest, UntruncatedRowsOfALargeVocabularySampleLikeTheCpu) {
+  const int vocab = 151936;
+  std::vector<Row> rows;
+  for (int i = 0; i < 12; ++i) {
+    Row r;
+    r.logits = RandomLogits(vocab, 900 + i, i % 3 == 0 ? 0.2f : 5.0f);
+    r.temperature = i == 4 ? 0.0f : 0.3f + 0.25f * i;
+    r.seed = 4000 + i;
+    r.position = 17 * i;
+    rows.push_back(r);
+  }
+  rows[7].top_k = 20;  // one row on the sort path beside them
+  rows[9].logits.assign(vocab, -kInf);
+  rows[9].logits[vocab - 1] = 1.0f;  // all mass on the last id
+  ExpectSameSamples(rows, "untruncated, vocab 151936");
+}
+
 // The runner passes the count of top-k / top-p rows from the options it
 // holds, so sampling does not synchronize the stream: the same samples, bit
 // for bit, as when the kernel reads the count back.
