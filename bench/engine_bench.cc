@@ -14,7 +14,8 @@
 //   bazel build --config=opt //bench:engine_bench
 //   bazel-bin/bench/engine_bench [--tokens=128] [--concurrency=1,64]
 //       [--device=cpu|cuda] [--model_dir=DIR (default: the `small` tiny
-//       model, written there)] [--json_out=FILE]
+//       model, written there)] [--json_out=FILE] [--temperature=T (the
+//       engine-owned requests' sampling; 0 greedy)]
 //
 // Prints Markdown for bench/RESULTS.md. On the CPU backend the stream runs
 // on its own thread (as a GPU does), so overlap is real there too; absolute
@@ -22,6 +23,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -46,6 +48,10 @@
 ABSL_FLAG(int, tokens, 128, "Tokens generated per request.");
 ABSL_FLAG(std::string, concurrency, "1,64", "Concurrent generations to run.");
 ABSL_FLAG(int, prompt_len, 16, "Prompt tokens per request.");
+ABSL_FLAG(float, temperature, 0.0f,
+          "Sampling temperature of the engine-owned requests (0: greedy). "
+          "Above 0 every step takes the general sampler, which is where a "
+          "device-to-host read-back would cost the overlap.");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda.");
 ABSL_FLAG(std::string, model_dir, "/tmp/pdworker_bench_small",
           "A checkpoint directory; the `small` tiny model is written there "
@@ -174,6 +180,8 @@ GenerationFigures EngineRequests(const Setup& s, int c, StepOverlap overlap) {
       request->spec.prompt = Prompt(i, s.prompt_len, vocab);
       request->spec.stop.max_tokens = s.tokens;
       request->spec.stop.eos = EosHandling::kIgnore;
+      request->spec.sampling.temperature = absl::GetFlag(FLAGS_temperature);
+      request->spec.sampling.seed = static_cast<uint64_t>(i) + 1;
       per[i].submitted = Clock::now();
       request->on_update = [&, i, timed](const RequestUpdate& u) {
         if (timed) {
