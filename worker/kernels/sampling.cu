@@ -540,7 +540,7 @@ __global__ void __launch_bounds__(kSliceThreads)
 }
 
 // grid: [num_reqs], block: kThreads.
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     SliceSampleKernel(SamplingCudaParams p, Workspace w) {
   cuda::WaitForPreviousKernel();
   __shared__ SharedState s;
