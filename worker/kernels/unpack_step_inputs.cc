@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "absl/strings/str_format.h"
@@ -106,6 +107,13 @@ absl::Status LaunchUnpackStepInputs(Stream& stream,
     return absl::InvalidArgumentError(
         absl::StrFormat("%s: num_real_reqs (%d) exceeds num_reqs (%d)", kOp,
                         p.num_real_reqs, p.num_reqs));
+  }
+  if (static_cast<int64_t>(p.num_reqs) * p.max_blocks_per_seq >
+      std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: num_reqs (%d) x max_blocks_per_seq (%d) block-table entries "
+        "exceed 2^31 - 1",
+        kOp, p.num_reqs, p.max_blocks_per_seq));
   }
   if (p.num_logits_rows < p.num_reqs) {
     return absl::InvalidArgumentError(
