@@ -84,9 +84,6 @@ void ExpectSame(const Unpacked& got, const Unpacked& want,
   EXPECT_EQ(got.logits_indices, want.logits_indices) << what;
 }
 
-// A random case with at least two requests.
-UnpackCase CaseWithRequests(uint32_t seed);
-
 // What the header says the op writes, from the packed words directly.
 Unpacked Reference(const UnpackCase& c) {
   const int t = c.num_tokens, r = c.num_reqs, mb = c.max_blocks_per_seq;
@@ -120,6 +117,7 @@ Unpacked Reference(const UnpackCase& c) {
   return u;
 }
 
+// A random case with at least two requests.
 UnpackCase CaseWithRequests(uint32_t seed) {
   UnpackCase c = RandomCase(seed);
   while (c.num_reqs < 2) c = RandomCase(++seed);

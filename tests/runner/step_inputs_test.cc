@@ -1,12 +1,7 @@
 #include "worker/runner/step_inputs.h"
 
-#include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <memory>
-#include <mutex>
-#include <string>
-#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -14,6 +9,7 @@
 #include "worker/runtime/arena.h"
 #include "worker/runtime/cpu_device.h"
 #include "worker/runtime/stream.h"
+#include "worker/runtime/testing/stream_gate.h"
 
 namespace pdworker {
 namespace {
@@ -165,29 +161,6 @@ TEST_F(StepInputsTest, UploadBeforeAnyBuildIsRefused) {
             absl::StatusCode::kFailedPrecondition);
 }
 
-// Opens a gate the stream's first op waits on, from its own thread, after a
-// delay long enough that a Build which did not wait would already have
-// overwritten the staging block.
-class Gate {
- public:
-  void Open() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      open_ = true;
-    }
-    cv_.notify_all();
-  }
-  void Wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_for(lock, std::chrono::seconds(30), [this] { return open_; });
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
-
 // With the device behind the host (threaded stream held at a gate), three
 // uploads cycle through two pinned staging blocks: the third Build must wait
 // for the first upload's copy before it rewrites that block, or the first
@@ -195,7 +168,7 @@ class Gate {
 TEST_F(StepInputsTest, AStagingBlockIsReusedOnlyAfterItsCopyRan) {
   Init(CpuStreamExecution::kThreaded);
   ASSERT_TRUE(kv_.Append({{"a", 2}, {"b", 2}, {"c", 2}}).ok());
-  Gate gate;
+  testing::Gate gate;
   ASSERT_TRUE(
       stream_
           ->Launch("wait_for_gate", [&gate](const OpContext&) { gate.Wait(); })
@@ -204,13 +177,13 @@ TEST_F(StepInputsTest, AStagingBlockIsReusedOnlyAfterItsCopyRan) {
       {11, 12}, {21, 22}, {31, 32}};
   const char* ids[] = {"a", "b", "c"};
   std::vector<std::vector<int32_t>> seen(3, std::vector<int32_t>(2, -1));
-  std::thread opener;
+  std::unique_ptr<testing::DelayedOpener> opener;
   for (int step = 0; step < 3; ++step) {
+    // Opened long after the third Build starts: one that did not wait would
+    // have overwritten the first step's block by then.
     if (step == 2) {
-      opener = std::thread([&gate] {
-        std::this_thread::sleep_for(std::chrono::milliseconds(200));
-        gate.Open();
-      });
+      opener = std::make_unique<testing::DelayedOpener>(
+          gate, std::chrono::milliseconds(200));
     }
     ASSERT_TRUE(
         inputs_->Build({{kv_.Find(ids[step]), tokens[step]}}, {2, 1, 0}).ok());
@@ -221,7 +194,7 @@ TEST_F(StepInputsTest, AStagingBlockIsReusedOnlyAfterItsCopyRan) {
                                       2 * sizeof(int32_t))
                     .ok());
   }
-  opener.join();
+  opener.reset();
   ASSERT_TRUE(stream_->Synchronize().ok());
   EXPECT_EQ(seen, tokens);
 }

@@ -23,58 +23,20 @@
 #include "worker/runtime/cpu_device.h"
 #include "worker/runtime/event.h"
 #include "worker/runtime/host_memory.h"
+#include "worker/runtime/testing/stream_gate.h"
 #include "worker/runtime/testing/test_ops.h"
 
 namespace pdworker {
 namespace {
 
 using ::testing::ElementsAreArray;
+using testing::DelayedOpener;
+using testing::Gate;
 using ::testing::HasSubstr;
 
 constexpr size_t kN = 64;
-// How long an op waits for a gate before giving up, so that a stream that
-// wrongly runs ops on the caller's thread fails the test instead of hanging.
-constexpr std::chrono::seconds kGateTimeout{5};
 // How long a helper thread lets the test thread block before opening a gate.
 constexpr std::chrono::milliseconds kOpenDelay{30};
-
-// A gate the test opens: ops that wait on it hold the stream at a point the
-// test chooses.
-class Gate {
- public:
-  void Open() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      open_ = true;
-    }
-    cv_.notify_all();
-  }
-  // False when the gate stayed closed for kGateTimeout.
-  bool Wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    return cv_.wait_for(lock, kGateTimeout, [this] { return open_; });
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
-
-// Opens `gate` kOpenDelay after construction, from its own thread; joins on
-// destruction.
-class DelayedOpener {
- public:
-  explicit DelayedOpener(Gate& gate)
-      : thread_([&gate] {
-          std::this_thread::sleep_for(kOpenDelay);
-          gate.Open();
-        }) {}
-  ~DelayedOpener() { thread_.join(); }
-
- private:
-  std::thread thread_;
-};
 
 class CpuStreamTest : public ::testing::TestWithParam<CpuStreamExecution> {
  protected:
@@ -349,7 +311,7 @@ TEST_P(ThreadedCpuStreamTest, SynchronizeAndCopyToHostWaitForEverything) {
               .Launch("count", [&counter](const OpContext&) { ++counter; })
               .ok());
     }
-    DelayedOpener opener(gate);
+    DelayedOpener opener(gate, kOpenDelay);
     ASSERT_TRUE(stream().Synchronize().ok());
     EXPECT_EQ(counter, kOps);
     EXPECT_FALSE(timed_out.load());
@@ -359,7 +321,7 @@ TEST_P(ThreadedCpuStreamTest, SynchronizeAndCopyToHostWaitForEverything) {
     std::atomic<bool> timed_out{false};
     ASSERT_TRUE(BlockOn(stream(), gate, &timed_out).ok());
     ASSERT_TRUE(test_ops::Fill(stream(), x, 2.5f).ok());
-    DelayedOpener opener(gate);
+    DelayedOpener opener(gate, kOpenDelay);
     EXPECT_EQ(Download(x), std::vector<float>(kN, 2.5f));
     EXPECT_FALSE(timed_out.load());
   }
@@ -374,7 +336,7 @@ TEST_P(ThreadedCpuStreamTest, DestructionFinishesQueuedWork) {
   ASSERT_TRUE(BlockOn(*second, gate, &timed_out).ok());
   ASSERT_TRUE(test_ops::Fill(*second, x, 5.0f).ok());
   {
-    DelayedOpener opener(gate);
+    DelayedOpener opener(gate, kOpenDelay);
     second.reset();  // Blocks until the gate opens and the fill ran.
   }
   EXPECT_EQ(Peek(x), std::vector<float>(kN, 5.0f));

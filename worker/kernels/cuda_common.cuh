@@ -74,6 +74,31 @@ __device__ __forceinline__ void WaitForPreviousKernel() {
 #endif
 }
 
+// Where a launch may overlap the previous kernel (LaunchKernel).
+enum class DependentLaunch { kSerialized, kProgrammatic };
+
+// kernel<<<grid, block, shared_bytes, stream>>>(args...), with
+// kProgrammatic through cudaLaunchKernelEx and programmatic stream
+// serialization: the kernel may be scheduled while the previous one drains
+// (its AllowDependentLaunch) and must WaitForPreviousKernel before reading
+// what that one writes. Returns the launch error.
+template <typename... Params, typename... Args>
+cudaError_t LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block,
+                         size_t shared_bytes, cudaStream_t stream,
+                         DependentLaunch dependent, Args&&... args) {
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = dependent == DependentLaunch::kProgrammatic ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<Args&&>(args)...);
+}
+
 // A two-buffer software pipeline over `num` items (a warp's k chunks) in
 // groups of `group`: group g + 1's loads are issued before group g is
 // consumed, so the loads stay in flight while the warp computes. The

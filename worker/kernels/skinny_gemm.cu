@@ -228,19 +228,13 @@ cudaError_t LaunchForTokens(const LinearCudaParams& p, int k_split,
   constexpr int U = NT >= 5 ? 1 : 2;
   const int units = kPaired ? p.out_features / 2 : p.out_features;
   const int units_per_cta = (kPaired ? 1 : R) * (kWarps / k_split);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(cuda::NumBlocks(units, units_per_cta));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes =
-      kNorm ? sizeof(__nv_bfloat16) * p.num_tokens * p.in_features : 0;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = p.programmatic_launch ? 1 : 0;
-  return cudaLaunchKernelEx(
-      &config, SkinnyGemmKernel<NT, R, U, OutT, kEpi, kNorm>, p, k_split);
+  return cuda::LaunchKernel(
+      SkinnyGemmKernel<NT, R, U, OutT, kEpi, kNorm>,
+      dim3(cuda::NumBlocks(units, units_per_cta)), dim3(kThreads),
+      kNorm ? sizeof(__nv_bfloat16) * p.num_tokens * p.in_features : 0, stream,
+      p.programmatic_launch ? cuda::DependentLaunch::kProgrammatic
+                            : cuda::DependentLaunch::kSerialized,
+      p, k_split);
 }
 
 template <typename OutT, LinearCudaEpilogue kEpi, bool kNorm>

@@ -262,19 +262,14 @@ cudaError_t Launch(const LinearCudaParams& p, int k_split,
   constexpr int U = kMaxChunksInFlight / RB / 2;  // per buffer
   const int rows = kPaired ? p.out_features / 2 : p.out_features;
   const int units = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(cuda::NumBlocks(units, kWarps / k_split));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes =
-      kNorm ? sizeof(__nv_bfloat16) * p.num_tokens * (p.in_features + 8) : 0;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = p.programmatic_launch ? 1 : 0;
-  return cudaLaunchKernelEx(&config, SkinnyMmaKernel<RB, U, OutT, kEpi, kNorm>,
-                            p, k_split);
+  return cuda::LaunchKernel(
+      SkinnyMmaKernel<RB, U, OutT, kEpi, kNorm>,
+      dim3(cuda::NumBlocks(units, kWarps / k_split)), dim3(kThreads),
+      kNorm ? sizeof(__nv_bfloat16) * p.num_tokens * (p.in_features + 8) : 0,
+      stream,
+      p.programmatic_launch ? cuda::DependentLaunch::kProgrammatic
+                            : cuda::DependentLaunch::kSerialized,
+      p, k_split);
 }
 
 // The variant cuda::DispatchSkinnyVariant picks.

@@ -254,8 +254,6 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   r->banned_rows_.reserve(options.max_num_seqs * kMaxBannedTokensPerSequence);
   r->banned_token_ids_.reserve(options.max_num_seqs *
                                kMaxBannedTokensPerSequence);
-  r->feed_src_rows_host_.reserve(options.max_num_seqs);
-  r->feed_dst_indices_host_.reserve(options.max_num_seqs);
   r->feed_host_.reserve(2 * options.max_num_seqs);
   LOG(INFO) << "model runner: " << c.num_hidden_layers << " layers, hidden "
             << c.hidden_size << ", vocab " << c.vocab_size << "; mode "
@@ -467,20 +465,22 @@ absl::Status ModelRunner::Enqueue(absl::Span<const SequenceStep> batch,
   PDW_RETURN_IF_ERROR(inputs_->Upload(*stream_));
   // One feed launch per source step (in practice one: the step before).
   for (const int source : in_flight_) {
-    feed_src_rows_host_.clear();
-    feed_dst_indices_host_.clear();
+    // feed_'s layout: the source rows, then their destination indices.
     const absl::Span<const int32_t> last_token = inputs_->host_logits_indices();
-    for (int r = 0; r < num_reqs; ++r) {
+    auto fed = [&](int r) {
       const std::optional<SampleRef>& from = batch[r].last_token_from;
-      if (!from.has_value() || from->slot != source) continue;
-      feed_src_rows_host_.push_back(from->row);
-      feed_dst_indices_host_.push_back(last_token[r]);
+      return from.has_value() && from->slot == source;
+    };
+    feed_host_.clear();
+    for (int r = 0; r < num_reqs; ++r) {
+      if (fed(r)) feed_host_.push_back(batch[r].last_token_from->row);
     }
-    if (feed_src_rows_host_.empty()) continue;
-    feed_host_.assign(feed_src_rows_host_.begin(), feed_src_rows_host_.end());
-    feed_host_.insert(feed_host_.end(), feed_dst_indices_host_.begin(),
-                      feed_dst_indices_host_.end());
-    const size_t bytes = feed_src_rows_host_.size() * sizeof(int32_t);
+    const int num_feeds = static_cast<int>(feed_host_.size());
+    if (num_feeds == 0) continue;
+    for (int r = 0; r < num_reqs; ++r) {
+      if (fed(r)) feed_host_.push_back(last_token[r]);
+    }
+    const size_t bytes = num_feeds * sizeof(int32_t);
     PDW_RETURN_IF_ERROR(
         stream_->CopyToDevice(feed_, feed_host_.data(), 2 * bytes));
     kernels::FeedSampledTokensParams feed;
@@ -488,7 +488,7 @@ absl::Status ModelRunner::Enqueue(absl::Span<const SequenceStep> batch,
     feed.src_rows = feed_.Slice(0, bytes);
     feed.token_ids = inputs_->buffers().token_ids;
     feed.dst_indices = feed_.Slice(bytes, bytes);
-    feed.num_feeds = static_cast<int>(feed_src_rows_host_.size());
+    feed.num_feeds = num_feeds;
     feed.num_sampled = static_cast<int>(slots_[source].num_tokens.size());
     feed.num_tokens = shape.num_tokens;
     PDW_RETURN_IF_ERROR(kernels::LaunchFeedSampledTokens(*stream_, feed));

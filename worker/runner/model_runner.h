@@ -334,7 +334,6 @@ class ModelRunner {
   std::vector<SamplingOptions> sampling_;
   std::vector<int32_t> sample_positions_;
   std::vector<int32_t> banned_rows_, banned_token_ids_;
-  std::vector<int32_t> feed_src_rows_host_, feed_dst_indices_host_;
   std::vector<int32_t> feed_host_;  // feed_'s layout
 };
 

@@ -71,33 +71,36 @@ absl::Status Stream::Launch(absl::string_view name, Op op) {
   return DoLaunch(name, std::move(op));
 }
 
-absl::Status Stream::CopyToDevice(DeviceBuffer dst, const void* src,
-                                  size_t size_bytes) {
+absl::Status Stream::CheckHostToDevice(absl::string_view operation,
+                                       DeviceBuffer dst, const void* src,
+                                       size_t size_bytes) {
   absl::Status refused = RefuseDuringCapture(
-      "Stream::CopyToDevice",
+      absl::StrCat("Stream::", operation),
       "a captured copy would freeze the host source pointer; write inputs "
       "into the static buffers before capture or replay");
   if (!refused.ok()) return refused;
   absl::Status range =
-      CheckCopyRange("CopyToDevice", size_bytes, dst, "destination");
+      CheckCopyRange(operation, size_bytes, dst, "destination");
   if (!range.ok()) return range;
-  if (size_bytes == 0) return absl::OkStatus();
-  if (src == nullptr) {
-    return absl::InvalidArgumentError("CopyToDevice: null host source");
+  if (size_bytes > 0 && src == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(operation, ": null host source"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status Stream::CopyToDevice(DeviceBuffer dst, const void* src,
+                                  size_t size_bytes) {
+  absl::Status status = CheckHostToDevice("CopyToDevice", dst, src, size_bytes);
+  if (!status.ok() || size_bytes == 0) return status;
   return DoCopyToDevice(dst, src, size_bytes);
 }
 
 absl::Status Stream::CopyToDeviceAsync(DeviceBuffer dst, const HostMemory& src,
                                        size_t size_bytes) {
-  absl::Status refused = RefuseDuringCapture(
-      "Stream::CopyToDeviceAsync",
-      "a captured copy would freeze the host source pointer; write inputs "
-      "into the static buffers before capture or replay");
-  if (!refused.ok()) return refused;
-  absl::Status range =
-      CheckCopyRange("CopyToDeviceAsync", size_bytes, dst, "destination");
-  if (!range.ok()) return range;
+  absl::Status status =
+      CheckHostToDevice("CopyToDeviceAsync", dst, src.data(), size_bytes);
+  if (!status.ok()) return status;
   if (size_bytes > src.size_bytes()) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "CopyToDeviceAsync of %d bytes exceeds the %d-byte host source",

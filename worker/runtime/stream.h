@@ -157,6 +157,11 @@ class Stream : public GraphBackend {
  private:
   enum class CaptureState { kIdle, kCapturing, kInvalidated };
 
+  // CopyToDevice's and CopyToDeviceAsync's checks: refused during capture,
+  // `dst` holds `size_bytes`, a non-null source when there is anything to
+  // copy.
+  absl::Status CheckHostToDevice(absl::string_view operation, DeviceBuffer dst,
+                                 const void* src, size_t size_bytes);
   // OK when idle; otherwise invalidates the capture and explains why
   // `operation` is not allowed during capture.
   absl::Status RefuseDuringCapture(absl::string_view operation,
