@@ -15,7 +15,8 @@
 //   bazel-bin/bench/engine_bench [--tokens=128] [--concurrency=1,64]
 //       [--device=cpu|cuda] [--model_dir=DIR (default: the `small` tiny
 //       model, written there)] [--json_out=FILE] [--temperature=T (the
-//       engine-owned requests' sampling; 0 greedy)]
+//       engine-owned requests' sampling; 0 greedy)] [--kv_cache_mib=256
+//       (1024 for the llama_1b shape at 64 x 160 tokens)]
 //
 // Prints Markdown for bench/RESULTS.md. On the CPU backend the stream runs
 // on its own thread (as a GPU does), so overlap is real there too; absolute
@@ -56,6 +57,9 @@ ABSL_FLAG(std::string, device, "cpu", "cpu or cuda.");
 ABSL_FLAG(std::string, model_dir, "/tmp/pdworker_bench_small",
           "A checkpoint directory; the `small` tiny model is written there "
           "when it has no config.json.");
+ABSL_FLAG(int, kv_cache_mib, 256,
+          "KV cache size. 256 MiB holds 64 x 160 tokens of the small model; "
+          "the llama_1b shape (32 KiB per token) needs 1024 for that.");
 ABSL_FLAG(std::string, json_out, "", "Also write the figures as JSON here.");
 ABSL_FLAG(int, rounds, 3,
           "Runs of every path, interleaved; each figure is their median.");
@@ -93,6 +97,7 @@ struct Setup {
   int tokens = 128;
   int prompt_len = 16;
   int max_num_seqs = 64;
+  int64_t kv_cache_bytes = int64_t{256} << 20;
 };
 
 ModelRunnerOptions Options(const Setup& s) {
@@ -101,7 +106,7 @@ ModelRunnerOptions Options(const Setup& s) {
   o.max_num_seqs = s.max_num_seqs;
   o.max_num_batched_tokens = 2048;
   o.max_model_len = s.prompt_len + s.tokens + 16;
-  o.kv_cache_bytes = int64_t{256} << 20;
+  o.kv_cache_bytes = s.kv_cache_bytes;
   o.block_size = 16;
   return o;
 }
@@ -325,6 +330,7 @@ int Main(int argc, char** argv) {
   s.model_dir = absl::GetFlag(FLAGS_model_dir);
   s.tokens = absl::GetFlag(FLAGS_tokens);
   s.prompt_len = absl::GetFlag(FLAGS_prompt_len);
+  s.kv_cache_bytes = int64_t{absl::GetFlag(FLAGS_kv_cache_mib)} << 20;
   const std::string device = absl::GetFlag(FLAGS_device);
   CHECK(device == "cpu" || device == "cuda") << "--device: cpu or cuda";
   s.device = device == "cuda" ? DeviceKind::kCuda : DeviceKind::kCpu;
