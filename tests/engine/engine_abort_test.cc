@@ -190,17 +190,25 @@ TEST_P(EngineAbortTest, ClientCancellationAndDeadlineAbort) {
   Start();
   auto cancel = std::make_shared<CallControl>();
   PendingGeneration cancelled(engine(), Spec("c", Prompt(10, 5), 110), cancel);
-  auto late = std::make_shared<CallControl>();
-  late->deadline =
-      std::chrono::system_clock::now() + std::chrono::milliseconds(30);
-  PendingGeneration expired(engine(), Spec("e", Prompt(10, 6), 118), late);
   ASSERT_TRUE(WaitFor([&] { return cancelled.TokensSoFar() >= 2; }));
   cancel->cancelled.store(true);
   engine().NotifyCancelled();
   Generation g = cancelled.Wait();
   EXPECT_EQ(g.status.code(), absl::StatusCode::kCancelled) << g.status;
+  EXPECT_LT(g.tokens.size(), 110u);
+  // The deadline passes while the engine holds steps, so the request is
+  // live (taken in, KV-less) but cannot finish first: a deadline short
+  // enough to pass mid-decode let the 2-layer model finish 118 tokens in
+  // time on a fast runner.
+  engine().Pause();
+  auto late = std::make_shared<CallControl>();
+  late->deadline =
+      std::chrono::system_clock::now() + std::chrono::milliseconds(30);
+  PendingGeneration expired(engine(), Spec("e", Prompt(10, 6), 118), late);
   g = expired.Wait();
+  engine().Resume();
   EXPECT_EQ(g.status.code(), absl::StatusCode::kDeadlineExceeded) << g.status;
+  EXPECT_TRUE(g.tokens.empty());
   EXPECT_EQ(UsedBlocks(), 0);
   EXPECT_EQ(engine().snapshot().running_requests, 0);
 }
