@@ -90,9 +90,6 @@ ABSL_FLAG(std::string, decode_fusion, "on",
 ABSL_FLAG(std::string, decode_attention, "auto",
           "The decode steps' attention split kernel: auto, cuda_cores or "
           "tensor_cores (where it covers the model).");
-ABSL_FLAG(std::string, decode_reduce, "kernel",
-          "How decode attention combines its splits: kernel (a reduce "
-          "kernel) or last_split (the tensor-core split kernel's last CTA).");
 ABSL_FLAG(std::string, prefill_attention, "auto",
           "The varlen (prefill) steps' attention kernel: auto, tensor_cores "
           "(mma.sync), wgmma (compute capability 9.0) or cuda_cores.");
@@ -204,12 +201,6 @@ std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
       attention == "tensor_cores" ? kernels::DecodeAttentionKernel::kTensorCores
       : attention == "cuda_cores" ? kernels::DecodeAttentionKernel::kCudaCores
                                   : kernels::DecodeAttentionKernel::kAuto;
-  const std::string reduce = absl::GetFlag(FLAGS_decode_reduce);
-  CHECK(reduce == "kernel" || reduce == "last_split")
-      << "--decode_reduce: kernel or last_split, got " << reduce;
-  o.decode_reduce = reduce == "last_split"
-                        ? kernels::DecodeReduce::kLastSplit
-                        : kernels::DecodeReduce::kSeparateKernel;
   const std::string prefill = absl::GetFlag(FLAGS_prefill_attention);
   CHECK(prefill == "auto" || prefill == "tensor_cores" || prefill == "wgmma" ||
         prefill == "cuda_cores")
@@ -357,9 +348,8 @@ DecodeResult MeasureDecode(Device& device, const std::string& dir,
 // --- Attention kernel bandwidth ---------------------------------------------
 
 struct AttentionResult {
-  double decode_us = 0;            // split-K on CUDA cores
-  double decode_mma_us = 0;        // split-K on tensor cores
-  double decode_mma_fused_us = 0;  // same, the last split CTA combines
+  double decode_us = 0;      // split-K on CUDA cores
+  double decode_mma_us = 0;  // split-K on tensor cores
   double varlen_us = 0;
   double kv_bytes = 0;
 };
@@ -375,12 +365,8 @@ AttentionResult MeasureAttention(Device& device, Stream& stream, int batch,
   const int num_blocks = batch * blocks_per_seq;
   const size_t kv_elems =
       static_cast<size_t>(num_blocks) * kBlockSize * kKvHeads * kHeadDim;
-  // The fused reduce's counters in front, zero.
-  const size_t counters =
-      kernels::PagedAttentionDecodeCounterBytes(batch, kHeads);
-  const size_t workspace =
-      counters + kernels::PagedAttentionWorkspaceBytes(batch, kHeads, kHeadDim,
-                                                       max_blocks, kBlockSize);
+  const size_t workspace = kernels::PagedAttentionWorkspaceBytes(
+      batch, kHeads, kHeadDim, max_blocks, kBlockSize);
   const size_t q_bytes = static_cast<size_t>(batch) * kHeads * kHeadDim * 2;
   ArenaOptions options;
   options.capacity_bytes = 2 * kv_elems * 2 + 2 * q_bytes + workspace +
@@ -440,8 +426,6 @@ AttentionResult MeasureAttention(Device& device, Stream& stream, int batch,
   CHECK(stream.CopyToDevice(p.value_cache, host.data(), 2 * kv_elems).ok());
   host.resize(q_bytes / 2);
   CHECK(stream.CopyToDevice(p.query, host.data(), q_bytes).ok());
-  const std::vector<uint8_t> zeros(counters);
-  CHECK(stream.CopyToDevice(p.workspace, zeros.data(), counters).ok());
 
   auto time_us = [&](bool decode) {
     return GraphReplayMicros(
@@ -457,9 +441,6 @@ AttentionResult MeasureAttention(Device& device, Stream& stream, int batch,
   out.decode_us = time_us(true);
   p.decode_kernel = kernels::DecodeAttentionKernel::kTensorCores;
   out.decode_mma_us = time_us(true);
-  p.decode_reduce = kernels::DecodeReduce::kLastSplit;
-  out.decode_mma_fused_us = time_us(true);
-  p.decode_reduce = kernels::DecodeReduce::kSeparateKernel;
   out.varlen_us = time_us(false);
   out.kv_bytes = 2.0 * 2.0 * batch * static_cast<double>(context) * kKvHeads *
                  kHeadDim;  // K and V, bf16
@@ -542,7 +523,6 @@ void WriteJson(const std::string& path, const std::string& device,
                {"decode_fusion", absl::GetFlag(FLAGS_decode_fusion)},
                {"decode_attention", absl::GetFlag(FLAGS_decode_attention)},
                {"prefill_attention", absl::GetFlag(FLAGS_prefill_attention)},
-               {"decode_reduce", absl::GetFlag(FLAGS_decode_reduce)},
                {"model_dir", dir},
                {"context", context},
                {"weight_bytes", weight_bytes},
@@ -662,9 +642,9 @@ int Main(int argc, char** argv) {
   std::printf(
       "Paged attention, one layer (32 heads, 8 KV heads, head_dim 64, block "
       "16), per launch:\n\n| batch | context | KV MB | split-K decode us | "
-      "GB/s | %% peak | tensor-core split-K us | GB/s | %% peak | same, last "
-      "split combines, us | varlen us | GB/s |\n| ---: | ---: | ---: | ---: | "
-      "---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+      "GB/s | %% peak | tensor-core split-K us | GB/s | %% peak | varlen us | "
+      "GB/s |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+      "| ---: | ---: |\n");
   auto percent = [peak](double bw) {
     return peak > 0 ? absl::StrFormat("%.1f", 100.0 * bw / peak)
                     : std::string("-");
@@ -681,11 +661,10 @@ int Main(int argc, char** argv) {
       const double varlen_bw = a.kv_bytes / (a.varlen_us * 1e-6);
       std::printf(
           "| %d | %d | %.1f | %.1f | %.0f | %s | %.1f | %.0f | %s | %.1f | "
-          "%.1f | %.0f |\n",
+          "%.0f |\n",
           batch, context, a.kv_bytes / 1e6, a.decode_us, decode_bw / 1e9,
           percent(decode_bw).c_str(), a.decode_mma_us, mma_bw / 1e9,
-          percent(mma_bw).c_str(), a.decode_mma_fused_us, a.varlen_us,
-          varlen_bw / 1e9);
+          percent(mma_bw).c_str(), a.varlen_us, varlen_bw / 1e9);
     }
   }
   return 0;

@@ -16,13 +16,11 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
-#include "absl/status/statusor.h"
 #include "tests/kernels/cuda_kernel_test_util.h"
 #include "worker/kernels/paged_attention.h"
 
@@ -125,13 +123,9 @@ class PagedAttentionCudaTest
     p.max_blocks_per_seq = max_blocks_per_seq_;
     p.dtype = dtype;
     if (dtype == DType::kBFloat16) {
-      // DecodeReduce::kLastSplit's counters in front, zero.
-      const size_t counters =
-          PagedAttentionDecodeCounterBytes(kMaxNumSeqs, c_.heads);
-      p.workspace = b.Alloc(counters + PagedAttentionWorkspaceBytes(
-                                           kMaxTokens, c_.heads, c_.head_dim,
-                                           max_blocks_per_seq_, c_.block_size));
-      b.Write(p.workspace, std::vector<uint8_t>(counters, 0));
+      p.workspace = b.Alloc(
+          PagedAttentionWorkspaceBytes(kMaxTokens, c_.heads, c_.head_dim,
+                                       max_blocks_per_seq_, c_.block_size));
     }
     return p;
   }
@@ -242,21 +236,6 @@ class PagedAttentionCudaTest
     return ReadGpuBf16(gpu_.output, b.num_tokens * RowElements());
   }
 
-  // Writes `batch` (seeded), runs it once eagerly on the GPU (warm-up), then
-  // captures a run of it.
-  absl::StatusOr<std::unique_ptr<CapturedGraph>> Capture(const Batch& batch,
-                                                         uint32_t seed) {
-    WriteStep(batch, seed);
-    Stream& stream = *gpu().stream;
-    absl::Status status = Run(gpu(), gpu_, batch);
-    if (!status.ok()) return status;
-    if (status = stream.BeginCapture(); !status.ok()) return status;
-    status = Run(gpu(), gpu_, batch);
-    auto graph = stream.EndCapture();
-    if (!status.ok()) return status;
-    return graph;
-  }
-
   // Runs `batch` on both backends and compares.
   std::vector<float> ExpectGpuMatchesCpu(const Batch& batch, uint32_t seed,
                                          const std::string& what) {
@@ -344,7 +323,12 @@ TEST_P(PagedAttentionCudaTest, AllPaddingDecodeBatchIsZeros) {
 // on the new batch, bit for bit (the kernels are deterministic and read all
 // metadata on the device).
 TEST_P(PagedAttentionCudaTest, DecodeGraphReplayIsBitIdenticalToEager) {
-  auto graph = Capture(kDecodeK1, 600);
+  WriteStep(kDecodeK1, 600);
+  Stream& stream = *gpu().stream;
+  ASSERT_TRUE(Run(gpu(), gpu_, kDecodeK1).ok());  // warm-up
+  ASSERT_TRUE(stream.BeginCapture().ok());
+  ASSERT_TRUE(Run(gpu(), gpu_, kDecodeK1).ok());
+  auto graph = stream.EndCapture();
   ASSERT_TRUE(graph.ok()) << graph.status();
 
   // Fewer requests, other lengths (one grows past 1500), other blocks.
@@ -362,7 +346,12 @@ TEST_P(PagedAttentionCudaTest, DecodeGraphReplayIsBitIdenticalToEager) {
 TEST_P(PagedAttentionCudaTest, VarlenGraphReplayIsBitIdenticalToEager) {
   Batch mixed = kMixed;
   mixed.num_tokens = kPrefill.num_tokens;  // same padded key
-  auto graph = Capture(kPrefill, 700);
+  WriteStep(kPrefill, 700);
+  Stream& stream = *gpu().stream;
+  ASSERT_TRUE(Run(gpu(), gpu_, kPrefill).ok());
+  ASSERT_TRUE(stream.BeginCapture().ok());
+  ASSERT_TRUE(Run(gpu(), gpu_, kPrefill).ok());
+  auto graph = stream.EndCapture();
   ASSERT_TRUE(graph.ok()) << graph.status();
 
   WriteStep(mixed, 701);
@@ -416,7 +405,12 @@ TEST_P(PagedAttentionCudaTest, TensorCoreSplitKDecodeMatchesCpu) {
     ExpectGpuMatchesCpu(longest, 820, "tensor-core split-K, 17k context");
   }
   // Graph replay on another batch of the same shape == eager, bit for bit.
-  auto graph = Capture(kDecodeK1, 830);
+  WriteStep(kDecodeK1, 830);
+  Stream& stream = *gpu().stream;
+  ASSERT_TRUE(Run(gpu(), gpu_, kDecodeK1).ok());
+  ASSERT_TRUE(stream.BeginCapture().ok());
+  ASSERT_TRUE(Run(gpu(), gpu_, kDecodeK1).ok());
+  auto graph = stream.EndCapture();
   ASSERT_TRUE(graph.ok()) << graph.status();
   const Batch next = {{{1, 30}, {1, 1537}, {1, 16}}, 8, 1};
   WriteStep(next, 831);
@@ -427,63 +421,6 @@ TEST_P(PagedAttentionCudaTest, TensorCoreSplitKDecodeMatchesCpu) {
   WriteStep(next, 831);
   ASSERT_TRUE(Run(gpu(), gpu_, next).ok());
   EXPECT_TRUE(SameBits(GpuOutput(next), replayed));
-}
-
-// DecodeReduce::kLastSplit (the tensor-core split kernel's last CTA per
-// request and kv head combines the splits, no reduce kernel) gives the
-// reduce kernel's bits: on the decode batches above (padding requests,
-// splits past a short context that have no keys, k = 1 and 3), twice in a
-// row (the counters it leaves must be zero again), and from a graph replayed
-// twice on other batches. The CUDA-core split kernel keeps its reduce kernel
-// under kLastSplit (the workspace shifted past the counters).
-TEST_P(PagedAttentionCudaTest, LastSplitReduceIsBitIdenticalToTheReduceKernel) {
-  const int group = c_.heads / c_.kv_heads;
-  const bool covered = (c_.head_dim == 64 || c_.head_dim == 128) &&
-                       group * kDecodeK3.uniform_query_len <= 16;
-  if (!covered) GTEST_SKIP() << "no tensor-core split kernel for this config";
-  std::vector<Batch> batches = {kDecodeK1, kDecodeK3};
-  if (c_.max_context >= 17000) {
-    batches.push_back({{{1, 17000}, {1, 16385}, {1, 1}}, 4, 1});
-  }
-  gpu_.decode_kernel = DecodeAttentionKernel::kTensorCores;
-  uint32_t seed = 900;
-  for (const Batch& batch : batches) {
-    SCOPED_TRACE(::testing::Message()
-                 << "uniform_query_len " << batch.uniform_query_len << ", "
-                 << batch.requests.size() << " requests");
-    gpu_.decode_reduce = DecodeReduce::kSeparateKernel;
-    const std::vector<float> want =
-        ExpectGpuMatchesCpu(batch, ++seed, "reduce kernel");
-    gpu_.decode_reduce = DecodeReduce::kLastSplit;
-    for (int run = 0; run < 2; ++run) {
-      WriteStep(batch, seed);  // the same inputs, NaN outputs
-      const absl::Status status = Run(gpu(), gpu_, batch);
-      ASSERT_TRUE(status.ok()) << status;
-      EXPECT_TRUE(SameBits(GpuOutput(batch), want)) << "run " << run;
-    }
-    gpu_.decode_kernel = DecodeAttentionKernel::kCudaCores;
-    ExpectGpuMatchesCpu(batch, seed, "CUDA cores under kLastSplit");
-    gpu_.decode_kernel = DecodeAttentionKernel::kTensorCores;
-  }
-
-  // A graph captured with kLastSplit, replayed twice on other batches.
-  gpu_.decode_reduce = DecodeReduce::kLastSplit;
-  auto graph = Capture(kDecodeK1, 950);
-  ASSERT_TRUE(graph.ok()) << graph.status();
-  const Batch others[] = {
-      {{{1, 30}, {1, 1537}, {1, 16}}, 8, 1},
-      {{{1, 700}, {1, 2}, {1, 1}, {1, 64}, {1, 999}}, 8, 1}};
-  for (const Batch& next : others) {
-    WriteStep(next, 951);
-    ASSERT_TRUE((*graph)->Replay().ok());
-    const std::vector<float> replayed = GpuOutput(next);
-    gpu_.decode_reduce = DecodeReduce::kSeparateKernel;
-    WriteStep(next, 951);
-    ASSERT_TRUE(Run(gpu(), gpu_, next).ok());
-    EXPECT_TRUE(SameBits(GpuOutput(next), replayed))
-        << next.requests.size() << " requests";
-    gpu_.decode_reduce = DecodeReduce::kLastSplit;
-  }
 }
 
 // The launch needs (head_dim + 2) floats per (token, head, split); one
@@ -497,15 +434,9 @@ TEST_P(PagedAttentionCudaTest, DecodeRefusesATooSmallWorkspace) {
       sizeof(float) * p.num_tokens * p.num_heads * splits * (p.head_dim + 2);
   ASSERT_LE(needed, p.workspace.size_bytes());
   p.workspace = p.workspace.Slice(0, needed - sizeof(float));
-  absl::Status status = LaunchPagedAttentionUniformDecode(*gpu().stream, p);
+  const absl::Status status =
+      LaunchPagedAttentionUniformDecode(*gpu().stream, p);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
-  // kLastSplit needs its counters in front too.
-  p.workspace = gpu_.workspace.Slice(0, needed);
-  ASSERT_TRUE(LaunchPagedAttentionUniformDecode(*gpu().stream, p).ok());
-  p.decode_reduce = DecodeReduce::kLastSplit;
-  status = LaunchPagedAttentionUniformDecode(*gpu().stream, p);
-  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
-  EXPECT_NE(status.message().find("workspace"), std::string::npos) << status;
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -264,13 +264,6 @@ TEST(ModelRunnerOptionsTest, ForcedLinearKernelIsRefusedOnTheCpuBackend) {
                 ::testing::HasSubstr("varlen_attention_kernel must be auto"));
   }
   options.varlen_attention_kernel = kernels::VarlenAttentionKernel::kAuto;
-  options.decode_reduce = kernels::DecodeReduce::kLastSplit;
-  runner = ModelRunner::Create(device, *dir, options);
-  ASSERT_FALSE(runner.ok());
-  EXPECT_EQ(runner.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(runner.status().message(),
-              ::testing::HasSubstr("decode_reduce must be kSeparateKernel"));
-  options.decode_reduce = kernels::DecodeReduce::kSeparateKernel;
   EXPECT_TRUE(ModelRunner::Create(device, *dir, options).ok());
 }
 

@@ -45,12 +45,8 @@ int DecodeSplits(const PagedAttentionParams& p) {
 
 // Exact workspace bytes of one CUDA decode launch.
 size_t DecodeLaunchWorkspaceBytes(const PagedAttentionParams& p) {
-  const size_t counters =
-      p.decode_reduce == DecodeReduce::kLastSplit
-          ? PagedAttentionDecodeCounterBytes(p.max_num_seqs, p.num_heads)
-          : 0;
-  return counters + sizeof(float) * static_cast<size_t>(p.num_tokens) *
-                        p.num_heads * DecodeSplits(p) * (p.head_dim + 2);
+  return sizeof(float) * static_cast<size_t>(p.num_tokens) * p.num_heads *
+         DecodeSplits(p) * (p.head_dim + 2);
 }
 
 // Scores of one cache block live in a stack array; vLLM's block sizes are
@@ -363,8 +359,7 @@ absl::Status CheckAndResolve(const Stream& stream, const char* op,
            ? CheckBuffer(op, "workspace", p.workspace,
                          static_cast<int64_t>(DecodeLaunchWorkspaceBytes(p)), 1,
                          "(head_dim + 2) * 4 * num_tokens * num_heads * "
-                         "CudaDecodeNumSplits(...) bytes, after "
-                         "PagedAttentionDecodeCounterBytes with kLastSplit")
+                         "CudaDecodeNumSplits(...) bytes")
            : absl::OkStatus()});
   if (!status.ok()) return status;
   // The output is written while q and the caches are still being read.
@@ -403,7 +398,6 @@ PagedAttentionCudaParams ToCudaParams(const PagedAttentionParams& p) {
   c.scale = p.scale;
   c.uniform_query_len = p.uniform_query_len;
   c.num_splits = DecodeSplits(p);
-  c.decode_fused_reduce = p.decode_reduce == DecodeReduce::kLastSplit;
   c.mma_warp_rows = p.mma_warp_rows;
   c.wgmma_tile_keys = p.wgmma_tile_keys;
   c.wgmma_overlap = p.wgmma_schedule == WgmmaSchedule::kDefault      ? -1
@@ -439,18 +433,6 @@ int CudaDecodeNumSplits(int num_tokens, int uniform_query_len, int num_heads,
   splits = std::min(splits, kCudaDecodeMaxWorkspaceSlots /
                                 (static_cast<int64_t>(num_tokens) * num_heads));
   return static_cast<int>(std::max<int64_t>(splits, 1));
-}
-
-size_t PagedAttentionDecodeCounterBytes(int max_num_seqs, int num_heads) {
-#if PDW_HAVE_CUDA
-  if (max_num_seqs <= 0 || num_heads <= 0) return 0;
-  return sizeof(int32_t) *
-         static_cast<size_t>(CudaDecodeCounterSlots(max_num_seqs, num_heads));
-#else
-  (void)max_num_seqs;
-  (void)num_heads;
-  return 0;
-#endif
 }
 
 size_t PagedAttentionWorkspaceBytes(int max_decode_tokens, int num_heads,

@@ -26,7 +26,6 @@
 #include <cstdint>
 
 #include "worker/kernels/cuda_common.cuh"
-#include "worker/kernels/decode_splits.cuh"
 #include "worker/kernels/paged_attention_cuda.h"
 
 namespace pdworker {
@@ -38,10 +37,6 @@ using cuda::FromFloat;
 using cuda::ToFloat;
 using cuda::WarpMax;
 using cuda::WarpSum;
-using cuda::decode_splits::Carve;
-using cuda::decode_splits::CombineSplitRow;
-using cuda::decode_splits::ContextLen;
-using cuda::decode_splits::Workspace;
 
 constexpr int kThreads = 128;
 constexpr int kNumWarps = kThreads / cuda::kWarpSize;
@@ -385,8 +380,34 @@ __global__ void __launch_bounds__(kThreads)
 // Uniform decode, split-K (flash-decoding). Split kernel grid: [num_tokens /
 // k, num_kv_heads * chunks, num_splits]; CTA z attends keys [z·span,
 // (z + 1)·span) of its request (CudaDecodeSplitSpan). Reduce kernel grid:
-// [num_tokens, num_heads]. Workspace: decode_splits.cuh.
+// [num_tokens, num_heads]. Workspace (fp32): normalized partial outputs
+// [num_tokens, num_heads, num_splits, head_dim], then maxima and sums
+// [num_tokens, num_heads, num_splits] each.
 // ---------------------------------------------------------------------------
+struct DecodeWorkspace {
+  float* out;
+  float* max;
+  float* sum;
+};
+
+__device__ __forceinline__ DecodeWorkspace
+Carve(const PagedAttentionCudaParams& p) {
+  const int64_t slots =
+      static_cast<int64_t>(p.num_tokens) * p.num_heads * p.num_splits;
+  DecodeWorkspace w;
+  w.out = p.workspace;
+  w.max = p.workspace + slots * p.head_dim;
+  w.sum = w.max + slots;
+  return w;
+}
+
+__device__ __forceinline__ int ContextLen(const PagedAttentionCudaParams& p,
+                                          int seq_len) {
+  return static_cast<int>(
+      min(static_cast<int64_t>(seq_len),
+          static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size));
+}
+
 template <int kRows>
 __global__ void __launch_bounds__(kThreads)
     DecodeSplitKernel(PagedAttentionCudaParams p, int heads_per_cta) {
@@ -422,7 +443,7 @@ __global__ void __launch_bounds__(kThreads)
   // Every row of a split that has keys is written (max -inf and sum 0 for a
   // row masked throughout it), so the reduce kernel may read all splits
   // below ceil(context_len / span).
-  const Workspace w = Carve(p);
+  const DecodeWorkspace w = Carve(p);
   for (int i = threadIdx.x; i < num_rows * p.head_dim; i += kThreads) {
     const int row = i / p.head_dim;
     const int d = i % p.head_dim;
@@ -442,8 +463,47 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kReduceThreads)
     DecodeReduceKernel(PagedAttentionCudaParams p) {
   cuda::AllowDependentLaunch();
-  CombineSplitRow<false>(p, Carve(p), blockIdx.x, blockIdx.y, threadIdx.x,
-                         blockDim.x);
+  const int token = blockIdx.x;
+  const int head = blockIdx.y;
+  const int k = p.uniform_query_len;
+  const int seq_len = p.seq_lens[token / k];
+  __nv_bfloat16* out =
+      p.output +
+      (static_cast<int64_t>(token) * p.num_heads + head) * p.head_dim;
+  const int context_len = seq_len <= 0 ? 0 : ContextLen(p, seq_len);
+  int num_splits = 0;
+  if (context_len > 0) {
+    const int span = CudaDecodeSplitSpan(context_len, p.num_splits);
+    num_splits = (context_len + span - 1) / span;
+  }
+  const DecodeWorkspace w = Carve(p);
+  const int64_t base =
+      (static_cast<int64_t>(token) * p.num_heads + head) * p.num_splits;
+
+  float global_max = kNegInf;
+  for (int q = 0; q < num_splits; ++q) {
+    global_max = fmaxf(global_max, w.max[base + q]);
+  }
+  if (global_max == kNegInf) {  // padding request or nothing visible
+    for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
+      out[d] = FromFloat<__nv_bfloat16>(0.0f);
+    }
+    return;
+  }
+  // Split q contributes exp(max_q - global_max) · sum_q of the total mass;
+  // its stored output is already divided by sum_q.
+  float total = 0.0f;
+  for (int q = 0; q < num_splits; ++q) {
+    total += expf(w.max[base + q] - global_max) * w.sum[base + q];
+  }
+  for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
+    float o = 0.0f;
+    for (int q = 0; q < num_splits; ++q) {
+      const float weight = expf(w.max[base + q] - global_max) * w.sum[base + q];
+      o += weight * w.out[(base + q) * p.head_dim + d];
+    }
+    out[d] = FromFloat<__nv_bfloat16>(o / total);
+  }
 }
 
 int NumChunks(const PagedAttentionCudaParams& p, int heads_per_cta) {
@@ -486,8 +546,6 @@ cudaError_t LaunchPagedAttentionDecodeCuda(const PagedAttentionCudaParams& p,
     error = cudaGetLastError();
   }
   if (error != cudaSuccess) return error;
-  // The tensor-core split kernel's last CTAs combined the splits already.
-  if (p.decode_fused_reduce && p.decode_tensor_cores) return cudaSuccess;
   const dim3 reduce_grid(p.num_tokens, p.num_heads);
   DecodeReduceKernel<<<reduce_grid, kReduceThreads, 0, stream>>>(p);
   return cudaGetLastError();

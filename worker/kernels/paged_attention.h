@@ -101,24 +101,6 @@ enum class VarlenAttentionKernel {
   kWarpgroupMma,
 };
 
-// How a CUDA uniform decode launch combines its splits.
-enum class DecodeReduce {
-  // A reduce kernel (one CTA per token and head) after the split kernel.
-  kSeparateKernel,
-  // The tensor-core split kernel's last CTA per (request, kv head) combines
-  // them: one launch fewer per layer, the same bits. The workspace then
-  // starts with PagedAttentionDecodeCounterBytes bytes that must be zero
-  // before the first such launch (the kernel leaves them zero). The
-  // CUDA-core split kernel keeps the reduce kernel. Not yet measured on a
-  // GPU.
-  kLastSplit,
-};
-
-// Bytes the kLastSplit counters take at the start of a decode workspace, for
-// launches of up to max_num_seqs requests: one int32 per (request, kv head)
-// at most, rounded up to 16 bytes. 0 on a build without CUDA.
-size_t PagedAttentionDecodeCounterBytes(int max_num_seqs, int num_heads);
-
 // How the warpgroup-MMA varlen kernel orders a warpgroup's work per key
 // tile (benchmarks compare; tests run both).
 enum class WgmmaSchedule {
@@ -209,8 +191,6 @@ struct PagedAttentionParams {
   VarlenAttentionKernel varlen_kernel = VarlenAttentionKernel::kAuto;
   // CUDA uniform decode only: which split kernel.
   DecodeAttentionKernel decode_kernel = DecodeAttentionKernel::kAuto;
-  // CUDA uniform decode only: how the splits are combined.
-  DecodeReduce decode_reduce = DecodeReduce::kSeparateKernel;
   // CUDA tensor-core varlen only: query rows per warp (16 or 32); 0 takes
   // the measured default. Benchmarks and tests set it.
   int mma_warp_rows = 0;
@@ -221,9 +201,8 @@ struct PagedAttentionParams {
   WgmmaSchedule wgmma_schedule = WgmmaSchedule::kDefault;
   // CUDA uniform decode only: scratch of at least
   // PagedAttentionWorkspaceBytes(num_tokens, num_heads, head_dim,
-  // max_blocks_per_seq, block_size) bytes (plus
-  // PagedAttentionDecodeCounterBytes(max_num_seqs, num_heads) in front with
-  // kLastSplit), from the startup arena. Ignored elsewhere (may be empty).
+  // max_blocks_per_seq, block_size) bytes, from the startup arena. Ignored
+  // elsewhere (may be empty).
   DeviceBuffer workspace;
 };
 

@@ -65,12 +65,6 @@ struct PagedAttentionCudaParams {
   int num_splits = 0;
   // Decode only: the tensor-core split kernel instead of the CUDA-core one.
   bool decode_tensor_cores = false;
-  // Decode only: the workspace starts with CudaDecodeCounterSlots counters,
-  // zero before the first such launch, and the tensor-core split kernel's
-  // last CTA per (request, kv head) combines the splits itself: no reduce
-  // kernel (decode_splits.cuh). The CUDA-core split kernel still runs the
-  // reduce kernel.
-  bool decode_fused_reduce = false;
 };
 
 // Keys one decode split CTA takes from a context of `context_len` tokens:
@@ -84,17 +78,6 @@ __host__ __device__
     CudaDecodeSplitSpan(int context_len, int num_splits) {
   const int even = (context_len + num_splits - 1) / num_splits;
   return even > kCudaAttentionMinSplitKeys ? even : kCudaAttentionMinSplitKeys;
-}
-
-// 4-byte slots at the start of a decode workspace that hold the fused
-// reduce's counters: one per (request, kv head) at most, rounded up to 16
-// bytes.
-#ifdef __CUDACC__
-__host__ __device__
-#endif
-    inline int64_t
-    CudaDecodeCounterSlots(int max_num_seqs, int num_heads) {
-  return (static_cast<int64_t>(max_num_seqs) * num_heads + 3) / 4 * 4;
 }
 
 // Varlen causal attention on CUDA cores: one CTA per (token row, kv head [,

@@ -19,18 +19,15 @@
 //   (c) the 4 warps' (max, sum, O) are combined in shared memory in warp
 //       order, and the split's normalized output, max and sum are written to
 //       the workspace exactly as the CUDA-core split kernel writes them, so
-//       its reduce kernel finishes the job unchanged, or with
-//       decode_fused_reduce the last CTA of the (request, kv head) does
-//       (decode_splits.cuh).
-// Fixed orders everywhere, no floating-point atomics (the fused reduce's
-// integer count only elects the CTA that combines): a launch is
-// deterministic and a graph replay gives the eager bits. Grid: (num_tokens / k,
-// num_kv_heads, num_splits), from the launch shape only.
+//       its reduce kernel (LaunchPagedAttentionDecodeReduceCuda) finishes
+//       the job unchanged.
+// Fixed orders everywhere, no atomics: a launch is deterministic and a graph
+// replay gives the eager bits. Grid: (num_tokens / k, num_kv_heads,
+// num_splits), from the launch shape only.
 #include <cmath>
 #include <cstdint>
 
 #include "worker/kernels/cuda_common.cuh"
-#include "worker/kernels/decode_splits.cuh"
 #include "worker/kernels/mma_tile.cuh"
 #include "worker/kernels/paged_attention_cuda.h"
 
@@ -38,10 +35,6 @@ namespace pdworker {
 namespace kernels {
 namespace {
 
-using cuda::decode_splits::Carve;
-using cuda::decode_splits::CombineIfLastSplit;
-using cuda::decode_splits::ContextLen;
-using cuda::decode_splits::Workspace;
 using cuda::mma_tile::CommitCopies;
 using cuda::mma_tile::CopyAsync16;
 using cuda::mma_tile::kChunk;
@@ -75,11 +68,6 @@ struct DecodeTile {
 template <int kHeadDim>
 __global__ void __launch_bounds__(kThreads)
     MmaDecodeSplitKernel(PagedAttentionCudaParams p) {
-  // With decode_fused_reduce the next kernel is the o_proj GEMM, launched
-  // with programmatic serialization: it may start loading its weights now
-  // (it waits for this whole grid before reading the output). Before the
-  // reduce kernel (a plain launch) this changes nothing.
-  cuda::AllowDependentLaunch();
   using Tile = DecodeTile<kHeadDim>;
   constexpr int kChunks = Tile::kChunksPerRow;
   constexpr int kDimTiles = kHeadDim / 8;   // n8 tiles of O
@@ -100,21 +88,15 @@ __global__ void __launch_bounds__(kThreads)
   const int num_rows = group * k;  // row = head_in_group · k + token
   const int tid = threadIdx.x;
 
-  // The fused reduce's count: every CTA of the (request, kv head) column
-  // takes part, those with no keys too.
-  auto finish = [&] {
-    if (p.decode_fused_reduce) {
-      CombineIfLastSplit(p, request, kv_head, gridDim.y, kv_head * group,
-                         group);
-    }
-  };
-  // seq_len 0: a padding request (the reduce writes its zeros).
+  // seq_len 0: a padding request (the reduce kernel writes its zeros).
   const int seq_len = p.seq_lens[request];
-  if (seq_len <= 0) return finish();
-  const int context_len = ContextLen(p, seq_len);
+  if (seq_len <= 0) return;
+  const int context_len = static_cast<int>(
+      min(static_cast<int64_t>(seq_len),
+          static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size));
   const int span = CudaDecodeSplitSpan(context_len, p.num_splits);
   const int key_begin = split * span;
-  if (key_begin >= context_len) return finish();  // the reduce reads no more
+  if (key_begin >= context_len) return;  // the reduce kernel reads no more
   const int key_end = min(key_begin + span, context_len);
   const int32_t* block_table =
       p.block_tables + static_cast<int64_t>(request) * p.max_blocks_per_seq;
@@ -307,11 +289,15 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  // The workspace of the CUDA-core split kernel (decode_splits.cuh).
-  const Workspace ws = Carve(p);
-  float* w_out = ws.out;
-  float* w_max = ws.max;
-  float* w_sum = ws.sum;
+  // The workspace of the CUDA-core split kernel (paged_attention.cu):
+  // normalized partial outputs [num_tokens, num_heads, num_splits,
+  // head_dim], then maxima (natural log units of the scaled scores) and
+  // sums [num_tokens, num_heads, num_splits].
+  const int64_t slots =
+      static_cast<int64_t>(p.num_tokens) * p.num_heads * p.num_splits;
+  float* w_out = p.workspace;
+  float* w_max = p.workspace + slots * p.head_dim;
+  float* w_sum = w_max + slots;
   for (int i = tid; i < num_rows * kHeadDim; i += kThreads) {
     const int row = i / kHeadDim;
     const int d = i % kHeadDim;
@@ -336,7 +322,6 @@ __global__ void __launch_bounds__(kThreads)
       w_sum[slot] = sum;
     }
   }
-  finish();
 }
 
 template <int kHeadDim>

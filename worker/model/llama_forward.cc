@@ -35,13 +35,9 @@ int MaxDecodeTokens(const LlamaForwardOptions& o) {
 size_t AttentionWorkspaceBytes(const ModelConfig& c,
                                const LlamaForwardOptions& o, DeviceKind kind) {
   if (kind != DeviceKind::kCuda) return 0;
-  // The fused reduce's counters in front (zeroed once at creation), so
-  // either decode_reduce runs in it.
-  return kernels::PagedAttentionDecodeCounterBytes(
-             o.max_num_seqs, static_cast<int>(c.num_attention_heads)) +
-         kernels::PagedAttentionWorkspaceBytes(
-             MaxDecodeTokens(o), static_cast<int>(c.num_attention_heads),
-             static_cast<int>(c.head_dim), o.max_blocks_per_seq, o.block_size);
+  return kernels::PagedAttentionWorkspaceBytes(
+      MaxDecodeTokens(o), static_cast<int>(c.num_attention_heads),
+      static_cast<int>(c.head_dim), o.max_blocks_per_seq, o.block_size);
 }
 
 kernels::RopeConfig RopeConfigFor(const ModelConfig& c) {
@@ -173,13 +169,6 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
   if (workspace_bytes > 0) {
     PDW_ASSIGN_OR_RETURN(act.attention_workspace,
                          a.Allocate(workspace_bytes, "attention_workspace"));
-    // kernels::DecodeReduce::kLastSplit's counters start (and stay) zero.
-    const std::vector<uint8_t> zeros(kernels::PagedAttentionDecodeCounterBytes(
-        options.max_num_seqs, static_cast<int>(config.num_attention_heads)));
-    if (!zeros.empty()) {
-      PDW_RETURN_IF_ERROR(stream.CopyToDevice(act.attention_workspace,
-                                              zeros.data(), zeros.size()));
-    }
   }
 
   const int64_t cache_elems = static_cast<int64_t>(options.num_blocks) *
@@ -524,7 +513,6 @@ absl::Status LlamaForward::RunAttention(int layer,
         tensor_cores_cover) {
       attn.decode_kernel = options_.decode_attention_kernel;
     }
-    attn.decode_reduce = options_.decode_reduce;
     return kernels::LaunchPagedAttentionUniformDecode(stream_, attn);
   }
   attn.varlen_kernel = options_.varlen_attention_kernel;

@@ -14,8 +14,9 @@
 // residual add in the previous one's epilogue (o_proj, down), and RoPE with
 // the KV-cache write in qkv's epilogue, so a layer is qkv -> paged attention
 // -> o_proj -> gate_up -> down with no norm or RoPE kernels; the final
-// norm (with the gather) stays. Bit-identical to the unfused sequence. (In PIECEWISE graphs the KV
-// write then sits inside the piece before the attention split op.)
+// norm (with the gather) stays. Bit-identical to the unfused sequence. (In
+// PIECEWISE graphs the KV write then sits inside the piece before the attention
+// split op.)
 //
 // A FULL GraphWrapper wraps the whole sequence; a PIECEWISE GraphWrapper
 // wraps each piece. The ForwardContext decides which one fires: FULL -> the
@@ -78,9 +79,6 @@ struct LlamaForwardOptions {
   // the model does not support.
   kernels::VarlenAttentionKernel varlen_attention_kernel =
       kernels::VarlenAttentionKernel::kAuto;
-  // How uniform-decode steps combine the attention's splits on CUDA
-  // (kernels::DecodeReduce); benchmarks compare.
-  kernels::DecodeReduce decode_reduce = kernels::DecodeReduce::kSeparateKernel;
 };
 
 // Static activations, reused by every step and every graph. Element type:

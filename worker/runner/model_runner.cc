@@ -78,13 +78,6 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
                      DeviceKindName(device.kind()),
                      " backend (it has one attention routine)"));
   }
-  if (device.kind() != DeviceKind::kCuda &&
-      options.decode_reduce != kernels::DecodeReduce::kSeparateKernel) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("decode_reduce must be kSeparateKernel on the ",
-                     DeviceKindName(device.kind()),
-                     " backend (its attention has no splits)"));
-  }
   std::unique_ptr<ModelRunner> r(new ModelRunner(device, options));
   PDW_ASSIGN_OR_RETURN(r->config_, LoadModelConfig(model_dir));
   const ModelConfig& c = r->config_;
@@ -237,7 +230,6 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   fo.decode_fusion = options.decode_fusion;
   fo.decode_attention_kernel = options.decode_attention_kernel;
   fo.varlen_attention_kernel = options.varlen_attention_kernel;
-  fo.decode_reduce = options.decode_reduce;
   PDW_ASSIGN_OR_RETURN(
       r->forward_,
       LlamaForward::Create(c, r->weights_, r->inputs_->buffers(), fo, device,

@@ -76,9 +76,6 @@ struct ModelRunnerOptions {
   // 9.0 device and head_dim 64 or 128 with GQA groups of 1-8.
   kernels::VarlenAttentionKernel varlen_attention_kernel =
       kernels::VarlenAttentionKernel::kAuto;
-  // How decode steps combine the attention's splits
-  // (LlamaForwardOptions::decode_reduce); CUDA only.
-  kernels::DecodeReduce decode_reduce = kernels::DecodeReduce::kSeparateKernel;
   // Automatic prefix caching (KvCacheManager): a sequence a step creates
   // starts with its longest cached prefix, and the step computes only the
   // rest. Hashes are salted with model_fingerprint(). Needs block_size <=
