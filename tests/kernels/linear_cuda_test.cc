@@ -110,8 +110,10 @@ TEST_P(LinearCudaTest, MatchesTheCpuKernelInBf16AndFp32Output) {
               "fp32 output, " + KernelName(s.kernel));
 }
 
-// kAuto runs the skinny GEMM at 1 token (in_features % 8 == 0) and cuBLAS
-// above; the forced rows run the skinny GEMM at 2..8 tokens and cuBLAS at
+// kAuto runs the skinny GEMM at 1 token (in_features % 8 == 0), the
+// tensor-core one at 2..8 on layers of up to 4,096 outputs and cuBLAS
+// beyond (its table: AutoFollowsTheShapeTable); the forced rows run the skinny
+// GEMM at 2..8 tokens and cuBLAS at
 // 1. Skinny shapes: the models' projections (0.5B: in 896 = 3.5 chunks of
 // 256, qkv out 1152 with bias; 1B: 2048 -> 3072, 8192 -> 2048), in_features
 // not a multiple of the 256-element chunk, a single output row, and
@@ -180,6 +182,71 @@ TEST_F(CudaKernelTest, SkinnyGemmRowsAreBatchInvariantFrom1To8Tokens) {
             << tokens << " tokens";
       }
     }
+  }
+}
+
+// kAuto's table (linear_cuda.h): at 1 token the CUDA-core skinny GEMM,
+// except an LM head (fp32 output) of more than 4,096 outputs with rows
+// shorter than 2,048 (the 0.5B one: 896 → 151,936), which cuBLAS's GEMV ran
+// faster on the H200, while a bf16 layer of that shape (gate_up, which the
+// decode fusion runs on the skinny GEMM) stays on it; at 2..8 tokens the
+// tensor-core skinny GEMM on layers of up to 4,096 outputs, cuBLAS on wider
+// ones. Seen through the bits: kAuto must equal the kernel
+// the table names, and the two candidates must differ somewhere (asserted,
+// so the test can tell them apart). fp32 outputs differ in their last bits
+// between accumulation orders; for the bf16 case x[0] · w[o][0] and
+// x[in - 1] · w[o][in - 1] are ±16,384 and cancel exactly, so each order
+// rounds the small terms against a large running sum differently, by more
+// than bf16's rounding. Outputs poisoned (Alloc fills NaN).
+TEST_F(CudaKernelTest, AutoFollowsTheShapeTable) {
+  struct Case {
+    int tokens, in, out;
+    DType output;
+    LinearKernel want, other;
+  };
+  constexpr DType kF32 = DType::kFloat32, kBf16 = DType::kBFloat16;
+  constexpr LinearKernel kCublas = LinearKernel::kCublas;
+  for (const Case& c : {Case{1, 896, 65536, kF32, kCublas, kSkinny},
+                        Case{1, 896, 4097, kF32, kCublas, kSkinny},
+                        Case{1, 2040, 8192, kF32, kCublas, kSkinny},
+                        Case{1, 896, 4096, kF32, kSkinny, kCublas},
+                        Case{1, 2048, 16384, kF32, kSkinny, kCublas},
+                        Case{1, 4864, 896, kF32, kSkinny, kCublas},
+                        Case{1, 896, 9728, kBf16, kSkinny, kCublas},
+                        Case{2, 896, 1152, kF32, kMma, kCublas},
+                        Case{8, 2048, 4096, kF32, kMma, kCublas},
+                        Case{5, 8192, 2048, kF32, kMma, kCublas},
+                        Case{8, 2048, 4097, kF32, kCublas, kMma},
+                        Case{4, 896, 9728, kF32, kCublas, kMma}}) {
+    SCOPED_TRACE(absl::StrFormat("%d tokens, in %d out %d %s", c.tokens, c.in,
+                                 c.out, c.output == kF32 ? "fp32" : "bf16"));
+    std::vector<float> x = RandomBf16Floats(c.tokens * c.in, 41);
+    std::vector<float> w = RandomBf16Floats(c.out * c.in, 42);
+    if (c.output == kBf16) {
+      for (int t = 0; t < c.tokens; ++t) {
+        x[t * c.in] = x[t * c.in + c.in - 1] = 128.0f;
+      }
+      for (int o = 0; o < c.out; ++o) {
+        w[o * c.in] = 128.0f;
+        w[o * c.in + c.in - 1] = -128.0f;
+      }
+    }
+    const DeviceBuffer x_gpu = GpuBf16(x), w_gpu = GpuBf16(w);
+    const size_t n = static_cast<size_t>(c.tokens) * c.out;
+    auto run = [&](LinearKernel kernel) {
+      LinearParams p{x_gpu,    w_gpu, DeviceBuffer(), gpu().Alloc(4 * n),
+                     c.tokens, c.in,  c.out,          DType::kBFloat16,
+                     c.output, kernel};
+      const absl::Status status = LaunchLinear(*gpu().stream, p);
+      EXPECT_TRUE(status.ok()) << status;
+      return c.output == kF32 ? gpu().Read<float>(p.output, n)
+                              : ReadGpuBf16(p.output, n);
+    };
+    const std::vector<float> want = run(c.want);
+    ASSERT_FALSE(SameBits(want, run(c.other)))
+        << "the kernels agree: no signal";
+    EXPECT_TRUE(SameBits(run(LinearKernel::kAuto), want))
+        << "kAuto is not " << KernelName(c.want);
   }
 }
 
@@ -309,8 +376,9 @@ TEST_F(CudaKernelTest, SkinnyGemmSiluAndMulEpilogueMatchesTheTwoKernels) {
 }
 
 // Where the epilogue cannot run, it is refused (never silently dropped):
-// cuBLAS (forced, or kAuto above one token), an odd out_features, fp32
-// output. LinearCanFuse says so beforehand.
+// cuBLAS (forced, or kAuto at two tokens on a wide layer), an odd
+// out_features, fp32 output. LinearCanFuse says so beforehand; at two
+// tokens on a narrow layer kAuto runs the tensor-core kernel, which fuses.
 TEST_F(CudaKernelTest,
        SiluAndMulEpilogueIsRefusedWhereTheSkinnyGemmDoesNotRun) {
   LinearParams p{GpuBf16(RandomBf16Floats(2 * 64, 61)),
@@ -333,9 +401,15 @@ TEST_F(CudaKernelTest,
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
     EXPECT_THAT(status.message(), ::testing::HasSubstr("silu_and_mul"));
   };
-  LinearParams bad = p;
-  bad.num_tokens = 2;  // kAuto: cuBLAS above one token
-  refused(bad, "two tokens, auto");
+  LinearParams two = p;
+  two.num_tokens = 2;
+  EXPECT_TRUE(LinearCanFuse(*gpu().stream, two));
+  EXPECT_TRUE(LaunchLinear(*gpu().stream, two).ok());
+  LinearParams bad = two;
+  bad.out_features = 8192;  // a wide layer: kAuto runs cuBLAS
+  bad.weight = GpuBf16(RandomBf16Floats(8192 * 64, 64));
+  bad.output = gpu().Alloc(2 * 2 * 4096);
+  refused(bad, "two tokens, auto, wide");
   bad = p;
   bad.kernel = LinearKernel::kCublas;
   refused(bad, "cublas");

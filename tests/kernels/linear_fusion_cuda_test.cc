@@ -341,10 +341,11 @@ TEST_F(CudaKernelTest, RopeKvCacheEpilogueIsRefusedWhenItDoesNotFit) {
 }
 
 // Fusions a kernel cannot run are refused, naming the fusion, and
-// LinearCanFuse says so beforehand: cuBLAS (kAuto above one token), the
-// CUDA-core kernel above one token, a prologue whose normalized rows exceed
-// the shared memory budget, a prologue with the residual epilogue, fp32
-// output, a norm_weight too short (named).
+// LinearCanFuse says so beforehand: cuBLAS (kAuto at two tokens on a layer
+// wider than 4,096 outputs; on a narrow one it runs the tensor-core kernel,
+// which fuses), the CUDA-core kernel above one token, a prologue whose
+// normalized rows exceed the shared memory budget, a prologue with the residual
+// epilogue, fp32 output, a norm_weight too short (named).
 TEST_F(CudaKernelTest, NormAndResidualFusionsAreRefusedWhereTheyCannotRun) {
   const int hidden = 4096, out = 64;
   LinearParams p{GpuBf16(RandomBf16Floats(8 * hidden, 81)),
@@ -368,9 +369,16 @@ TEST_F(CudaKernelTest, NormAndResidualFusionsAreRefusedWhereTheyCannotRun) {
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
     EXPECT_THAT(status.message(), ::testing::HasSubstr(fusion));
   };
-  LinearParams bad = p;
-  bad.num_tokens = 2;
-  refused(bad, "prologue rms_norm", "kAuto at two tokens: cuBLAS");
+  LinearParams two = p;
+  two.num_tokens = 2;
+  EXPECT_TRUE(LinearCanFuse(*gpu().stream, two));  // kAuto: tensor cores
+  EXPECT_TRUE(LaunchLinear(*gpu().stream, two).ok());
+  LinearParams bad = two;
+  bad.out_features = 8192;
+  bad.weight = GpuBf16(RandomBf16Floats(8192 * hidden, 85));
+  bad.output = gpu().Alloc(2 * 2 * 8192);
+  refused(bad, "prologue rms_norm", "kAuto at two tokens, wide: cuBLAS");
+  bad = two;
   bad.kernel = kSkinny;
   refused(bad, "prologue rms_norm", "CUDA-core kernel at two tokens");
   bad.kernel = kMma;

@@ -81,14 +81,25 @@ cublasStatus_t BiasedBf16Gemm(const LinearCudaParams& p, cudaStream_t stream,
 
 LinearCudaKernel ChosenLinearCudaKernel(const LinearCudaParams& p) {
   if (p.kernel != LinearCudaKernel::kAuto) return p.kernel;
-  if (p.num_tokens <= kSkinnyGemmAutoMaxTokens && SkinnyGemmSupports(p)) {
+  if (p.num_tokens <= kSkinnyGemmAutoMaxTokens && SkinnyGemmSupports(p) &&
+      !SkinnyGemmAutoPrefersCublas(p)) {
     return LinearCudaKernel::kSkinnyGemm;
   }
   if (p.num_tokens >= kSkinnyMmaAutoMinTokens &&
-      p.num_tokens <= kSkinnyMmaAutoMaxTokens && SkinnyMmaSupports(p)) {
+      p.num_tokens <= kSkinnyMmaAutoMaxTokens &&
+      p.out_features <= kSkinnyAutoMaxNarrowOutFeatures &&
+      SkinnyMmaSupports(p)) {
     return LinearCudaKernel::kSkinnyMma;
   }
   return LinearCudaKernel::kCublas;
+}
+
+bool SkinnyGemmAutoPrefersCublas(const LinearCudaParams& p) {
+  return p.output_type == LinearCudaOutput::kFloat32 &&
+         p.prologue == LinearCudaPrologue::kNone &&
+         p.epilogue == LinearCudaEpilogue::kNone &&
+         p.out_features > kSkinnyAutoMaxNarrowOutFeatures &&
+         p.in_features < kSkinnyGemmAutoLongRow;
 }
 
 bool SkinnyFusionSupports(const LinearCudaParams& p, LinearCudaKernel kernel) {

@@ -13,9 +13,12 @@
 namespace pdworker {
 namespace kernels {
 
-// Which GEMM computes the layer on CUDA. kAuto: the CUDA-core skinny GEMM
-// for a one-token decode batch (in_features a multiple of 8, 16-byte aligned
-// input and weight), cuBLAS otherwise. kSkinnyGemm (CUDA cores) and
+// Which GEMM computes the layer on CUDA. kAuto: a fixed table by shape class
+// (kernels/linear_cuda.h): the CUDA-core skinny GEMM for a one-token decode
+// batch (in_features a multiple of 8, 16-byte aligned input and weight; not
+// a wide fp32-output layer of short rows: the 0.5B LM head), the
+// tensor-core one for 2..8 tokens on layers of up to 4,096 outputs, cuBLAS
+// otherwise. kSkinnyGemm (CUDA cores) and
 // kSkinnyMma (tensor cores) run 1..8 tokens, each with rows bit-identical
 // across token counts. The others force one (tests, benchmarks); the CPU
 // backend has one kernel and accepts kAuto only.

@@ -18,7 +18,10 @@ enum class LinearCudaOutput { kBFloat16, kFloat32 };
 
 // Which GEMM computes the layer. kAuto: the CUDA-core skinny GEMM
 // (skinny_gemm.cu) for kSkinnyGemmAutoMaxTokens tokens when the shape allows
-// it (SkinnyGemmSupports), cuBLAS otherwise (ChosenLinearCudaKernel).
+// it (SkinnyGemmSupports), unless it is a wide LM head of short rows
+// (SkinnyGemmAutoPrefersCublas); the tensor-core skinny GEMM for 2..8 tokens
+// on narrow layers; cuBLAS otherwise (ChosenLinearCudaKernel, which holds
+// the table).
 // kSkinnyMma: the tensor-core skinny GEMM (skinny_gemm_mma.cu), 1..8 tokens.
 enum class LinearCudaKernel { kAuto, kCublas, kSkinnyGemm, kSkinnyMma };
 
@@ -53,24 +56,31 @@ enum class LinearCudaPrologue { kNone, kRmsNorm };
 // opt-in attribute. 8 tokens of a 2,048-wide hidden state fit.
 constexpr int kSkinnyNormMaxBytes = 36 * 1024;
 
-// The skinny GEMM runs 1..8 tokens; kAuto picks it at 1 token only. Measured
-// on an H200 (bench/RESULTS.md, linear_bench): at 1 token it is 1.05-2.2x
-// cuBLAS on every 0.5B / 1B projection (a tie on gate_up), from 2 tokens on
-// its CUDA-core dot products fall behind cuBLAS's tensor cores on the wide
-// matrices. A decode batch of 1 is never padded (1 is a capture size), so
-// the choice does not change a row's bits between a graph and eager.
-// The tensor-core skinny GEMM (1..8 tokens, rows bit-identical across them)
-// is not in kAuto's table yet: it has not been measured against cuBLAS
-// (bench/linear_bench --kernels, scripts/gpu-check decode). When it is, its
-// range must be a whole shape class (2..8: padding never crosses from 1 to
-// 2, a capture size) so a row's kernel never depends on padding.
+// kAuto's table, by shape class (ChosenLinearCudaKernel), from the second
+// H200 run of linear_bench (2026-11-27, bench/RESULTS.md; µs per layer,
+// weights cold, each skinny GEMM launched with PDL):
+//  - 1 token: the CUDA-core skinny GEMM (1.13-1.96x cuBLAS on every
+//    projection of 3,072 or fewer outputs; the 1B LM head 124.48 vs
+//    126.16), except an LM head (fp32 logits, unfused) of more than
+//    kSkinnyAutoMaxNarrowOutFeatures outputs whose rows are shorter than
+//    kSkinnyGemmAutoLongRow inputs: the 0.5B one, 896→151,936, is 67.87 on
+//    cuBLAS vs 80.38. cuBLAS also led on the wide projections run unfused
+//    (gate_up: 0.5B 6.91 vs 7.20, 1B 17.98 vs 19.91), but those keep the
+//    skinny GEMM: the decode fusion runs them fused on it, and the unfused
+//    sequence must give the fused one's bits (DecodeFusion).
+//  - 2..8 tokens: the tensor-core skinny GEMM on layers of at most
+//    kSkinnyAutoMaxNarrowOutFeatures outputs (qkv 1.03-1.40x cuBLAS, o_proj
+//    1.14-1.66x, down 1.03-1.12x on both shapes), cuBLAS on wider ones
+//    (gate_up 0.79-0.89x, LM heads 0.93-0.99x on the tensor-core kernel).
+//  - more tokens: cuBLAS.
+// Every class is closed under padding (1 is a capture size; 2..8 pad
+// within 2..8), so a row's kernel, and its bits, never depend on padding.
 constexpr int kSkinnyGemmMaxTokens = 8;
 constexpr int kSkinnyGemmAutoMaxTokens = 1;
-// kAuto's range for the tensor-core skinny GEMM: empty (min > max) until
-// linear_bench and gpu_decode_bench --linear_kernel=skinny_mma show it ahead
-// of cuBLAS at 2-8 tokens on every shape class; then 2..8.
+constexpr int kSkinnyAutoMaxNarrowOutFeatures = 4096;
+constexpr int kSkinnyGemmAutoLongRow = 2048;
 constexpr int kSkinnyMmaAutoMinTokens = 2;
-constexpr int kSkinnyMmaAutoMaxTokens = 0;
+constexpr int kSkinnyMmaAutoMaxTokens = 8;
 
 struct LinearCudaParams {
   const __nv_bfloat16* input = nullptr;   // [num_tokens, in_features]
@@ -107,6 +117,12 @@ struct LinearCudaResult {
 // kSkinnyMma (never kAuto). A forced skinny kernel is returned as is, even
 // where it cannot run (the launch then fails with cudaErrorInvalidValue).
 LinearCudaKernel ChosenLinearCudaKernel(const LinearCudaParams& p);
+
+// True for the one-token layers kAuto leaves to cuBLAS although the skinny
+// GEMM could run them: fp32 output, unfused, more than
+// kSkinnyAutoMaxNarrowOutFeatures outputs, fewer than kSkinnyGemmAutoLongRow
+// inputs.
+bool SkinnyGemmAutoPrefersCublas(const LinearCudaParams& p);
 
 // The skinny GEMM's split-K factor (1, 2, 4 or 8) for a weight shape: a
 // function of the shape alone, so a row's reduction order is too.
