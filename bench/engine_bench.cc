@@ -399,6 +399,9 @@ int Main(int argc, char** argv) {
     row("engine requests, overlap off", serial);
     row("router driving Forward (gRPC)", forward);
     row("router sending Generate (gRPC, request-level)", generate);
+    // Each concurrency's rows as soon as they exist: a run stopped at its
+    // time limit (a device call) still shows them.
+    std::fflush(stdout);
   }
   json += "]\n";
   const std::string json_out = absl::GetFlag(FLAGS_json_out);
