@@ -58,8 +58,11 @@
 #include "worker/runtime/device_factory.h"
 
 ABSL_FLAG(std::string, model_dir, "/tmp/pdworker_llama_1b",
-          "Checkpoint directory; the llama_1b shape is written there (bf16, "
-          "~2.5 GB) unless it already holds a config.json.");
+          "Checkpoint directory; --shape is written there (bf16) unless it "
+          "already holds a config.json.");
+ABSL_FLAG(std::string, shape, "llama_1b",
+          "The tiny-model shape written to an empty --model_dir: llama_1b "
+          "(~2.5 GB) or llama_0p5b (~1 GB).");
 ABSL_FLAG(int, reps, 20, "Timed decode steps per measurement (median).");
 ABSL_FLAG(int, context, 512,
           "Prompt tokens of every sequence before the timed decode steps.");
@@ -581,10 +584,14 @@ int Main(int argc, char** argv) {
   if (!absl::GetFlag(FLAGS_attention_only)) {
     const std::string dir = absl::GetFlag(FLAGS_model_dir);
     if (!LoadModelConfig(dir).ok()) {
+      const std::string shape_name = absl::GetFlag(FLAGS_shape);
+      absl::StatusOr<TinyShape> shape = ParseTinyShape(shape_name);
+      CHECK(shape.ok()) << "--shape: " << shape.status();
       TinyModelOptions model;
-      model.shape = TinyShape::kLlama1B;
+      model.shape = *shape;
       model.dtype = DType::kBFloat16;
-      std::printf("writing the llama_1b checkpoint to %s ...\n", dir.c_str());
+      std::printf("writing the %s checkpoint to %s ...\n", shape_name.c_str(),
+                  dir.c_str());
       CHECK(WriteTinyModel(model, dir).ok());
     }
     auto config = LoadModelConfig(dir);

@@ -202,6 +202,7 @@ TEST(ModelConfigTest, ParsesEveryTinyShape) {
         break;
       case TinyShape::kSmall:
       case TinyShape::kLlama1B:
+      case TinyShape::kLlama0p5B:
         ADD_FAILURE() << "benchmark shapes are not part of AllTinyShapes()";
         break;
     }
@@ -276,6 +277,47 @@ TEST(ModelConfigTest, ParsesTransformers5RopeParameters) {
 // The same model written by transformers 4 and 5 is the same model: equal
 // canonical strings (so equal fingerprints, so KV handoffs between a worker
 // loading either layout are allowed) and equal storage dtype.
+// The benchmark shapes by name (make_tiny_model --shape, gpu_decode_bench
+// --shape), with the sizes bench/torch_compare/configs.py gives the same
+// models (the 1B one's llama3 RoPE scaling aside: plain RoPE here): other
+// sizes would make the pdworker-only figures incomparable with the torch
+// ones.
+TEST(ModelConfigTest, BenchmarkShapesParseByNameWithTheirDimensions) {
+  struct Want {
+    const char* name;
+    int64_t hidden, intermediate, layers, heads, kv_heads, head_dim, vocab;
+    double rope_theta, eps;
+    int64_t max_positions;
+  };
+  for (const Want& w : {Want{"llama_1b", 2048, 8192, 16, 32, 8, 64, 128256,
+                             500000.0, 1e-5, 131072},
+                        Want{"llama_0p5b", 896, 4864, 24, 14, 2, 64, 151936,
+                             1000000.0, 1e-6, 32768}}) {
+    SCOPED_TRACE(w.name);
+    absl::StatusOr<TinyShape> shape = ParseTinyShape(w.name);
+    ASSERT_TRUE(shape.ok()) << shape.status();
+    EXPECT_EQ(TinyShapeName(*shape), w.name);
+    TinyModelOptions options;
+    options.shape = *shape;
+    options.dtype = DType::kBFloat16;
+    const ModelConfig c = ParseOrDie(TinyModelConfigJson(options));
+    EXPECT_EQ(c.architecture, Architecture::kLlama);
+    EXPECT_EQ(c.hidden_size, w.hidden);
+    EXPECT_EQ(c.intermediate_size, w.intermediate);
+    EXPECT_EQ(c.num_hidden_layers, w.layers);
+    EXPECT_EQ(c.num_attention_heads, w.heads);
+    EXPECT_EQ(c.num_key_value_heads, w.kv_heads);
+    EXPECT_EQ(c.head_dim, w.head_dim);
+    EXPECT_EQ(c.vocab_size, w.vocab);
+    EXPECT_TRUE(c.tie_word_embeddings);
+    EXPECT_FALSE(c.qkv_bias);
+    EXPECT_DOUBLE_EQ(c.rope_theta, w.rope_theta);
+    EXPECT_DOUBLE_EQ(c.rms_norm_eps, w.eps);
+    EXPECT_EQ(c.max_position_embeddings, w.max_positions);
+  }
+  EXPECT_FALSE(ParseTinyShape("llama_0p5").ok());
+}
+
 TEST(ModelConfigTest, Transformers5LayoutEqualsTransformers4Layout) {
   std::vector<std::pair<std::string, std::string>> configs = {
       {"llama31", kLlama31Config},

@@ -111,6 +111,10 @@ TinyDims DimsFor(TinyShape shape) {
       return {
           "LlamaForCausalLM", "llama", 2048, 8192,  16,    32,    8, 0, 128256,
           500000.0,           1e-5,    true, false, false, 131072};
+    case TinyShape::kLlama0p5B:
+      return {
+          "LlamaForCausalLM", "llama", 896,  4864,  24,    14,   2, 0, 151936,
+          1000000.0,          1e-6,    true, false, false, 32768};
   }
   return DimsFor(TinyShape::kGqa);
 }
@@ -249,6 +253,8 @@ absl::string_view TinyShapeName(TinyShape shape) {
       return "small";
     case TinyShape::kLlama1B:
       return "llama_1b";
+    case TinyShape::kLlama0p5B:
+      return "llama_0p5b";
   }
   return "unknown";
 }
@@ -257,13 +263,14 @@ absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name) {
   for (const TinyShape shape : AllTinyShapes()) {
     if (TinyShapeName(shape) == name) return shape;
   }
-  for (const TinyShape shape : {TinyShape::kSmall, TinyShape::kLlama1B}) {
+  for (const TinyShape shape :
+       {TinyShape::kSmall, TinyShape::kLlama1B, TinyShape::kLlama0p5B}) {
     if (TinyShapeName(shape) == name) return shape;
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown tiny model shape \"", name,
       "\"; known: gqa, tied, qkv_bias, head_dim, llama3_rope, small, "
-      "llama_1b"));
+      "llama_1b, llama_0p5b"));
 }
 
 std::string TinyModelConfigJson(const TinyModelOptions& options) {

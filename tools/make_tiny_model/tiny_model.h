@@ -30,10 +30,17 @@ enum class TinyShape {
   // plain RoPE, 131072 positions) with random weights; ~1.24B parameters,
   // 2.5 GB in bf16. Not in All.
   kLlama1B,
+  // GPU benchmarks: Qwen2.5-0.5B's dimensions as a Llama, as
+  // bench/torch_compare's llama_0p5b (hidden 896, 24 layers, 14 heads, 2 KV
+  // heads, intermediate 4864, vocab 151936, tied embeddings, theta 1e6, eps
+  // 1e-6, 32768 positions, no q/k/v bias) with random weights; ~494M
+  // parameters, 0.99 GB in bf16: the launch-bound decode shape. Not in All.
+  kLlama0p5B,
 };
 
 std::vector<TinyShape> AllTinyShapes();
-// "gqa", "tied", "qkv_bias", "head_dim", "llama3_rope", "small", "llama_1b".
+// "gqa", "tied", "qkv_bias", "head_dim", "llama3_rope", "small", "llama_1b",
+// "llama_0p5b".
 absl::string_view TinyShapeName(TinyShape shape);
 absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name);
 
