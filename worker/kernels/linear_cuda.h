@@ -59,11 +59,11 @@ constexpr int kSkinnyNormMaxBytes = 36 * 1024;
 // kAuto's table, by shape class (ChosenLinearCudaKernel), from the second
 // H200 run of linear_bench (2026-11-27, bench/RESULTS.md; µs per layer,
 // weights cold, each skinny GEMM launched with PDL):
-//  - 1 token: the CUDA-core skinny GEMM (1.13-1.96x cuBLAS on every
-//    projection of 3,072 or fewer outputs; the 1B LM head 124.48 vs
-//    126.16), except an LM head (fp32 logits, unfused) of more than
-//    kSkinnyAutoMaxNarrowOutFeatures outputs whose rows are shorter than
-//    kSkinnyGemmAutoLongRow inputs: the 0.5B one, 896→151,936, is 67.87 on
+//  - 1 token: the CUDA-core skinny GEMM (1.13-1.96x cuBLAS on the
+//    projections of 3,072 or fewer outputs, a tie on the 1B qkv at 6.2; the
+//    1B LM head 124.48 vs 126.16), except an LM head (fp32 logits, unfused) of
+//    more than kSkinnyAutoMaxNarrowOutFeatures outputs whose rows are shorter
+//    than kSkinnyGemmAutoLongRow inputs: the 0.5B one, 896→151,936, is 67.87 on
 //    cuBLAS vs 80.38. cuBLAS also led on the wide projections run unfused
 //    (gate_up: 0.5B 6.91 vs 7.20, 1B 17.98 vs 19.91), but those keep the
 //    skinny GEMM: the decode fusion runs them fused on it, and the unfused
@@ -71,7 +71,7 @@ constexpr int kSkinnyNormMaxBytes = 36 * 1024;
 //  - 2..8 tokens: the tensor-core skinny GEMM on layers of at most
 //    kSkinnyAutoMaxNarrowOutFeatures outputs (qkv 1.03-1.40x cuBLAS, o_proj
 //    1.14-1.66x, down 1.03-1.12x on both shapes), cuBLAS on wider ones
-//    (gate_up 0.79-0.89x, LM heads 0.93-0.99x on the tensor-core kernel).
+//    (gate_up 0.78-0.88x, LM heads 0.93-0.99x on the tensor-core kernel).
 //  - more tokens: cuBLAS.
 // Every class is closed under padding (1 is a capture size; 2..8 pad
 // within 2..8), so a row's kernel, and its bits, never depend on padding.
