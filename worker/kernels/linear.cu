@@ -77,6 +77,18 @@ cublasStatus_t BiasedBf16Gemm(const LinearCudaParams& p, cudaStream_t stream,
                         /*workspace=*/nullptr, 0, stream);
 }
 
+// The one-token layers kAuto leaves to cuBLAS although the skinny GEMM
+// could run them (linear_cuda.h's table): fp32 output, unfused, more than
+// kSkinnyAutoMaxNarrowOutFeatures outputs, fewer than kSkinnyGemmAutoLongRow
+// inputs.
+bool SkinnyGemmAutoPrefersCublas(const LinearCudaParams& p) {
+  return p.output_type == LinearCudaOutput::kFloat32 &&
+         p.prologue == LinearCudaPrologue::kNone &&
+         p.epilogue == LinearCudaEpilogue::kNone &&
+         p.out_features > kSkinnyAutoMaxNarrowOutFeatures &&
+         p.in_features < kSkinnyGemmAutoLongRow;
+}
+
 }  // namespace
 
 LinearCudaKernel ChosenLinearCudaKernel(const LinearCudaParams& p) {
@@ -92,14 +104,6 @@ LinearCudaKernel ChosenLinearCudaKernel(const LinearCudaParams& p) {
     return LinearCudaKernel::kSkinnyMma;
   }
   return LinearCudaKernel::kCublas;
-}
-
-bool SkinnyGemmAutoPrefersCublas(const LinearCudaParams& p) {
-  return p.output_type == LinearCudaOutput::kFloat32 &&
-         p.prologue == LinearCudaPrologue::kNone &&
-         p.epilogue == LinearCudaEpilogue::kNone &&
-         p.out_features > kSkinnyAutoMaxNarrowOutFeatures &&
-         p.in_features < kSkinnyGemmAutoLongRow;
 }
 
 bool SkinnyFusionSupports(const LinearCudaParams& p, LinearCudaKernel kernel) {

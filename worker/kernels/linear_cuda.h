@@ -18,10 +18,9 @@ enum class LinearCudaOutput { kBFloat16, kFloat32 };
 
 // Which GEMM computes the layer. kAuto: the CUDA-core skinny GEMM
 // (skinny_gemm.cu) for kSkinnyGemmAutoMaxTokens tokens when the shape allows
-// it (SkinnyGemmSupports), unless it is a wide LM head of short rows
-// (SkinnyGemmAutoPrefersCublas); the tensor-core skinny GEMM for 2..8 tokens
-// on narrow layers; cuBLAS otherwise (ChosenLinearCudaKernel, which holds
-// the table).
+// it (SkinnyGemmSupports), unless it is a wide LM head of short rows; the
+// tensor-core skinny GEMM for 2..8 tokens on narrow layers; cuBLAS
+// otherwise (ChosenLinearCudaKernel; the table is below).
 // kSkinnyMma: the tensor-core skinny GEMM (skinny_gemm_mma.cu), 1..8 tokens.
 enum class LinearCudaKernel { kAuto, kCublas, kSkinnyGemm, kSkinnyMma };
 
@@ -117,12 +116,6 @@ struct LinearCudaResult {
 // kSkinnyMma (never kAuto). A forced skinny kernel is returned as is, even
 // where it cannot run (the launch then fails with cudaErrorInvalidValue).
 LinearCudaKernel ChosenLinearCudaKernel(const LinearCudaParams& p);
-
-// True for the one-token layers kAuto leaves to cuBLAS although the skinny
-// GEMM could run them: fp32 output, unfused, more than
-// kSkinnyAutoMaxNarrowOutFeatures outputs, fewer than kSkinnyGemmAutoLongRow
-// inputs.
-bool SkinnyGemmAutoPrefersCublas(const LinearCudaParams& p);
 
 // The skinny GEMM's split-K factor (1, 2, 4 or 8) for a weight shape: a
 // function of the shape alone, so a row's reduction order is too.
