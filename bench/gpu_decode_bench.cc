@@ -90,6 +90,10 @@ ABSL_FLAG(std::string, decode_fusion, "on",
           "on (the default): RMSNorms, residual adds and RoPE + KV write "
           "fused into the skinny GEMMs' prologues and epilogues where they "
           "run; off: separate kernels.");
+ABSL_FLAG(std::string, greedy_head, "on",
+          "on (the default): a one-row step's LM head also folds its logits "
+          "for the greedy sampler, which then skips its pass over them; "
+          "off: the head's GEMM, then the sampler's slice kernel.");
 ABSL_FLAG(std::string, decode_attention, "auto",
           "The decode steps' attention split kernel: auto, cuda_cores or "
           "tensor_cores (where it covers the model).");
@@ -218,6 +222,11 @@ std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
   CHECK(fusion == "on" || fusion == "off")
       << "--decode_fusion: on or off, got " << fusion;
   o.decode_fusion = fusion == "on" ? DecodeFusion::kOn : DecodeFusion::kOff;
+  const std::string greedy_head = absl::GetFlag(FLAGS_greedy_head);
+  CHECK(greedy_head == "on" || greedy_head == "off")
+      << "--greedy_head: on or off, got " << greedy_head;
+  o.greedy_head_fusion =
+      greedy_head == "on" ? GreedyHeadFusion::kOn : GreedyHeadFusion::kOff;
   auto runner = ModelRunner::Create(device, dir, o);
   CHECK(runner.ok()) << runner.status();
   return std::move(*runner);
@@ -457,9 +466,11 @@ void PrintTables(const std::vector<std::string>& modes,
                  int reps) {
   std::printf(
       "Decode step (ModelRunner::Execute), context %d tokens, median of %d "
-      "steps, linear kernel %s, norm fusion %s, ms:\n\n| batch |",
+      "steps, linear kernel %s, norm fusion %s, greedy head %s, ms:\n\n"
+      "| batch |",
       context, reps, absl::GetFlag(FLAGS_linear_kernel).c_str(),
-      absl::GetFlag(FLAGS_decode_fusion).c_str());
+      absl::GetFlag(FLAGS_decode_fusion).c_str(),
+      absl::GetFlag(FLAGS_greedy_head).c_str());
   for (const auto& mode : modes) std::printf(" %s |", mode.c_str());
   const bool ratio = results.count("NONE") && results.count("FULL");
   std::printf("%s ran as |\n| ---: |", ratio ? " FULL vs NONE |" : "");
@@ -524,6 +535,7 @@ void WriteJson(const std::string& path, const std::string& device,
   Json root = {{"device", device},
                {"linear_kernel", absl::GetFlag(FLAGS_linear_kernel)},
                {"decode_fusion", absl::GetFlag(FLAGS_decode_fusion)},
+               {"greedy_head", absl::GetFlag(FLAGS_greedy_head)},
                {"decode_attention", absl::GetFlag(FLAGS_decode_attention)},
                {"prefill_attention", absl::GetFlag(FLAGS_prefill_attention)},
                {"model_dir", dir},

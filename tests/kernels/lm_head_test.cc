@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -120,6 +121,33 @@ TEST_F(LmHeadTest, WithoutIndicesTheRowsAreTheHiddenRows) {
   direct.hidden = AllocElements<float>(kRows * kHidden - 1);
   EXPECT_THAT(LaunchLmHead(stream(), direct),
               IsInvalidArgumentMentioning("'hidden'"));
+}
+
+// The greedy tile folds are a CUDA head's (lm_head_greedy.cu): the CPU
+// backend says it cannot write them and refuses a launch that asks, before
+// anything runs.
+TEST_F(LmHeadTest, GreedyTilesAreRefusedOnTheCpuBackend) {
+  constexpr int kHidden = 8, kVocab = 12;
+  LmHeadParams p;
+  p.num_tokens = 1;
+  p.num_rows = 1;
+  p.hidden_size = kHidden;
+  p.vocab_size = kVocab;
+  p.hidden = Upload(RandomFloats(kHidden, 71));
+  p.weight = Upload(RandomFloats(kVocab * kHidden, 72));
+  p.logits = AllocElements<float>(kVocab);
+  p.greedy_tiles = AllocElements<float>(4096);
+  const std::vector<float> before = Read<float>(p.logits);
+  EXPECT_FALSE(LmHeadWritesGreedyTiles(stream(), p));
+  EXPECT_THAT(LaunchLmHead(stream(), p),
+              IsInvalidArgumentMentioning("'greedy_tiles'"));
+  ASSERT_TRUE(stream().Synchronize().ok());
+  const std::vector<float> after = Read<float>(p.logits);
+  EXPECT_EQ(
+      std::memcmp(after.data(), before.data(), sizeof(float) * before.size()),
+      0);
+  p.greedy_tiles = DeviceBuffer();
+  EXPECT_TRUE(LaunchLmHead(stream(), p).ok());
 }
 
 TEST_F(LmHeadTest, RejectsBadBuffers) {

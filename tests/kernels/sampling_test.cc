@@ -397,6 +397,32 @@ TEST(SamplingUniformTest, IsInUnitIntervalAndUniformEnough) {
   EXPECT_NE(SamplingUniform(1, 0), SamplingUniform(1, 1));
 }
 
+// Tile folds come from a CUDA LM head; the CPU sampler refuses them rather
+// than ignore them, on either path, and writes nothing.
+TEST_F(SamplingTest, GreedyTilesAreRefusedOnTheCpuBackend) {
+  for (const SamplingPath path :
+       {SamplingPath::kGreedy, SamplingPath::kGeneral}) {
+    SamplingParams p;
+    p.logits = Upload(std::vector<float>{0.1f, 3.0f, -2.0f});
+    p.temperature = Upload(std::vector<float>{0.0f});
+    p.top_k = Upload(std::vector<int32_t>{0});
+    p.top_p = Upload(std::vector<float>{1.0f});
+    p.seeds = Upload(std::vector<uint64_t>{1});
+    p.positions = Upload(std::vector<int32_t>{0});
+    p.workspace = Alloc(SamplingWorkspaceBytes(3));
+    p.sampled_token_ids = Upload(std::vector<int32_t>{-7});
+    p.sampled_logprobs = Upload(std::vector<float>{0.0f});
+    p.num_reqs = 1;
+    p.vocab_size = 3;
+    p.path = path;
+    p.greedy_tiles = Alloc(8192);
+    EXPECT_THAT(LaunchSampling(stream(), p),
+                IsInvalidArgumentMentioning("'greedy_tiles'"));
+    ASSERT_TRUE(stream().Synchronize().ok());
+    EXPECT_EQ(Read<int32_t>(p.sampled_token_ids), std::vector<int32_t>{-7});
+  }
+}
+
 TEST_F(SamplingTest, RefusedWhileCapturing) {
   SamplingParams p;
   ASSERT_TRUE(stream().BeginCapture().ok());

@@ -292,6 +292,90 @@ TEST_P(RunnerGpuTest, DecodeFusionLeavesEveryLogitBitIdentical) {
   }
 }
 
+// The LM head that folds a one-row step's logits for the greedy sampler
+// (GreedyHeadFusion, lm_head_greedy.cu) changes no token, logprob or logit:
+// the same steps with kOn and kOff, eager and in FULL graphs. The steps
+// cover what must keep the sampler's own pass (a ban from min_tokens, a
+// sampled row, two rows) next to the one-row greedy steps that skip it,
+// with and without top logprobs. GreedyTiles must be set exactly for the
+// one-row key with kOn, so the comparison cannot pass by running the
+// unfused head twice.
+TEST_P(RunnerGpuTest, GreedyHeadFusionChangesNoTokenLogprobOrLogit) {
+  const ForwardContext one_row{RuntimeMode::kFull, {1, 1, true}};
+  const ForwardContext two_rows{RuntimeMode::kFull, {2, 2, true}};
+  for (const char* mode : {"NONE", "FULL"}) {
+    SCOPED_TRACE(mode);
+    struct Outcome {
+      std::vector<int32_t> tokens;
+      std::vector<float> logprobs, raw_logprobs, top;
+      std::vector<std::vector<float>> logits;
+    };
+    Outcome outcome[2];
+    for (const GreedyHeadFusion fusion :
+         {GreedyHeadFusion::kOn, GreedyHeadFusion::kOff}) {
+      const bool on = fusion == GreedyHeadFusion::kOn;
+      ModelRunnerOptions o =
+          SmallOptions(R"({"cudagraph_mode":")" + std::string(mode) +
+                       R"(","cudagraph_capture_sizes":[1,2,4,8]})");
+      o.greedy_head_fusion = fusion;
+      auto runner = ModelRunner::Create(*cuda_, dir_, o);
+      ASSERT_TRUE(runner.ok()) << runner.status();
+      ASSERT_TRUE((*runner)->CaptureGraphs().ok());
+      EXPECT_EQ((*runner)->forward().GreedyTiles(one_row).empty(), !on);
+      EXPECT_TRUE((*runner)->forward().GreedyTiles(two_rows).empty());
+      Outcome& out = outcome[on ? 0 : 1];
+      int32_t last = 0;
+      auto step = [&](std::vector<SequenceStep> batch) {
+        auto result = (*runner)->Execute(batch);
+        ASSERT_TRUE(result.ok()) << result.status();
+        for (const SequenceResult& r : result->sequences) {
+          out.tokens.push_back(r.token_id);
+          out.logprobs.push_back(r.logprob);
+          out.raw_logprobs.push_back(r.raw_logprob);
+          for (const TopLogprob& t : r.top_logprobs) {
+            out.top.push_back(static_cast<float>(t.token_id));
+            out.top.push_back(t.logprob);
+          }
+        }
+        last = result->sequences[0].token_id;
+        std::vector<float> l;
+        ASSERT_TRUE(
+            (*runner)->ReadLogits(static_cast<int>(batch.size()), &l).ok());
+        out.logits.push_back(std::move(l));
+      };
+      step({Seq("a", {5, 17, 42, 8, 99, 3, 61})});
+      for (int i = 0; i < 3; ++i) step({Seq("a", {last})});
+      SequenceStep banned = Seq("a", {last});
+      banned.banned_token_ids = {last, 0};
+      step({banned});
+      SequenceStep with_top = Seq("a", {last});
+      with_top.num_top_logprobs = 3;
+      step({with_top});
+      SequenceStep sampled = Seq("a", {last});
+      sampled.sampling.temperature = 0.8f;
+      sampled.sampling.seed = 11;
+      step({sampled});
+      step({Seq("a", {last}), Seq("b", {1, 2, 3})});
+      step({Seq("a", {last})});
+    }
+    EXPECT_EQ(outcome[0].tokens, outcome[1].tokens);
+    auto same_bits = [](const std::vector<float>& a,
+                        const std::vector<float>& b) {
+      return a.size() == b.size() &&
+             std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+    };
+    EXPECT_TRUE(same_bits(outcome[0].logprobs, outcome[1].logprobs));
+    EXPECT_TRUE(same_bits(outcome[0].raw_logprobs, outcome[1].raw_logprobs));
+    EXPECT_TRUE(same_bits(outcome[0].top, outcome[1].top));
+    ASSERT_EQ(outcome[0].logits.size(), outcome[1].logits.size());
+    for (size_t s = 0; s < outcome[0].logits.size(); ++s) {
+      EXPECT_TRUE(same_bits(outcome[0].logits[s], outcome[1].logits[s]))
+          << "step " << s << " max diff "
+          << Compare(outcome[0].logits[s], outcome[1].logits[s]).max;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllShapes, RunnerGpuTest,
                          ::testing::ValuesIn(AllTinyShapes()),
                          [](const ::testing::TestParamInfo<TinyShape>& info) {

@@ -4,9 +4,11 @@
 #include <cstring>
 
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 #include "pdw_cuda_config.h"  // PDW_HAVE_CUDA, PDW_HAVE_NCCL
 #include "worker/kernels/kernel_checks.h"
 #include "worker/kernels/linear.h"
+#include "worker/kernels/sampling.h"
 
 #if PDW_HAVE_CUDA
 #include "worker/kernels/lm_head_cuda.h"
@@ -49,9 +51,35 @@ absl::Status GatherRowsOnCuda(Stream& stream, const GatherRowsParams& p) {
         "gather_rows");
   });
 }
+
+GreedyHeadCudaParams GreedyHeadFor(const LmHeadParams& p) {
+  GreedyHeadCudaParams c;
+  const DeviceBuffer rows = p.logits_indices.empty() ? p.hidden : p.gathered;
+  c.hidden = rows.as<const __nv_bfloat16>();
+  c.weight = p.weight.as<const __nv_bfloat16>();
+  c.logits = p.logits.as<float>();
+  c.tiles = p.greedy_tiles.data();
+  c.in_features = p.hidden_size;
+  c.vocab_size = p.vocab_size;
+  return c;
+}
 #endif
 
 }  // namespace
+
+bool LmHeadWritesGreedyTiles(const Stream& stream, const LmHeadParams& p) {
+#if PDW_HAVE_CUDA
+  return !p.greedy_tiles.empty() && stream.kind() == DeviceKind::kCuda &&
+         p.num_rows == 1 && p.dtype == DType::kBFloat16 &&
+         (p.linear_kernel == LinearKernel::kAuto ||
+          p.linear_kernel == LinearKernel::kSkinnyGemm) &&
+         GreedyHeadCudaSupports(GreedyHeadFor(p));
+#else
+  (void)stream;
+  (void)p;
+  return false;
+#endif
+}
 
 absl::Status LaunchGatherRows(Stream& stream, const GatherRowsParams& p) {
   constexpr char kOp[] = "gather_rows";
@@ -141,6 +169,19 @@ absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p) {
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
 
+  // Checked before the gather, which launches first.
+  if (!p.greedy_tiles.empty()) {
+    PDW_RETURN_IF_ERROR(CheckBuffer(kOp, "greedy_tiles", p.greedy_tiles,
+                                    static_cast<int64_t>(GreedyTilesBytes(1)),
+                                    1, "one row's tile folds"));
+  }
+  if (!p.greedy_tiles.empty() && !LmHeadWritesGreedyTiles(stream, p)) {
+    return absl::InvalidArgumentError(
+        "lm_head: 'greedy_tiles' is set where the head cannot write them "
+        "(they need CUDA, one bf16 row, linear_kernel kAuto or kSkinnyGemm, "
+        "hidden_size a multiple of 8 and 16-byte aligned rows and weight)");
+  }
+
   if (gather) {
     GatherRowsParams g;
     g.input = p.hidden;
@@ -154,6 +195,16 @@ absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p) {
     if (!status.ok()) return status;
   }
 
+#if PDW_HAVE_CUDA
+  if (!p.greedy_tiles.empty()) {
+    const GreedyHeadCudaParams c = GreedyHeadFor(p);
+    return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
+      return CudaStatus(
+          LaunchGreedyHeadCuda(c, static_cast<cudaStream_t>(ctx.cuda_stream)),
+          "lm_head (greedy tiles)");
+    });
+  }
+#endif
   LinearParams linear;
   linear.input = rows;
   linear.weight = p.weight;

@@ -58,7 +58,23 @@ struct LmHeadParams {
   // bf16 on CUDA.
   DType dtype = DType::kFloat32;
   LinearKernel linear_kernel = LinearKernel::kAuto;  // the projection's GEMM
+  // Or empty. GreedyTilesBytes(1) bytes (sampling.h), 4-byte aligned: the
+  // one row's greedy tile folds, written with its logits by one kernel
+  // (lm_head_greedy.cu), for SamplingParams::greedy_tiles. Only where
+  // LmHeadWritesGreedyTiles(stream, p); refused elsewhere.
+  DeviceBuffer greedy_tiles;
 };
+
+// True when LaunchLmHead(stream, p) can write p.greedy_tiles: they are set,
+// on CUDA, for one bf16 row (num_rows == 1) under LinearKernel kAuto or
+// kSkinnyGemm, hidden_size a multiple of 8, the rows and weight 16-byte
+// aligned. The logits then carry the CUDA-core skinny GEMM's bits wherever
+// its split-K is 1 (vocabularies of 4,096 ids or more, rows of up to 768):
+// kAuto's own choice at one row, except for a wide head of short rows,
+// where the fused head takes the place of cuBLAS (the 0.5B one). Either
+// way the choice is a function of the step's shape, as graph replay
+// against eager needs.
+bool LmHeadWritesGreedyTiles(const Stream& stream, const LmHeadParams& p);
 
 absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p);
 

@@ -1,5 +1,6 @@
-// CUDA launcher of gather_rows (worker/kernels/lm_head.h), bf16 rows. The LM
-// head's GEMM is the linear op's cuBLAS path with fp32 output.
+// CUDA launchers of gather_rows (worker/kernels/lm_head.h), bf16 rows, and
+// of the one-row LM head that folds its logits for the greedy sampler. The
+// LM head's GEMM is otherwise the linear op's, with fp32 output.
 // Plain C++ with CUDA runtime types; included only where PDW_HAVE_CUDA.
 #ifndef PDWORKER_WORKER_KERNELS_LM_HEAD_CUDA_H_
 #define PDWORKER_WORKER_KERNELS_LM_HEAD_CUDA_H_
@@ -23,6 +24,31 @@ struct GatherRowsCudaParams {
 
 // One block per output row. Returns the launch error.
 cudaError_t LaunchGatherRowsCuda(const GatherRowsCudaParams& p,
+                                 cudaStream_t stream);
+
+// One row's logits = hidden · weightᵀ (fp32, bit-identical to the CUDA-core
+// skinny GEMM at one token: LinearCudaKernel::kSkinnyGemm) and its
+// greedy tile folds (greedy_fold.cuh), which the greedy sampler combines
+// instead of reading the logits (SamplingCudaParams::greedy_tiles).
+struct GreedyHeadCudaParams {
+  const __nv_bfloat16* hidden = nullptr;  // [in_features], the normed row
+  const __nv_bfloat16* weight = nullptr;  // [vocab_size, in_features]
+  float* logits = nullptr;                // [vocab_size]
+  void* tiles = nullptr;  // GreedyTilesCudaBytes(1) bytes (sampling_cuda.h)
+  int in_features = 0;
+  int vocab_size = 0;
+  // Launch with programmatic stream serialization: the weight loads start
+  // while the previous kernel (the final norm) drains.
+  bool programmatic_launch = true;
+};
+
+// in_features a multiple of 8, hidden and weight 16-byte aligned, tiles
+// 4-byte aligned, and a tile's logits within the kernel's shared memory
+// (vocabularies up to ~5M ids).
+bool GreedyHeadCudaSupports(const GreedyHeadCudaParams& p);
+
+// cudaErrorInvalidValue where GreedyHeadCudaSupports(p) is false.
+cudaError_t LaunchGreedyHeadCuda(const GreedyHeadCudaParams& p,
                                  cudaStream_t stream);
 
 }  // namespace kernels

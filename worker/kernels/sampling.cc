@@ -226,6 +226,7 @@ absl::Status SamplingOnCuda(Stream& stream, const SamplingParams& p) {
   c.raw_logprobs = p.logprob_mode == LogprobMode::kRaw;
   c.greedy_temperature = kGreedyTemperature;
   c.num_truncated_rows = p.num_truncated_rows;
+  c.greedy_tiles = p.greedy_tiles.empty() ? nullptr : p.greedy_tiles.data();
   const bool greedy = p.path == SamplingPath::kGreedy;
   return LaunchCudaOp(stream, kOp, [c, greedy](const OpContext& ctx) {
     const auto cuda_stream = static_cast<cudaStream_t>(ctx.cuda_stream);
@@ -260,6 +261,15 @@ absl::StatusOr<size_t> SamplingWorkspaceBytesFor(DeviceKind kind,
 #endif
 }
 
+size_t GreedyTilesBytes(int num_rows) {
+#if PDW_HAVE_CUDA
+  return num_rows > 0 ? GreedyTilesCudaBytes(num_rows) : 0;
+#else
+  (void)num_rows;
+  return 0;
+#endif
+}
+
 size_t SamplingWorkspaceBytes(int vocab_size) {
   const size_t vocab = vocab_size > 0 ? static_cast<size_t>(vocab_size) : 0;
   // int32 order, padded to 8 bytes, then double weights.
@@ -289,6 +299,11 @@ absl::Status LaunchSampling(Stream& stream, const SamplingParams& p) {
                   CheckPositive(kOp, "vocab_size", p.vocab_size)});
   if (!status.ok()) return status;
   const int n = p.num_reqs;
+  if (!p.greedy_tiles.empty() &&
+      (p.path != SamplingPath::kGreedy || stream.kind() != DeviceKind::kCuda)) {
+    return absl::InvalidArgumentError(
+        "sampling: 'greedy_tiles' are read by the greedy path on CUDA only");
+  }
   if (p.path == SamplingPath::kGreedy) {
     status = FirstError(
         {CheckBuffer(kOp, "logits", p.logits,
@@ -312,6 +327,16 @@ absl::Status LaunchSampling(Stream& stream, const SamplingParams& p) {
       if (reinterpret_cast<uintptr_t>(p.workspace.data()) % 4 != 0) {
         return absl::InvalidArgumentError(
             "sampling: the greedy path's 'workspace' must be 4-byte aligned");
+      }
+      if (!p.greedy_tiles.empty()) {
+        PDW_RETURN_IF_ERROR(CheckBuffer(
+            kOp, "greedy_tiles", p.greedy_tiles,
+            static_cast<int64_t>(GreedyTilesCudaBytes(n)), 1,
+            absl::StrFormat("[num_reqs=%d, 512 tiles] greedy tile folds", n)));
+        if (reinterpret_cast<uintptr_t>(p.greedy_tiles.data()) % 4 != 0) {
+          return absl::InvalidArgumentError(
+              "sampling: 'greedy_tiles' must be 4-byte aligned");
+        }
       }
       return SamplingOnCuda(stream, p);
     }

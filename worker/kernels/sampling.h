@@ -93,7 +93,18 @@ struct SamplingParams {
   // before (the whole forward). The runner knows the options and passes
   // the count. Must be in [-1, num_reqs] and, when >= 0, exact.
   int num_truncated_rows = -1;
+  // kGreedy on CUDA, or empty: GreedyTilesBytes(num_reqs) bytes, the tile
+  // folds an LM head wrote together with these logits
+  // (LmHeadParams::greedy_tiles), nothing having changed the logits since
+  // (no bans, no masks). Then only the combine kernel runs and the logits
+  // are not read; the token and logprob carry the same bits either way.
+  // Refused on the CPU backend and with kGeneral.
+  DeviceBuffer greedy_tiles;
 };
+
+// Bytes of the greedy tile folds of `num_rows` rows on CUDA (512 per row,
+// 12 bytes each; greedy_fold.cuh); 0 in a binary built without CUDA.
+size_t GreedyTilesBytes(int num_rows);
 
 // Whether a row with these options takes the sorted (top-k / top-p) path:
 // top_k in (0, vocab_size), or top_p < 1 (NaN: off). The device applies the

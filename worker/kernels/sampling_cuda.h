@@ -33,16 +33,24 @@ struct SamplingCudaParams {
   float greedy_temperature = 0.0f;  // kGreedyTemperature
   // SamplingParams::num_truncated_rows: >= 0 skips the read-back.
   int num_truncated_rows = -1;
+  // Greedy path only: GreedyTilesCudaBytes(num_reqs) bytes of tile folds
+  // the LM head wrote with the logits (lm_head_cuda.h), or null.
+  const void* greedy_tiles = nullptr;
 };
 
 // SamplingPath::kGreedy: the argmax and an fp32 log-sum-exp per row, each
-// row reduced in 64 slices by 64 blocks (one pass over the logits), then
-// the slices combined by a second kernel. Reads the logits and writes the
-// slices' partial results to `workspace` (>= GreedySamplingCudaWorkspaceBytes
-// (num_reqs) bytes, 4-byte aligned); the other inputs may be null.
+// row reduced in 64 slices by 64 blocks (one pass over the logits, one warp
+// per tile of the row: greedy_fold.cuh), then the slices combined by a
+// second kernel. Reads the logits and writes the slices' partial results to
+// `workspace` (>= GreedySamplingCudaWorkspaceBytes(num_reqs) bytes, 4-byte
+// aligned); the other inputs may be null. With `greedy_tiles` set only the
+// second kernel runs, on the tiles' folds: the same bits, the logits
+// unread.
 cudaError_t LaunchGreedySamplingCuda(const SamplingCudaParams& p,
                                      cudaStream_t stream);
 size_t GreedySamplingCudaWorkspaceBytes(int num_reqs);
+// The tile folds of `num_reqs` rows (512 per row, 12 bytes each).
+size_t GreedyTilesCudaBytes(int num_reqs);
 
 // Workspace bytes for `vocab_size` and up to `max_num_reqs` rows per
 // launch: kCudaSamplingSortRows rows of sort keys and ids (twice: in and

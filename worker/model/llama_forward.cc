@@ -14,6 +14,7 @@
 #include "worker/kernels/paged_attention.h"
 #include "worker/kernels/rms_norm.h"
 #include "worker/kernels/rope_kv_cache.h"
+#include "worker/kernels/sampling.h"
 #include "worker/kernels/silu_and_mul.h"
 
 namespace pdworker {
@@ -38,6 +39,10 @@ size_t AttentionWorkspaceBytes(const ModelConfig& c,
   return kernels::PagedAttentionWorkspaceBytes(
       MaxDecodeTokens(o), static_cast<int>(c.num_attention_heads),
       static_cast<int>(c.head_dim), o.max_blocks_per_seq, o.block_size);
+}
+
+size_t GreedyTilesBytes(DeviceKind kind) {
+  return kind == DeviceKind::kCuda ? kernels::GreedyTilesBytes(1) : 0;
 }
 
 kernels::RopeConfig RopeConfigFor(const ModelConfig& c) {
@@ -69,7 +74,8 @@ size_t LlamaForward::ActivationBytes(const ModelConfig& c,
          Aligned(t * 2 * c.intermediate_size * e) +
          Aligned(t * c.intermediate_size * e) + Aligned(s * c.hidden_size * e) +
          Aligned(s * c.vocab_size * f) + Aligned(c.head_dim / 2 * f) +
-         Aligned(AttentionWorkspaceBytes(c, o, kind));
+         Aligned(AttentionWorkspaceBytes(c, o, kind)) +
+         Aligned(GreedyTilesBytes(kind));
 }
 
 size_t LlamaForward::KvCacheBytes(const ModelConfig& c,
@@ -169,6 +175,10 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
   if (workspace_bytes > 0) {
     PDW_ASSIGN_OR_RETURN(act.attention_workspace,
                          a.Allocate(workspace_bytes, "attention_workspace"));
+  }
+  if (GreedyTilesBytes(kind) > 0) {
+    PDW_ASSIGN_OR_RETURN(act.greedy_tiles,
+                         a.Allocate(GreedyTilesBytes(kind), "greedy_tiles"));
   }
 
   const int64_t cache_elems = static_cast<int64_t>(options.num_blocks) *
@@ -413,17 +423,32 @@ absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
     final_norm.num_input_rows = num_tokens;
     PDW_RETURN_IF_ERROR(kernels::LaunchFusedAddRmsNorm(stream_, final_norm));
   }
+  return kernels::LaunchLmHead(stream_, LmHeadFor(context));
+}
+
+kernels::LmHeadParams LlamaForward::LmHeadFor(
+    const ForwardContext& context) const {
   kernels::LmHeadParams head;
   head.hidden = act_.gathered;  // no logits_indices: already gathered
   head.weight = weights_.lm_head;
   head.logits = act_.logits;
-  head.num_tokens = num_tokens;
-  head.num_rows = num_rows;
-  head.hidden_size = hidden;
+  head.num_tokens = context.batch_descriptor.num_tokens;
+  head.num_rows = LogitsRows(context);
+  head.hidden_size = static_cast<int>(config_.hidden_size);
   head.vocab_size = static_cast<int>(config_.vocab_size);
-  head.dtype = dtype;
+  head.dtype = weights_.dtype;
   head.linear_kernel = LinearKernelFor(head.num_rows);
-  return kernels::LaunchLmHead(stream_, head);
+  if (options_.greedy_head_fusion == GreedyHeadFusion::kOn) {
+    head.greedy_tiles = act_.greedy_tiles;
+    if (!kernels::LmHeadWritesGreedyTiles(stream_, head)) {
+      head.greedy_tiles = {};
+    }
+  }
+  return head;
+}
+
+DeviceBuffer LlamaForward::GreedyTiles(const ForwardContext& context) const {
+  return LmHeadFor(context).greedy_tiles;
 }
 
 kernels::RopeKvCacheParams LlamaForward::RopeParams(int layer,

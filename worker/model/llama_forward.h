@@ -36,6 +36,7 @@
 #include "dispatcher/forward_context.h"
 #include "dispatcher/graph_wrapper.h"
 #include "worker/kernels/linear.h"
+#include "worker/kernels/lm_head.h"
 #include "worker/kernels/paged_attention.h"
 #include "worker/model/llama_weights.h"
 #include "worker/model/model_config.h"
@@ -46,6 +47,11 @@
 namespace pdworker {
 
 enum class DecodeFusion { kOff, kOn };
+// kOn: on CUDA, the LM head of a one-row step also folds its logits for the
+// greedy sampler (kernels::LmHeadWritesGreedyTiles, lm_head_greedy.cu), so a
+// greedy step's sampler skips its pass over the logits; kOff: never (tests
+// and benchmarks compare the two; tokens and logprobs are the same bits).
+enum class GreedyHeadFusion { kOff, kOn };
 
 struct LlamaForwardOptions {
   int max_num_tokens = 0;  // padded query tokens per step
@@ -68,6 +74,7 @@ struct LlamaForwardOptions {
   // step runs 100 kernels instead of 148, 1.078 ms instead of 1.237
   // (bench/RESULTS.md, 2026-11-27), with every logit bit-identical.
   DecodeFusion decode_fusion = DecodeFusion::kOn;
+  GreedyHeadFusion greedy_head_fusion = GreedyHeadFusion::kOn;
   // The uniform-decode attention's split kernel on CUDA. kTensorCores runs
   // the tensor-core one where it covers the model (head_dim 64 or 128, at
   // most 16 query rows per kv head) and kAuto elsewhere, so a benchmark can
@@ -98,6 +105,9 @@ struct LlamaActivations {
   // largest uniform decode batch (PagedAttentionWorkspaceBytes). Empty on
   // the CPU backend.
   DeviceBuffer attention_workspace;
+  // CUDA only: one row's greedy tile folds (kernels::GreedyTilesBytes(1)),
+  // written by the LM head of a one-row step (GreedyHeadFusion).
+  DeviceBuffer greedy_tiles;
 };
 
 class LlamaForward {
@@ -135,6 +145,10 @@ class LlamaForward {
   int LogitsRows(const ForwardContext& context) const;
 
   DeviceBuffer logits() const { return act_.logits; }
+  // The greedy tile folds the LM head writes with the logits in a forward
+  // of `context` (kernels::SamplingParams::greedy_tiles), or empty where it
+  // writes none.
+  DeviceBuffer GreedyTiles(const ForwardContext& context) const;
   const GraphWrapper& full_wrapper() const { return *full_; }
   const std::vector<std::unique_ptr<GraphWrapper>>& piece_wrappers() const {
     return pieces_;
@@ -185,6 +199,9 @@ class LlamaForward {
   absl::Status RunOutputAndMlp(int layer, int num_tokens, bool fused);
   // options_.linear_kernel for a launch of `rows` rows (see the option).
   kernels::LinearKernel LinearKernelFor(int rows) const;
+  // The LM head of a forward of `context`: act_.gathered's rows into
+  // act_.logits, and act_.greedy_tiles where it can write them.
+  kernels::LmHeadParams LmHeadFor(const ForwardContext& context) const;
 
   const ModelConfig config_;
   const LlamaWeights& weights_;

@@ -228,6 +228,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   fo.input_address_check = options.input_address_check;
   fo.linear_kernel = options.linear_kernel;
   fo.decode_fusion = options.decode_fusion;
+  fo.greedy_head_fusion = options.greedy_head_fusion;
   fo.decode_attention_kernel = options.decode_attention_kernel;
   fo.varlen_attention_kernel = options.varlen_attention_kernel;
   PDW_ASSIGN_OR_RETURN(
@@ -487,7 +488,8 @@ absl::Status ModelRunner::Enqueue(absl::Span<const SequenceStep> batch,
   }
 
   // 4. Forward.
-  PDW_RETURN_IF_ERROR(forward_->Run(ForwardContext{d.mode, d.descriptor}));
+  const ForwardContext context{d.mode, d.descriptor};
+  PDW_RETURN_IF_ERROR(forward_->Run(context));
 
   // 5. Sample the real rows, then copy the samples to the host. Raw
   // logprobs come from the logits before any mask or temperature.
@@ -537,6 +539,7 @@ absl::Status ModelRunner::Enqueue(absl::Span<const SequenceStep> batch,
   sampling.positions = sample_positions_;
   sampling.banned_rows = banned_rows_;
   sampling.banned_token_ids = banned_token_ids_;
+  sampling.greedy_tiles = forward_->GreedyTiles(context);
   PDW_RETURN_IF_ERROR(sampler_->Launch(*stream_, forward_->logits(), sampling,
                                        out.token_ids, out.logprobs));
   char* host = static_cast<char*>(out.host.data());

@@ -67,6 +67,9 @@ struct ModelRunnerOptions {
   // Norms, residual adds and RoPE + KV write fused into the projections
   // where the skinny GEMMs run (LlamaForwardOptions::decode_fusion).
   DecodeFusion decode_fusion = DecodeFusion::kOn;
+  // A one-row step's LM head folds its logits for the greedy sampler
+  // (LlamaForwardOptions::greedy_head_fusion).
+  GreedyHeadFusion greedy_head_fusion = GreedyHeadFusion::kOn;
   // The uniform-decode attention's split kernel
   // (LlamaForwardOptions::decode_attention_kernel); benchmarks compare.
   kernels::DecodeAttentionKernel decode_attention_kernel =

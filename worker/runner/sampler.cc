@@ -141,6 +141,8 @@ absl::Status Sampler::Launch(Stream& stream, DeviceBuffer logits,
   p.vocab_size = vocab_size;
   p.path = all_greedy ? kernels::SamplingPath::kGreedy
                       : kernels::SamplingPath::kGeneral;
+  // A ban changes the logits after the head folded them.
+  if (all_greedy && num_bans == 0) p.greedy_tiles = batch.greedy_tiles;
   // The sort passes' size from the options here, so the CUDA kernel does
   // not read it back (which would make this call wait for the forward).
   p.num_truncated_rows = 0;

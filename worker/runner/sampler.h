@@ -44,6 +44,11 @@ struct SamplingBatch {
   // banned_rows[i] (its logit becomes -inf first). A request's min_tokens.
   absl::Span<const int32_t> banned_rows;
   absl::Span<const int32_t> banned_token_ids;
+  // The tile folds the LM head wrote with these logits
+  // (LlamaForward::GreedyTiles), or empty. Used when every row is greedy
+  // and nothing is banned: the sampler then skips its pass over the logits
+  // (same bits).
+  DeviceBuffer greedy_tiles;
 };
 
 // Sampler's sizes, fixed at startup.
