@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "tests/kernels/cuda_kernel_test_util.h"
 #include "worker/kernels/lm_head.h"
+#include "worker/kernels/rms_norm.h"
 #include "worker/kernels/sampling.h"
 
 namespace pdworker {
@@ -202,6 +203,79 @@ TEST_F(LmHeadCudaTest,
   }
 }
 
+// The head that normalizes its own row (the final norm in its prologue)
+// against the gathering RMSNorm kernel followed by the head: the same logits
+// and tile folds, bit for bit, for a row inside the residual stream and
+// for a padding index (a zero row). Widths cover the RMSNorm kernel's
+// vectorized variants (1, 2 and 4 vectors per thread) and a partial last
+// chunk (296).
+TEST_F(LmHeadCudaTest, GreedyHeadWithItsOwnFinalNormKeepsEveryBit) {
+  constexpr int kInputRows = 3;
+  constexpr int kVocabSize = 4099;
+  constexpr float kEpsilon = 1e-5f;
+  uint32_t seed = 200;
+  for (const int hidden : {296, 2048, 4096, 8192}) {
+    for (const int32_t index : {2, -1}) {
+      SCOPED_TRACE(absl::StrCat("hidden ", hidden, " row ", index));
+      // A residual stream of O(10) values, as after a few layers.
+      const std::vector<float> residual =
+          RandomBf16Floats(kInputRows * hidden, ++seed, -10.0f, 10.0f);
+      const std::vector<float> norm_weight =
+          RandomBf16Floats(hidden, ++seed, 0.5f, 1.5f);
+      const DeviceBuffer residual_d = GpuBf16(residual);
+      const DeviceBuffer norm_weight_d = GpuBf16(norm_weight);
+      const DeviceBuffer index_d = gpu().Upload(std::vector<int32_t>{index});
+      const DeviceBuffer weight_d = GpuBf16(
+          RandomBf16Floats(static_cast<size_t>(kVocabSize) * hidden, ++seed));
+
+      RmsNormParams norm;
+      norm.input = residual_d;
+      norm.weight = norm_weight_d;
+      norm.output = gpu().Alloc(2 * hidden);
+      norm.num_tokens = 1;
+      norm.hidden_size = hidden;
+      norm.epsilon = kEpsilon;
+      norm.dtype = DType::kBFloat16;
+      norm.row_indices = index_d;
+      norm.num_input_rows = kInputRows;
+      ASSERT_TRUE(LaunchRmsNorm(*gpu().stream, norm).ok());
+      LmHeadParams separate;
+      separate.hidden = norm.output;
+      separate.weight = weight_d;
+      separate.logits = gpu().Alloc(sizeof(float) * kVocabSize);
+      separate.greedy_tiles = gpu().Alloc(GreedyTilesBytes(1));
+      separate.num_tokens = 1;
+      separate.num_rows = 1;
+      separate.hidden_size = hidden;
+      separate.vocab_size = kVocabSize;
+      separate.dtype = DType::kBFloat16;
+      ASSERT_TRUE(LaunchLmHead(*gpu().stream, separate).ok());
+
+      LmHeadParams own = separate;
+      own.hidden = residual_d;
+      own.num_tokens = kInputRows;
+      own.norm_weight = norm_weight_d;
+      own.norm_epsilon = kEpsilon;
+      own.norm_row_index = index_d;
+      own.logits = gpu().Alloc(sizeof(float) * kVocabSize);
+      own.greedy_tiles = gpu().Alloc(GreedyTilesBytes(1));
+      ASSERT_TRUE(LmHeadWritesGreedyTiles(*gpu().stream, own));
+      ASSERT_TRUE(LaunchLmHead(*gpu().stream, own).ok());
+
+      const std::vector<float> want =
+          gpu().Read<float>(separate.logits, kVocabSize);
+      EXPECT_TRUE(SameBits(gpu().Read<float>(own.logits, kVocabSize), want));
+      const size_t tile_floats = GreedyTilesBytes(1) / sizeof(float);
+      EXPECT_TRUE(
+          SameBits(gpu().Read<float>(own.greedy_tiles, tile_floats),
+                   gpu().Read<float>(separate.greedy_tiles, tile_floats)));
+      if (index < 0) {
+        for (int v = 0; v < kVocabSize; ++v) ASSERT_EQ(want[v], 0.0f) << v;
+      }
+    }
+  }
+}
+
 TEST_F(LmHeadCudaTest, GreedyTilesAreRefusedWhereTheHeadCannotWriteThem) {
   constexpr int kRows = 2;
   LmHeadParams p;
@@ -232,6 +306,26 @@ TEST_F(LmHeadCudaTest, GreedyTilesAreRefusedWhereTheHeadCannotWriteThem) {
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
     EXPECT_NE(status.message().find("greedy_tiles"), absl::string_view::npos)
         << status;
+  }
+  // The head's own norm needs the tiles, and rows that are not gathered.
+  LmHeadParams norm_without_tiles = p;
+  norm_without_tiles.num_rows = 1;
+  norm_without_tiles.greedy_tiles = DeviceBuffer();
+  norm_without_tiles.norm_weight = GpuBf16(std::vector<float>(kHidden, 1.0f));
+  norm_without_tiles.norm_row_index = gpu().Upload(std::vector<int32_t>{0});
+  for (const bool gathering : {false, true}) {
+    LmHeadParams q = norm_without_tiles;
+    if (gathering) {
+      q.greedy_tiles = p.greedy_tiles;
+      q.logits_indices = gpu().Upload(std::vector<int32_t>{1});
+      q.gathered = gpu().Alloc(2 * kHidden);
+    }
+    const absl::Status norm_status = LaunchLmHead(*gpu().stream, q);
+    EXPECT_EQ(norm_status.code(), absl::StatusCode::kInvalidArgument)
+        << norm_status;
+    EXPECT_NE(norm_status.message().find("norm_weight"),
+              absl::string_view::npos)
+        << norm_status;
   }
   LmHeadParams short_tiles = p;
   short_tiles.num_rows = 1;

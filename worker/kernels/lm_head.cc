@@ -61,6 +61,12 @@ GreedyHeadCudaParams GreedyHeadFor(const LmHeadParams& p) {
   c.tiles = p.greedy_tiles.data();
   c.in_features = p.hidden_size;
   c.vocab_size = p.vocab_size;
+  if (!p.norm_weight.empty()) {
+    c.norm_weight = p.norm_weight.as<const __nv_bfloat16>();
+    c.norm_epsilon = p.norm_epsilon;
+    c.row_index = p.norm_row_index.as<const int32_t>();
+    c.num_input_rows = p.num_tokens;
+  }
   return c;
 }
 #endif
@@ -73,6 +79,7 @@ bool LmHeadWritesGreedyTiles(const Stream& stream, const LmHeadParams& p) {
          p.num_rows == 1 && p.dtype == DType::kBFloat16 &&
          (p.linear_kernel == LinearKernel::kAuto ||
           p.linear_kernel == LinearKernel::kSkinnyGemm) &&
+         (p.norm_weight.empty() || p.logits_indices.empty()) &&
          GreedyHeadCudaSupports(GreedyHeadFor(p));
 #else
   (void)stream;
@@ -136,16 +143,18 @@ absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p) {
   // The GEMM's input: the gathered rows, or `hidden` itself.
   const DeviceBuffer rows = gather ? p.gathered : p.hidden;
   status = FirstError(
-      {CheckBuffer(kOp, "hidden", p.hidden,
-                   static_cast<int64_t>(gather ? p.num_tokens : p.num_rows) *
-                       p.hidden_size,
-                   element,
-                   gather
-                       ? absl::StrFormat("[num_tokens=%d, hidden_size=%d] %s",
-                                         p.num_tokens, p.hidden_size, type)
-                       : absl::StrFormat("[num_rows=%d, hidden_size=%d] %s (no "
-                                         "logits_indices: the rows themselves)",
-                                         p.num_rows, p.hidden_size, type)),
+      {CheckBuffer(
+           kOp, "hidden", p.hidden,
+           static_cast<int64_t>(gather || !p.norm_weight.empty() ? p.num_tokens
+                                                                 : p.num_rows) *
+               p.hidden_size,
+           element,
+           gather || !p.norm_weight.empty()
+               ? absl::StrFormat("[num_tokens=%d, hidden_size=%d] %s",
+                                 p.num_tokens, p.hidden_size, type)
+               : absl::StrFormat("[num_rows=%d, hidden_size=%d] %s (no "
+                                 "logits_indices: the rows themselves)",
+                                 p.num_rows, p.hidden_size, type)),
        gather ? CheckBuffer(kOp, "logits_indices", p.logits_indices, p.num_rows,
                             sizeof(int32_t),
                             absl::StrFormat("[num_rows=%d] int32", p.num_rows))
@@ -174,6 +183,19 @@ absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p) {
     PDW_RETURN_IF_ERROR(CheckBuffer(kOp, "greedy_tiles", p.greedy_tiles,
                                     static_cast<int64_t>(GreedyTilesBytes(1)),
                                     1, "one row's tile folds"));
+  }
+  if (!p.norm_weight.empty()) {
+    if (p.greedy_tiles.empty() || gather) {
+      return absl::InvalidArgumentError(
+          "lm_head: 'norm_weight' (the head's own final norm) needs "
+          "greedy_tiles and no logits_indices");
+    }
+    PDW_RETURN_IF_ERROR(FirstError(
+        {CheckBuffer(
+             kOp, "norm_weight", p.norm_weight, p.hidden_size, element,
+             absl::StrFormat("[hidden_size=%d] %s", p.hidden_size, type)),
+         CheckBuffer(kOp, "norm_row_index", p.norm_row_index, 1,
+                     sizeof(int32_t), "[1] int32")}));
   }
   if (!p.greedy_tiles.empty() && !LmHeadWritesGreedyTiles(stream, p)) {
     return absl::InvalidArgumentError(

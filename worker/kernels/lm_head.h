@@ -63,17 +63,27 @@ struct LmHeadParams {
   // (lm_head_greedy.cu), for SamplingParams::greedy_tiles. Only where
   // LmHeadWritesGreedyTiles(stream, p); refused elsewhere.
   DeviceBuffer greedy_tiles;
+  // Or empty; only with greedy_tiles and no logits_indices. `hidden` is then
+  // the pre-norm residual stream [num_tokens, hidden_size] and the head
+  // normalizes its one row, hidden[norm_row_index[0]] (an index outside
+  // [0, num_tokens): a zero row), with RMSNorm(norm_weight, norm_epsilon)
+  // itself, bit for bit the row the gathering RMSNorm (rms_norm.h,
+  // row_indices) writes: the final norm and the head in one kernel.
+  DeviceBuffer norm_weight;  // [hidden_size]
+  float norm_epsilon = 0.0f;
+  DeviceBuffer norm_row_index;  // int32 [>= 1], read on the device
 };
 
 // True when LaunchLmHead(stream, p) can write p.greedy_tiles: they are set,
 // on CUDA, for one bf16 row (num_rows == 1) under LinearKernel kAuto or
 // kSkinnyGemm, hidden_size a multiple of 8, the rows and weight 16-byte
-// aligned. The logits then carry the CUDA-core skinny GEMM's bits wherever
-// its split-K is 1 (vocabularies of 4,096 ids or more, rows of up to 768):
-// kAuto's own choice at one row, except for a wide head of short rows,
-// where the fused head takes the place of cuBLAS (the 0.5B one). Either
-// way the choice is a function of the step's shape, as graph replay
-// against eager needs.
+// aligned; with norm_weight, no logits_indices, a 16-byte aligned
+// norm_weight and hidden_size <= 8,192. The logits then carry the CUDA-core
+// skinny GEMM's bits wherever its split-K is 1 (vocabularies of 4,096 ids or
+// more, rows of up to 768): kAuto's own choice at one row, except for a wide
+// head of short rows, where the fused head takes the place of cuBLAS (the 0.5B
+// one). Either way the choice is a function of the step's shape, as graph
+// replay against eager needs.
 bool LmHeadWritesGreedyTiles(const Stream& stream, const LmHeadParams& p);
 
 absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p);

@@ -37,14 +37,31 @@ struct GreedyHeadCudaParams {
   void* tiles = nullptr;  // GreedyTilesCudaBytes(1) bytes (sampling_cuda.h)
   int in_features = 0;
   int vocab_size = 0;
+  // Or null. Set: `hidden` is the pre-norm residual stream
+  // [num_input_rows, in_features], and the head multiplies
+  // RMSNorm(hidden[*row_index]; norm_weight, norm_epsilon) (a zero row for
+  // an index outside [0, num_input_rows)), bit for bit the row the
+  // gathering RMSNorm kernel (rms_norm_cuda.h, row_indices) would write:
+  // the step's final norm in the head's prologue.
+  const __nv_bfloat16* norm_weight = nullptr;  // [in_features]
+  float norm_epsilon = 0.0f;
+  const int32_t* row_index = nullptr;  // [1], read on the device
+  int num_input_rows = 0;
   // Launch with programmatic stream serialization: the weight loads start
   // while the previous kernel (the final norm) drains.
   bool programmatic_launch = true;
 };
 
+// The widest row the norm prologue takes: the RMSNorm kernel's vectorized
+// path (at most 4 16-byte vectors per thread of 256), whose bits it
+// reproduces.
+inline constexpr int kGreedyHeadNormMaxFeatures = 8192;
+
 // in_features a multiple of 8, hidden and weight 16-byte aligned, tiles
-// 4-byte aligned, and a tile's logits within the kernel's shared memory
-// (vocabularies up to ~5M ids).
+// 4-byte aligned, and a tile's logits (and the normalized row) within the
+// kernel's shared memory (vocabularies up to ~5M ids); with the norm, a
+// 16-byte aligned norm_weight, a row_index, and in_features <=
+// kGreedyHeadNormMaxFeatures.
 bool GreedyHeadCudaSupports(const GreedyHeadCudaParams& p);
 
 // cudaErrorInvalidValue where GreedyHeadCudaSupports(p) is false.

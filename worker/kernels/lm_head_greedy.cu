@@ -13,9 +13,15 @@
 // elements of each 256-element chunk in increasing k, the warp sums with
 // the shuffle-down tree, no bias. So the logits carry the skinny GEMM's
 // bits, and the tile folds the greedy slice kernel's.
+//
+// With norm_weight set the kernel also replaces the final RMSNorm: each CTA
+// normalizes the step's one row into shared memory with the RMSNorm
+// kernel's arithmetic (rms_norm_row.cuh) and multiplies that, so the
+// logits keep their bits and the step runs one kernel fewer.
 #include "worker/kernels/cuda_common.cuh"
 #include "worker/kernels/greedy_fold.cuh"
 #include "worker/kernels/lm_head_cuda.h"
+#include "worker/kernels/rms_norm_row.cuh"
 
 namespace pdworker {
 namespace kernels {
@@ -29,19 +35,33 @@ constexpr int kChunk = cuda::kWarpSize * 8;  // k elements per warp-wide load
 // (row, chunk) items per pipeline buffer: up to 2 · kItems 16-byte loads
 // per lane in flight, the skinny GEMM's one-token depth.
 constexpr int kItems = 2;
-// Dynamic shared memory of one tile's logits, within the 48 KiB a launch
-// gets without an opt-in attribute.
-constexpr int kMaxTileBytes = 40 * 1024;
+// Dynamic shared memory (one tile's logits, and the normalized row), within
+// the 48 KiB a launch gets without an opt-in attribute.
+constexpr size_t kMaxSharedBytes = 40 * 1024;
 
-// grid: [kGreedyTilesPerRow]; block: kThreads; dynamic shared memory: one
-// tile's logits (fp32).
+static_assert(kThreads == cuda::kRmsNormThreads,
+              "the norm prologue's order is defined for 256 threads");
+
+// Dynamic shared memory: kNorm's normalized row (in_features bf16), then
+// one tile's logits (fp32).
+__host__ __device__ inline size_t NormBytes(int in_features) {
+  return (sizeof(__nv_bfloat16) * static_cast<size_t>(in_features) + 15) / 16 *
+         16;
+}
+
+// grid: [kGreedyTilesPerRow]; block: kThreads.
+template <bool kNorm>
 __global__ void __launch_bounds__(kThreads)
     GreedyHeadKernel(const GreedyHeadCudaParams p) {
   // The greedy sampler's combine kernel follows (PDL): it waits for this
   // grid before reading the tiles.
   cuda::AllowDependentLaunch();
-  extern __shared__ float tile_logits[];
+  extern __shared__ uint4 shared[];
+  __shared__ float scratch[32];
   const int in_features = p.in_features;
+  auto* normed = reinterpret_cast<__nv_bfloat16*>(shared);
+  float* tile_logits = reinterpret_cast<float*>(
+      reinterpret_cast<char*>(shared) + (kNorm ? NormBytes(in_features) : 0));
   const cuda::GreedyTileRange tile =
       cuda::GreedyTileOf(p.vocab_size, blockIdx.x);
   const int count = max(0, tile.end - tile.begin);
@@ -71,8 +91,24 @@ __global__ void __launch_bounds__(kThreads)
     }
   };
   load_weights(wa, 0);
-  // The hidden row is the final norm's output.
+  // The hidden row is the previous kernel's output (the final norm's, or
+  // with kNorm the residual stream the last down projection added to).
   cuda::WaitForPreviousKernel();
+  const __nv_bfloat16* x = p.hidden;
+  if constexpr (kNorm) {
+    const int32_t index = *p.row_index;
+    if (index >= 0 && index < p.num_input_rows) {
+      cuda::RmsNormRowsToShared(
+          p.hidden + static_cast<int64_t>(index) * in_features, p.norm_weight,
+          normed, 1, in_features, in_features, p.norm_epsilon, scratch);
+    } else {  // a zero row, as the gathering norm writes it
+      for (int i = threadIdx.x; i < in_features / 8; i += kThreads) {
+        shared[i] = make_uint4(0, 0, 0, 0);
+      }
+      __syncthreads();
+    }
+    x = normed;
+  }
 
   float acc = 0.0f;
   auto consume = [&](const uint4(&wv)[kItems], int first) {
@@ -84,8 +120,8 @@ __global__ void __launch_bounds__(kThreads)
       if (k < in_features) {
         float wf[8], xf[8];
         cuda::Bf16x8ToFloat(wv[u], wf);
-        cuda::Bf16x8ToFloat(__ldg(reinterpret_cast<const uint4*>(p.hidden + k)),
-                            xf);
+        const uint4* xv = reinterpret_cast<const uint4*>(x + k);
+        cuda::Bf16x8ToFloat(kNorm ? *xv : __ldg(xv), xf);
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc = __fmaf_rn(wf[e], xf[e], acc);
       }
@@ -113,24 +149,36 @@ size_t TileBytes(int vocab_size) {
   return sizeof(float) * static_cast<size_t>(cuda::GreedyTileSpan(vocab_size));
 }
 
+size_t SharedBytes(const GreedyHeadCudaParams& p) {
+  return (p.norm_weight != nullptr ? NormBytes(p.in_features) : 0) +
+         TileBytes(p.vocab_size);
+}
+
 }  // namespace
 
 bool GreedyHeadCudaSupports(const GreedyHeadCudaParams& p) {
+  const bool norm_ok =
+      p.norm_weight == nullptr ||
+      (cuda::Aligned16(p.norm_weight) && p.row_index != nullptr &&
+       p.in_features <= kGreedyHeadNormMaxFeatures);
   return p.in_features > 0 && p.in_features % 8 == 0 && p.vocab_size > 0 &&
-         TileBytes(p.vocab_size) <= kMaxTileBytes &&
-         cuda::Aligned16(p.hidden) && cuda::Aligned16(p.weight) &&
+         SharedBytes(p) <= kMaxSharedBytes && cuda::Aligned16(p.hidden) &&
+         cuda::Aligned16(p.weight) && norm_ok &&
          reinterpret_cast<uintptr_t>(p.tiles) % alignof(GreedyPartial) == 0;
 }
 
 cudaError_t LaunchGreedyHeadCuda(const GreedyHeadCudaParams& p,
                                  cudaStream_t stream) {
   if (!GreedyHeadCudaSupports(p)) return cudaErrorInvalidValue;
-  return cuda::LaunchKernel(GreedyHeadKernel, dim3(cuda::kGreedyTilesPerRow),
-                            dim3(kThreads), TileBytes(p.vocab_size), stream,
-                            p.programmatic_launch
-                                ? cuda::DependentLaunch::kProgrammatic
-                                : cuda::DependentLaunch::kSerialized,
-                            p);
+  const cuda::DependentLaunch launch =
+      p.programmatic_launch ? cuda::DependentLaunch::kProgrammatic
+                            : cuda::DependentLaunch::kSerialized;
+  const dim3 grid(cuda::kGreedyTilesPerRow), block(kThreads);
+  return p.norm_weight != nullptr
+             ? cuda::LaunchKernel(GreedyHeadKernel<true>, grid, block,
+                                  SharedBytes(p), stream, launch, p)
+             : cuda::LaunchKernel(GreedyHeadKernel<false>, grid, block,
+                                  SharedBytes(p), stream, launch, p);
 }
 
 }  // namespace kernels

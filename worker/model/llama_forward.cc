@@ -403,8 +403,11 @@ absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
   }
   // Last piece: the final norm of each request's last token only (it also
   // gathers those rows, logits_indices[r], into `gathered`; -1 gives a zero
-  // row), then their logits. Rows nobody samples are never normalized.
+  // row), then their logits. Rows nobody samples are never normalized. A
+  // head that normalizes its own row (LmHeadFor) is the whole piece.
   const int num_rows = LogitsRows(context);
+  const kernels::LmHeadParams head = LmHeadFor(context);
+  if (!head.norm_weight.empty()) return kernels::LaunchLmHead(stream_, head);
   if (fused) {
     // down already added itself to the residual.
     kernels::RmsNormParams final_norm{act_.residual, weights_.final_norm,
@@ -423,7 +426,7 @@ absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
     final_norm.num_input_rows = num_tokens;
     PDW_RETURN_IF_ERROR(kernels::LaunchFusedAddRmsNorm(stream_, final_norm));
   }
-  return kernels::LaunchLmHead(stream_, LmHeadFor(context));
+  return kernels::LaunchLmHead(stream_, head);
 }
 
 kernels::LmHeadParams LlamaForward::LmHeadFor(
@@ -438,12 +441,21 @@ kernels::LmHeadParams LlamaForward::LmHeadFor(
   head.vocab_size = static_cast<int>(config_.vocab_size);
   head.dtype = weights_.dtype;
   head.linear_kernel = LinearKernelFor(head.num_rows);
-  if (options_.greedy_head_fusion == GreedyHeadFusion::kOn) {
-    head.greedy_tiles = act_.greedy_tiles;
-    if (!kernels::LmHeadWritesGreedyTiles(stream_, head)) {
-      head.greedy_tiles = {};
+  if (options_.greedy_head_fusion == GreedyHeadFusion::kOff) return head;
+  head.greedy_tiles = act_.greedy_tiles;
+  if (FusesDecodeLayers(head.num_tokens)) {
+    // The last down projection added itself to the residual: the head can
+    // normalize its row itself, instead of the final norm kernel.
+    kernels::LmHeadParams normalizing = head;
+    normalizing.hidden = act_.residual;
+    normalizing.norm_weight = weights_.final_norm;
+    normalizing.norm_epsilon = static_cast<float>(config_.rms_norm_eps);
+    normalizing.norm_row_index = step_.logits_indices;
+    if (kernels::LmHeadWritesGreedyTiles(stream_, normalizing)) {
+      return normalizing;
     }
   }
+  if (!kernels::LmHeadWritesGreedyTiles(stream_, head)) head.greedy_tiles = {};
   return head;
 }
 
