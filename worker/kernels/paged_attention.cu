@@ -411,6 +411,10 @@ __device__ __forceinline__ int ContextLen(const PagedAttentionCudaParams& p,
 template <int kRows>
 __global__ void __launch_bounds__(kThreads)
     DecodeSplitKernel(PagedAttentionCudaParams p, int heads_per_cta) {
+  // As the tensor-core split kernel: every CTA waits for the previous kernel
+  // before its first read (programmatic_launch).
+  cuda::AllowDependentLaunch();
+  cuda::WaitForPreviousKernel();
   __shared__ SharedState s;
   const int request = blockIdx.x;
   const int split = blockIdx.z;
@@ -463,6 +467,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kReduceThreads)
     DecodeReduceKernel(PagedAttentionCudaParams p) {
   cuda::AllowDependentLaunch();
+  cuda::WaitForPreviousKernel();  // the split kernel's partials
   const int token = blockIdx.x;
   const int head = blockIdx.y;
   const int k = p.uniform_query_len;
@@ -534,21 +539,24 @@ cudaError_t LaunchPagedAttentionDecodeCuda(const PagedAttentionCudaParams& p,
   const int heads_per_cta = max(1, min(group_size, kMaxRows / k));
   const dim3 grid(p.num_tokens / k,
                   p.num_kv_heads * NumChunks(p, heads_per_cta), p.num_splits);
+  const cuda::DependentLaunch launch =
+      p.programmatic_launch ? cuda::DependentLaunch::kProgrammatic
+                            : cuda::DependentLaunch::kSerialized;
   cudaError_t error = cudaSuccess;
   if (p.decode_tensor_cores) {
     error = LaunchPagedAttentionDecodeSplitMmaCuda(p, stream);
   } else if (heads_per_cta * k <= 4) {
-    DecodeSplitKernel<4><<<grid, kThreads, 0, stream>>>(p, heads_per_cta);
-    error = cudaGetLastError();
+    error = cuda::LaunchKernel(DecodeSplitKernel<4>, grid, dim3(kThreads), 0,
+                               stream, launch, p, heads_per_cta);
   } else {
-    DecodeSplitKernel<kMaxRows>
-        <<<grid, kThreads, 0, stream>>>(p, heads_per_cta);
-    error = cudaGetLastError();
+    error =
+        cuda::LaunchKernel(DecodeSplitKernel<kMaxRows>, grid, dim3(kThreads), 0,
+                           stream, launch, p, heads_per_cta);
   }
   if (error != cudaSuccess) return error;
   const dim3 reduce_grid(p.num_tokens, p.num_heads);
-  DecodeReduceKernel<<<reduce_grid, kReduceThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return cuda::LaunchKernel(DecodeReduceKernel, reduce_grid,
+                            dim3(kReduceThreads), 0, stream, launch, p);
 }
 
 }  // namespace kernels

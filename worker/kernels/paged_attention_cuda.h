@@ -65,6 +65,13 @@ struct PagedAttentionCudaParams {
   int num_splits = 0;
   // Decode only: the tensor-core split kernel instead of the CUDA-core one.
   bool decode_tensor_cores = false;
+  // Decode only: launch the split and reduce kernels with programmatic
+  // stream serialization, so each is scheduled while the kernel before it
+  // drains (the qkv projection, then the split kernel) and waits for it
+  // before reading anything (griddepcontrol.wait); they also let the next
+  // kernel (the reduce, then o_proj) launch early. Without it each waits
+  // for the previous kernel to finish before it is even scheduled.
+  bool programmatic_launch = true;
 };
 
 // Keys one decode split CTA takes from a context of `context_len` tokens:

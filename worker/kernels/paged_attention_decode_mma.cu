@@ -80,6 +80,13 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float warp_max[kWarps][kRows];
   __shared__ float warp_sum[kWarps][kRows];
 
+  // Programmatic dependent launch (PagedAttentionCudaParams::
+  // programmatic_launch): the reduce kernel may be scheduled now; this grid
+  // reads nothing before the qkv projection that wrote q and the new K/V
+  // has finished, not even the step's lengths, so that every CTA waits,
+  // the early-returning ones too, and this grid's end implies that one's.
+  cuda::AllowDependentLaunch();
+  cuda::WaitForPreviousKernel();
   const int request = blockIdx.x;
   const int kv_head = blockIdx.y;
   const int split = blockIdx.z;
@@ -337,8 +344,11 @@ cudaError_t LaunchSplit(const PagedAttentionCudaParams& p,
   if (attribute != cudaSuccess) return attribute;
   const dim3 grid(p.num_tokens / p.uniform_query_len, p.num_kv_heads,
                   p.num_splits);
-  MmaDecodeSplitKernel<kHeadDim><<<grid, kThreads, kBytes, stream>>>(p);
-  return cudaGetLastError();
+  return cuda::LaunchKernel(
+      MmaDecodeSplitKernel<kHeadDim>, grid, dim3(kThreads), kBytes, stream,
+      p.programmatic_launch ? cuda::DependentLaunch::kProgrammatic
+                            : cuda::DependentLaunch::kSerialized,
+      p);
 }
 
 }  // namespace
