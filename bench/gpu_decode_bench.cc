@@ -94,6 +94,10 @@ ABSL_FLAG(std::string, greedy_head, "on",
           "on (the default): a one-row step's LM head also folds its logits "
           "for the greedy sampler, which then skips its pass over them; "
           "off: the head's GEMM, then the sampler's slice kernel.");
+ABSL_FLAG(std::string, decode_attention_pdl, "on",
+          "on (the default): the decode attention's split and reduce "
+          "kernels launch under programmatic dependent launch; off: fully "
+          "serialized after the kernel before each.");
 ABSL_FLAG(std::string, decode_attention, "auto",
           "The decode steps' attention split kernel: auto, cuda_cores or "
           "tensor_cores (where it covers the model).");
@@ -208,6 +212,11 @@ std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
       attention == "tensor_cores" ? kernels::DecodeAttentionKernel::kTensorCores
       : attention == "cuda_cores" ? kernels::DecodeAttentionKernel::kCudaCores
                                   : kernels::DecodeAttentionKernel::kAuto;
+  const std::string pdl = absl::GetFlag(FLAGS_decode_attention_pdl);
+  CHECK(pdl == "on" || pdl == "off")
+      << "--decode_attention_pdl: on or off, got " << pdl;
+  o.decode_attention_pdl = pdl == "on" ? kernels::DecodeAttentionPdl::kOn
+                                       : kernels::DecodeAttentionPdl::kOff;
   const std::string prefill = absl::GetFlag(FLAGS_prefill_attention);
   CHECK(prefill == "auto" || prefill == "tensor_cores" || prefill == "wgmma" ||
         prefill == "cuda_cores")
@@ -532,20 +541,22 @@ void WriteJson(const std::string& path, const std::string& device,
                double weight_bytes, double kv_bytes,
                std::map<std::string, DecodeResult>& results) {
   using Json = nlohmann::json;
-  Json root = {{"device", device},
-               {"linear_kernel", absl::GetFlag(FLAGS_linear_kernel)},
-               {"decode_fusion", absl::GetFlag(FLAGS_decode_fusion)},
-               {"greedy_head", absl::GetFlag(FLAGS_greedy_head)},
-               {"decode_attention", absl::GetFlag(FLAGS_decode_attention)},
-               {"prefill_attention", absl::GetFlag(FLAGS_prefill_attention)},
-               {"model_dir", dir},
-               {"context", context},
-               {"weight_bytes", weight_bytes},
-               {"kv_bytes_batch1", kv_bytes},
-               {"peak_bytes_per_s", peak},
-               {"decode", Json::array()},
-               {"prefill", Json::array()},
-               {"capture", Json::array()}};
+  Json root = {
+      {"device", device},
+      {"linear_kernel", absl::GetFlag(FLAGS_linear_kernel)},
+      {"decode_fusion", absl::GetFlag(FLAGS_decode_fusion)},
+      {"greedy_head", absl::GetFlag(FLAGS_greedy_head)},
+      {"decode_attention_pdl", absl::GetFlag(FLAGS_decode_attention_pdl)},
+      {"decode_attention", absl::GetFlag(FLAGS_decode_attention)},
+      {"prefill_attention", absl::GetFlag(FLAGS_prefill_attention)},
+      {"model_dir", dir},
+      {"context", context},
+      {"weight_bytes", weight_bytes},
+      {"kv_bytes_batch1", kv_bytes},
+      {"peak_bytes_per_s", peak},
+      {"decode", Json::array()},
+      {"prefill", Json::array()},
+      {"capture", Json::array()}};
   for (auto& [mode, r] : results) {
     for (const auto& [batch, ms] : r.step_ms) {
       nlohmann::json row = {{"mode", mode},

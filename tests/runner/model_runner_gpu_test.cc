@@ -293,13 +293,15 @@ TEST_P(RunnerGpuTest, DecodeFusionLeavesEveryLogitBitIdentical) {
 }
 
 // The LM head that folds a one-row step's logits for the greedy sampler
-// (GreedyHeadFusion, lm_head_greedy.cu) changes no token, logprob or logit:
-// the same steps with kOn and kOff, eager and in FULL graphs. The steps
-// cover what must keep the sampler's own pass (a ban from min_tokens, a
-// sampled row, two rows) next to the one-row greedy steps that skip it,
-// with and without top logprobs. GreedyTiles must be set exactly for the
-// one-row key with kOn, so the comparison cannot pass by running the
-// unfused head twice.
+// (GreedyHeadFusion, lm_head_greedy.cu; with its own final norm) changes no
+// token, logprob or logit: the same steps with kOn and kOff, eager and in
+// FULL graphs; and so does the decode attention without PDL
+// (DecodeAttentionPdl::kOff against the default kOn). The steps cover what
+// must keep the sampler's own pass (a ban from min_tokens, a sampled row,
+// two rows) next to the one-row greedy steps that skip it, with and
+// without top logprobs. GreedyTiles must be set exactly for the one-row
+// key with kOn, so the comparison cannot pass by running the unfused head
+// twice.
 TEST_P(RunnerGpuTest, GreedyHeadFusionChangesNoTokenLogprobOrLogit) {
   const ForwardContext one_row{RuntimeMode::kFull, {1, 1, true}};
   const ForwardContext two_rows{RuntimeMode::kFull, {2, 2, true}};
@@ -310,20 +312,25 @@ TEST_P(RunnerGpuTest, GreedyHeadFusionChangesNoTokenLogprobOrLogit) {
       std::vector<float> logprobs, raw_logprobs, top;
       std::vector<std::vector<float>> logits;
     };
-    Outcome outcome[2];
-    for (const GreedyHeadFusion fusion :
-         {GreedyHeadFusion::kOn, GreedyHeadFusion::kOff}) {
-      const bool on = fusion == GreedyHeadFusion::kOn;
+    // The defaults, the greedy head off, the attention's PDL off.
+    constexpr int kConfigs = 3;
+    Outcome outcome[kConfigs];
+    for (int config = 0; config < kConfigs; ++config) {
+      const bool on = config != 1;
       ModelRunnerOptions o =
           SmallOptions(R"({"cudagraph_mode":")" + std::string(mode) +
                        R"(","cudagraph_capture_sizes":[1,2,4,8]})");
-      o.greedy_head_fusion = fusion;
+      o.greedy_head_fusion =
+          on ? GreedyHeadFusion::kOn : GreedyHeadFusion::kOff;
+      if (config == 2) {
+        o.decode_attention_pdl = kernels::DecodeAttentionPdl::kOff;
+      }
       auto runner = ModelRunner::Create(*cuda_, dir_, o);
       ASSERT_TRUE(runner.ok()) << runner.status();
       ASSERT_TRUE((*runner)->CaptureGraphs().ok());
       EXPECT_EQ((*runner)->forward().GreedyTiles(one_row).empty(), !on);
       EXPECT_TRUE((*runner)->forward().GreedyTiles(two_rows).empty());
-      Outcome& out = outcome[on ? 0 : 1];
+      Outcome& out = outcome[config];
       int32_t last = 0;
       auto step = [&](std::vector<SequenceStep> batch) {
         auto result = (*runner)->Execute(batch);
@@ -358,20 +365,25 @@ TEST_P(RunnerGpuTest, GreedyHeadFusionChangesNoTokenLogprobOrLogit) {
       step({Seq("a", {last}), Seq("b", {1, 2, 3})});
       step({Seq("a", {last})});
     }
-    EXPECT_EQ(outcome[0].tokens, outcome[1].tokens);
     auto same_bits = [](const std::vector<float>& a,
                         const std::vector<float>& b) {
       return a.size() == b.size() &&
              std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
     };
-    EXPECT_TRUE(same_bits(outcome[0].logprobs, outcome[1].logprobs));
-    EXPECT_TRUE(same_bits(outcome[0].raw_logprobs, outcome[1].raw_logprobs));
-    EXPECT_TRUE(same_bits(outcome[0].top, outcome[1].top));
-    ASSERT_EQ(outcome[0].logits.size(), outcome[1].logits.size());
-    for (size_t s = 0; s < outcome[0].logits.size(); ++s) {
-      EXPECT_TRUE(same_bits(outcome[0].logits[s], outcome[1].logits[s]))
-          << "step " << s << " max diff "
-          << Compare(outcome[0].logits[s], outcome[1].logits[s]).max;
+    for (int config = 1; config < kConfigs; ++config) {
+      SCOPED_TRACE(config == 1 ? "greedy head off" : "attention PDL off");
+      const Outcome& want = outcome[0];
+      const Outcome& got = outcome[config];
+      EXPECT_EQ(got.tokens, want.tokens);
+      EXPECT_TRUE(same_bits(got.logprobs, want.logprobs));
+      EXPECT_TRUE(same_bits(got.raw_logprobs, want.raw_logprobs));
+      EXPECT_TRUE(same_bits(got.top, want.top));
+      ASSERT_EQ(got.logits.size(), want.logits.size());
+      for (size_t s = 0; s < want.logits.size(); ++s) {
+        EXPECT_TRUE(same_bits(got.logits[s], want.logits[s]))
+            << "step " << s << " max diff "
+            << Compare(got.logits[s], want.logits[s]).max;
+      }
     }
   }
 }

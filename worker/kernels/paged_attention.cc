@@ -588,6 +588,7 @@ absl::Status LaunchPagedAttentionUniformDecode(Stream& stream,
 #if PDW_HAVE_CUDA
   if (stream.kind() == DeviceKind::kCuda) {
     PagedAttentionCudaParams c = ToCudaParams(resolved);
+    c.programmatic_launch = resolved.decode_pdl == DecodeAttentionPdl::kOn;
     c.decode_tensor_cores =
         resolved.decode_kernel == DecodeAttentionKernel::kTensorCores ||
         (resolved.decode_kernel == DecodeAttentionKernel::kAuto &&

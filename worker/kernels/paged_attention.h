@@ -127,6 +127,13 @@ enum class DecodeAttentionKernel {
   kCudaCores,
 };
 
+// Whether a uniform decode launch's kernels (split, then reduce) overlap
+// the kernel before each with programmatic dependent launch (CUDA): kOn
+// schedules each while the previous one drains and waits for it on the
+// device before any read; kOff leaves the stream's full serialization.
+// The bits are the same; benchmarks compare.
+enum class DecodeAttentionPdl { kOn, kOff };
+
 // kAuto's decode kernel: the tensor-core one where it covers the launch.
 // On the H200 it is ahead of the CUDA-core kernel at every batch and
 // context gpu_decode_bench --attention_only measures (1.4x at batch 1 ×
@@ -191,6 +198,8 @@ struct PagedAttentionParams {
   VarlenAttentionKernel varlen_kernel = VarlenAttentionKernel::kAuto;
   // CUDA uniform decode only: which split kernel.
   DecodeAttentionKernel decode_kernel = DecodeAttentionKernel::kAuto;
+  // CUDA uniform decode only.
+  DecodeAttentionPdl decode_pdl = DecodeAttentionPdl::kOn;
   // CUDA tensor-core varlen only: query rows per warp (16 or 32); 0 takes
   // the measured default. Benchmarks and tests set it.
   int mma_warp_rows = 0;

@@ -542,6 +542,7 @@ absl::Status LlamaForward::RunAttention(int layer,
   // of the same key to agree bit for bit.
   if (context.batch_descriptor.uniform) {
     attn.uniform_query_len = options_.uniform_decode_query_len;
+    attn.decode_pdl = options_.decode_attention_pdl;
     const bool tensor_cores_cover =
         (head_dim == 64 || head_dim == 128) &&
         heads / kv_heads * attn.uniform_query_len <= 16;

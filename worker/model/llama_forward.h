@@ -81,6 +81,10 @@ struct LlamaForwardOptions {
   // ask for it for a whole model run.
   kernels::DecodeAttentionKernel decode_attention_kernel =
       kernels::DecodeAttentionKernel::kAuto;
+  // The uniform-decode attention's kernels under programmatic dependent
+  // launch (kernels::DecodeAttentionPdl); benchmarks compare.
+  kernels::DecodeAttentionPdl decode_attention_pdl =
+      kernels::DecodeAttentionPdl::kOn;
   // The varlen (prefill, mixed) attention kernel on CUDA; benchmarks compare
   // them over whole prefills. ModelRunner::Create refuses one the device or
   // the model does not support.

@@ -230,6 +230,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   fo.decode_fusion = options.decode_fusion;
   fo.greedy_head_fusion = options.greedy_head_fusion;
   fo.decode_attention_kernel = options.decode_attention_kernel;
+  fo.decode_attention_pdl = options.decode_attention_pdl;
   fo.varlen_attention_kernel = options.varlen_attention_kernel;
   PDW_ASSIGN_OR_RETURN(
       r->forward_,

@@ -74,6 +74,9 @@ struct ModelRunnerOptions {
   // (LlamaForwardOptions::decode_attention_kernel); benchmarks compare.
   kernels::DecodeAttentionKernel decode_attention_kernel =
       kernels::DecodeAttentionKernel::kAuto;
+  // (LlamaForwardOptions::decode_attention_pdl); benchmarks compare.
+  kernels::DecodeAttentionPdl decode_attention_pdl =
+      kernels::DecodeAttentionPdl::kOn;
   // The varlen attention kernel (LlamaForwardOptions::varlen_attention_
   // kernel); benchmarks compare. kWarpgroupMma needs a compute capability
   // 9.0 device and head_dim 64 or 128 with GQA groups of 1-8.
