@@ -41,6 +41,7 @@ __global__ void RmsNormKernel(const __nv_bfloat16* input,
                               float epsilon, const int32_t* row_indices,
                               int num_input_rows) {
   cuda::AllowDependentLaunch();
+  cuda::WaitForPreviousKernel();  // launched with kProgrammatic
   __shared__ float scratch[32];
   const int64_t in_row = InputRow(row_indices, num_input_rows);
   __nv_bfloat16* out = output + static_cast<int64_t>(blockIdx.x) * hidden_size;
@@ -101,6 +102,7 @@ __global__ void __launch_bounds__(kThreads)
                      __nv_bfloat16* output, int hidden_size, float epsilon,
                      const int32_t* row_indices, int num_input_rows) {
   cuda::AllowDependentLaunch();
+  cuda::WaitForPreviousKernel();  // launched with kProgrammatic
   __shared__ float scratch[32];
   const int vectors = hidden_size / 8;
   const int64_t in_row = InputRow(row_indices, num_input_rows);
@@ -154,24 +156,22 @@ cudaError_t LaunchRmsNormCuda(const RmsNormCudaParams& p, cudaStream_t stream) {
   const bool vectorized = p.hidden_size % 8 == 0 && Aligned16(p.input) &&
                           Aligned16(p.weight) && Aligned16(p.output) &&
                           (p.residual == nullptr || Aligned16(p.residual));
-  if (vectorized && vectors <= kThreads) {
-    RmsNormVecKernel<1><<<p.num_tokens, kThreads, 0, stream>>>(
-        p.input, p.residual, p.weight, p.output, p.hidden_size, p.epsilon,
-        p.row_indices, p.num_input_rows);
-  } else if (vectorized && vectors <= 2 * kThreads) {
-    RmsNormVecKernel<2><<<p.num_tokens, kThreads, 0, stream>>>(
-        p.input, p.residual, p.weight, p.output, p.hidden_size, p.epsilon,
-        p.row_indices, p.num_input_rows);
-  } else if (vectorized && vectors <= 4 * kThreads) {
-    RmsNormVecKernel<4><<<p.num_tokens, kThreads, 0, stream>>>(
-        p.input, p.residual, p.weight, p.output, p.hidden_size, p.epsilon,
-        p.row_indices, p.num_input_rows);
-  } else {
-    RmsNormKernel<<<p.num_tokens, kThreads, 0, stream>>>(
-        p.input, p.residual, p.weight, p.output, p.hidden_size, p.epsilon,
-        p.row_indices, p.num_input_rows);
+  // Programmatic dependent launch: scheduled while the previous kernel (a
+  // projection, in a decode step) drains; the kernel waits for it first.
+  const auto launch = [&](auto kernel) {
+    return cuda::LaunchKernel(
+        kernel, dim3(p.num_tokens), dim3(kThreads), 0, stream,
+        cuda::DependentLaunch::kProgrammatic, p.input, p.residual, p.weight,
+        p.output, p.hidden_size, p.epsilon, p.row_indices, p.num_input_rows);
+  };
+  if (vectorized && vectors <= kThreads) return launch(RmsNormVecKernel<1>);
+  if (vectorized && vectors <= 2 * kThreads) {
+    return launch(RmsNormVecKernel<2>);
   }
-  return cudaGetLastError();
+  if (vectorized && vectors <= 4 * kThreads) {
+    return launch(RmsNormVecKernel<4>);
+  }
+  return launch(RmsNormKernel);
 }
 
 }  // namespace kernels

@@ -29,6 +29,8 @@ __device__ __forceinline__ void RotatePair(__nv_bfloat16* lo, int half, float c,
 // one thread, so the in-place rotation needs no synchronization beyond the
 // cos/sin table.
 __global__ void RopeKvCacheKernel(RopeKvCacheCudaParams p) {
+  cuda::AllowDependentLaunch();   // the attention's split kernel follows
+  cuda::WaitForPreviousKernel();  // launched with kProgrammatic
   __shared__ float cos_half[kMaxHalf];
   __shared__ float sin_half[kMaxHalf];
   const int t = blockIdx.x;
@@ -76,8 +78,11 @@ __global__ void RopeKvCacheKernel(RopeKvCacheCudaParams p) {
 
 cudaError_t LaunchRopeKvCacheCuda(const RopeKvCacheCudaParams& p,
                                   cudaStream_t stream) {
-  RopeKvCacheKernel<<<p.num_tokens, kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  // Scheduled while the qkv projection drains (programmatic dependent
+  // launch); the kernel waits for it first.
+  return cuda::LaunchKernel(RopeKvCacheKernel, dim3(p.num_tokens),
+                            dim3(kThreads), 0, stream,
+                            cuda::DependentLaunch::kProgrammatic, p);
 }
 
 }  // namespace kernels

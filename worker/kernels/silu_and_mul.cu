@@ -22,6 +22,7 @@ __global__ void SiluAndMulKernel(const __nv_bfloat16* __restrict__ input,
                                  __nv_bfloat16* __restrict__ output,
                                  int intermediate) {
   cuda::AllowDependentLaunch();
+  cuda::WaitForPreviousKernel();  // launched with kProgrammatic
   const int i = blockIdx.y * blockDim.x + threadIdx.x;
   if (i >= intermediate) return;
   const int64_t t = blockIdx.x;
@@ -39,6 +40,7 @@ __global__ void SiluAndMulVecKernel(const __nv_bfloat16* __restrict__ input,
                                     __nv_bfloat16* __restrict__ output,
                                     int intermediate) {
   cuda::AllowDependentLaunch();
+  cuda::WaitForPreviousKernel();  // launched with kProgrammatic
   const int i = blockIdx.y * blockDim.x + threadIdx.x;  // vector index
   if (i >= intermediate / 8) return;
   const int64_t t = blockIdx.x;
@@ -69,15 +71,14 @@ cudaError_t LaunchSiluAndMulCuda(const SiluAndMulCudaParams& p,
       Aligned16(p.output)) {
     const dim3 grid(p.num_tokens,
                     cuda::NumBlocks(p.intermediate_size / 8, kThreads));
-    SiluAndMulVecKernel<<<grid, kThreads, 0, stream>>>(p.input, p.output,
-                                                       p.intermediate_size);
-  } else {
-    const dim3 grid(p.num_tokens,
-                    cuda::NumBlocks(p.intermediate_size, kThreads));
-    SiluAndMulKernel<<<grid, kThreads, 0, stream>>>(p.input, p.output,
-                                                    p.intermediate_size);
+    return cuda::LaunchKernel(SiluAndMulVecKernel, grid, dim3(kThreads), 0,
+                              stream, cuda::DependentLaunch::kProgrammatic,
+                              p.input, p.output, p.intermediate_size);
   }
-  return cudaGetLastError();
+  const dim3 grid(p.num_tokens, cuda::NumBlocks(p.intermediate_size, kThreads));
+  return cuda::LaunchKernel(SiluAndMulKernel, grid, dim3(kThreads), 0, stream,
+                            cuda::DependentLaunch::kProgrammatic, p.input,
+                            p.output, p.intermediate_size);
 }
 
 }  // namespace kernels
