@@ -61,6 +61,10 @@ ABSL_FLAG(int, kv_cache_mib, 256,
           "KV cache size. 256 MiB holds 64 x 160 tokens of the small model; "
           "the llama_1b shape (32 KiB per token) needs 1024 for that.");
 ABSL_FLAG(std::string, json_out, "", "Also write the figures as JSON here.");
+ABSL_FLAG(bool, router_paths, true,
+          "Also run the two router paths (Forward and Generate over gRPC), "
+          "each with its own worker server; false keeps the in-process step "
+          "and the engine (overlap on and off), about half the run.");
 ABSL_FLAG(int, rounds, 3,
           "Runs of every path, interleaved; each figure is their median.");
 
@@ -355,6 +359,7 @@ int Main(int argc, char** argv) {
       "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   const int rounds = absl::GetFlag(FLAGS_rounds);
   CHECK_GE(rounds, 1) << "--rounds";
+  const bool router_paths = absl::GetFlag(FLAGS_router_paths);
   for (const int c : concurrency) {
     // Every path once per round, interleaved, so that a noisy neighbour
     // on a shared machine hits all of them alike; each figure is the
@@ -365,14 +370,13 @@ int Main(int argc, char** argv) {
       steps.push_back(InProcessStep(s, c));
       overlaps.push_back(EngineRequests(s, c, StepOverlap::kOn));
       serials.push_back(EngineRequests(s, c, StepOverlap::kOff));
+      if (!router_paths) continue;
       forwards.push_back(ViaRouter(s, c, router::RouterApi::kStepLevel));
       generates.push_back(ViaRouter(s, c, router::RouterApi::kRequestLevel));
     }
     const Percentiles step = MedianOf(steps);
     const GenerationFigures overlap = MedianOf(overlaps);
     const GenerationFigures serial = MedianOf(serials);
-    const GenerationFigures forward = MedianOf(forwards);
-    const GenerationFigures generate = MedianOf(generates);
     std::printf(
         "| %d | in-process step (ModelRunner::Execute) | %.0f | | %.0f "
         "| %.0f | 1.00 | |\n",
@@ -397,8 +401,10 @@ int Main(int argc, char** argv) {
     };
     row("engine requests, overlap on", overlap);
     row("engine requests, overlap off", serial);
-    row("router driving Forward (gRPC)", forward);
-    row("router sending Generate (gRPC, request-level)", generate);
+    if (router_paths) {
+      row("router driving Forward (gRPC)", MedianOf(forwards));
+      row("router sending Generate (gRPC, request-level)", MedianOf(generates));
+    }
     // Each concurrency's rows as soon as they exist: a run stopped at its
     // time limit (a device call) still shows them.
     std::fflush(stdout);
