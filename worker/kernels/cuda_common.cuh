@@ -102,16 +102,19 @@ cudaError_t LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block,
 // A two-buffer software pipeline over `num` items (a warp's k chunks) in
 // groups of `group`: group g + 1's loads are issued before group g is
 // consumed, so the loads stay in flight while the warp computes. The
-// caller has loaded group 0 into `a` (before WaitForPreviousKernel, say).
-// Groups are consumed in order: the same operation sequence as one buffer.
-// load(buffer, first) and consume(buffer, first) take a buffer by reference.
+// caller has loaded group 0 into `a` and group 1 into `b` (both before
+// WaitForPreviousKernel: a one-token decode layer's warp has at most 2
+// groups, so all of its weights are in flight before the previous kernel
+// ends; loads past `num` must be guarded by `load`). Groups are consumed in
+// order: the same operation sequence as one buffer. load(buffer, first) and
+// consume(buffer, first) take a buffer by reference.
 template <typename Buffer, typename Load, typename Consume>
 __device__ __forceinline__ void PingPong(int num, int group, Buffer& a,
                                          Buffer& b, const Load& load,
                                          const Consume& consume) {
   for (int first = 0; first < num; first += 2 * group) {
     const bool second = first + group < num;
-    if (second) load(b, first + group);
+    if (first > 0 && second) load(b, first + group);
     consume(a, first);
     if (first + 2 * group < num) load(a, first + 2 * group);
     if (second) consume(b, first + group);

@@ -91,6 +91,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   };
   load_weights(wa, 0);
+  load_weights(wb, kItems);  // past num_items: guarded, zeros
   // The hidden row is the previous kernel's output (the final norm's, or
   // with kNorm the residual stream the last down projection added to).
   cuda::WaitForPreviousKernel();

@@ -132,6 +132,7 @@ __global__ void __launch_bounds__(kThreads)
 
   const int my_chunks = (num_chunks - slice + k_split - 1) / k_split;
   load_weights(wa, 0);
+  load_weights(wb, U);  // past my_chunks: guarded, zeros
   cuda::WaitForPreviousKernel();
   if constexpr (kNorm) {
     cuda::RmsNormRowsToShared(

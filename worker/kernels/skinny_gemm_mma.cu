@@ -167,6 +167,7 @@ __global__ void __launch_bounds__(kThreads)
       (kNorm ? reinterpret_cast<const __nv_bfloat16*>(normed) : p.input) +
       static_cast<int64_t>(min(g, num_tokens - 1)) * x_stride;
   load_weights(wa, 0);
+  load_weights(wb, U);  // past my_chunks: guarded, zeros
   cuda::WaitForPreviousKernel();
   if constexpr (kNorm) {
     cuda::RmsNormRowsToShared(
