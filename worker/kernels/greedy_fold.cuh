@@ -47,7 +47,9 @@ __device__ __forceinline__ GreedyPartial EmptyGreedyPartial() {
 
 // a then b, with the ids of a below those of b or the two disjoint: the
 // larger max wins, ties to the lower id; the sums are rescaled to the new
-// max.
+// max. The multiply-adds are spelled out (__fmaf_rn, __fmul_rn) so that no
+// kernel that inlines this contracts them its own way: the slice kernel and
+// the LM head must fold to the same bits.
 __device__ __forceinline__ GreedyPartial Fold(const GreedyPartial& a,
                                               const GreedyPartial& b) {
   GreedyPartial f;
@@ -55,9 +57,9 @@ __device__ __forceinline__ GreedyPartial Fold(const GreedyPartial& a,
   f.index = a.max > b.max   ? a.index
             : b.max > a.max ? b.index
                             : min(a.index, b.index);
-  f.sum = f.max == -INFINITY
-              ? 0.0f
-              : a.sum * expf(a.max - f.max) + b.sum * expf(b.max - f.max);
+  f.sum = f.max == -INFINITY ? 0.0f
+                             : __fmaf_rn(a.sum, expf(a.max - f.max),
+                                         __fmul_rn(b.sum, expf(b.max - f.max)));
   return f;
 }
 
@@ -130,11 +132,12 @@ FoldGreedyTile(const float* __restrict__ values, int count, int first_id) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {  // ascending ids
       if (l[u] > local.max) {
-        local.sum = local.sum * expf(local.max - l[u]) + 1.0f;  // -inf: 0·0
+        // -inf max: 0 · 0 + 1
+        local.sum = __fmaf_rn(local.sum, expf(local.max - l[u]), 1.0f);
         local.max = l[u];
         local.index = first_id + first + u * kWarpSize;
       } else if (l[u] != -INFINITY) {
-        local.sum += expf(l[u] - local.max);
+        local.sum = __fadd_rn(local.sum, expf(l[u] - local.max));
       }
     }
   }
