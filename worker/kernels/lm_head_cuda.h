@@ -47,9 +47,6 @@ struct GreedyHeadCudaParams {
   float norm_epsilon = 0.0f;
   const int32_t* row_index = nullptr;  // [1], read on the device
   int num_input_rows = 0;
-  // Launch with programmatic stream serialization: the weight loads start
-  // while the previous kernel (the final norm) drains.
-  bool programmatic_launch = true;
 };
 
 // The widest row the norm prologue takes: the RMSNorm kernel's vectorized

@@ -171,9 +171,9 @@ bool GreedyHeadCudaSupports(const GreedyHeadCudaParams& p) {
 cudaError_t LaunchGreedyHeadCuda(const GreedyHeadCudaParams& p,
                                  cudaStream_t stream) {
   if (!GreedyHeadCudaSupports(p)) return cudaErrorInvalidValue;
-  const cuda::DependentLaunch launch =
-      p.programmatic_launch ? cuda::DependentLaunch::kProgrammatic
-                            : cuda::DependentLaunch::kSerialized;
+  // Programmatic stream serialization: the weight loads start while the
+  // previous kernel (the final norm, or the last down projection) drains.
+  const cuda::DependentLaunch launch = cuda::DependentLaunch::kProgrammatic;
   const dim3 grid(cuda::kGreedyTilesPerRow), block(kThreads);
   return p.norm_weight != nullptr
              ? cuda::LaunchKernel(GreedyHeadKernel<true>, grid, block,

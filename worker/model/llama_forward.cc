@@ -41,7 +41,8 @@ size_t AttentionWorkspaceBytes(const ModelConfig& c,
       static_cast<int>(c.head_dim), o.max_blocks_per_seq, o.block_size);
 }
 
-size_t GreedyTilesBytes(DeviceKind kind) {
+// The LM head's greedy tile folds (one row), on CUDA only.
+size_t HeadTilesBytes(DeviceKind kind) {
   return kind == DeviceKind::kCuda ? kernels::GreedyTilesBytes(1) : 0;
 }
 
@@ -75,7 +76,7 @@ size_t LlamaForward::ActivationBytes(const ModelConfig& c,
          Aligned(t * c.intermediate_size * e) + Aligned(s * c.hidden_size * e) +
          Aligned(s * c.vocab_size * f) + Aligned(c.head_dim / 2 * f) +
          Aligned(AttentionWorkspaceBytes(c, o, kind)) +
-         Aligned(GreedyTilesBytes(kind));
+         Aligned(HeadTilesBytes(kind));
 }
 
 size_t LlamaForward::KvCacheBytes(const ModelConfig& c,
@@ -176,9 +177,9 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
     PDW_ASSIGN_OR_RETURN(act.attention_workspace,
                          a.Allocate(workspace_bytes, "attention_workspace"));
   }
-  if (GreedyTilesBytes(kind) > 0) {
+  if (HeadTilesBytes(kind) > 0) {
     PDW_ASSIGN_OR_RETURN(act.greedy_tiles,
-                         a.Allocate(GreedyTilesBytes(kind), "greedy_tiles"));
+                         a.Allocate(HeadTilesBytes(kind), "greedy_tiles"));
   }
 
   const int64_t cache_elems = static_cast<int64_t>(options.num_blocks) *
