@@ -73,11 +73,13 @@ void LinearCpu(const LinearParams& p) {
   }
 }
 
+}  // namespace
+
 #if PDW_HAVE_CUDA
 static_assert(kLinearSkinnyMaxTokens == kSkinnyGemmMaxTokens,
               "linear.h and linear_cuda.h agree on the skinny GEMMs' range");
 
-LinearCudaParams ToCudaParams(const LinearParams& p) {
+LinearCudaParams ToLinearCudaParams(const LinearParams& p) {
   LinearCudaParams c;
   c.input = p.input.as<const __nv_bfloat16>();
   c.weight = p.weight.as<const __nv_bfloat16>();
@@ -125,9 +127,16 @@ LinearCudaParams ToCudaParams(const LinearParams& p) {
   }
   return c;
 }
+#endif
 
-absl::Status LinearOnCuda(Stream& stream, const LinearParams& p) {
-  const LinearCudaParams c = ToCudaParams(p);
+namespace {
+
+#if PDW_HAVE_CUDA
+// LinearOnCuda's checks of the fusions and the forced kernel, and its
+// launch params.
+absl::StatusOr<LinearCudaParams> CheckedCudaParams(const Stream& stream,
+                                                   const LinearParams& p) {
+  const LinearCudaParams c = ToLinearCudaParams(p);
   if (p.epilogue == LinearEpilogue::kSiluAndMul && !LinearCanFuse(stream, p)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s: epilogue silu_and_mul needs a skinny GEMM (num_tokens=%d; "
@@ -165,6 +174,11 @@ absl::Status LinearOnCuda(Stream& stream, const LinearParams& p) {
         c.kernel == LinearCudaKernel::kSkinnyMma ? "skinny_mma" : "skinny_gemm",
         kSkinnyGemmMaxTokens, p.num_tokens, p.in_features));
   }
+  return c;
+}
+
+absl::Status LinearOnCuda(Stream& stream, const LinearParams& p) {
+  PDW_ASSIGN_OR_RETURN(const LinearCudaParams c, CheckedCudaParams(stream, p));
   return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
     const LinearCudaResult result =
         LaunchLinearCuda(c, static_cast<cudaStream_t>(ctx.cuda_stream),
@@ -233,7 +247,7 @@ bool LinearCanFuse(const Stream& stream, const LinearParams& p) {
           DTypeSize(p.dtype) * static_cast<size_t>(p.in_features)) {
     return false;
   }
-  const LinearCudaParams c = ToCudaParams(p);
+  const LinearCudaParams c = ToLinearCudaParams(p);
   const LinearCudaKernel kernel = ChosenLinearCudaKernel(c);
   switch (kernel) {
     case LinearCudaKernel::kSkinnyGemm:
@@ -251,7 +265,10 @@ bool LinearCanFuse(const Stream& stream, const LinearParams& p) {
 #endif
 }
 
-absl::Status LaunchLinear(Stream& stream, const LinearParams& p) {
+namespace {
+
+// Everything LaunchLinear checks before it picks the backend's kernel.
+absl::Status CheckLinear(const Stream& stream, const LinearParams& p) {
   absl::Status status =
       FirstError({CheckPositive(kOp, "num_tokens", p.num_tokens),
                   CheckPositive(kOp, "in_features", p.in_features),
@@ -307,6 +324,25 @@ absl::Status LaunchLinear(Stream& stream, const LinearParams& p) {
   if (p.epilogue == LinearEpilogue::kRopeKvCache) {
     PDW_RETURN_IF_ERROR(CheckRopeEpilogue(stream, p));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+#if PDW_HAVE_CUDA
+absl::StatusOr<LinearCudaParams> ResolveLinearCuda(const Stream& stream,
+                                                   const LinearParams& p) {
+  PDW_RETURN_IF_ERROR(CheckLinear(stream, p));
+  if (stream.kind() != DeviceKind::kCuda) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: not a CUDA stream", kOp));
+  }
+  return CheckedCudaParams(stream, p);
+}
+#endif
+
+absl::Status LaunchLinear(Stream& stream, const LinearParams& p) {
+  PDW_RETURN_IF_ERROR(CheckLinear(stream, p));
 #if PDW_HAVE_CUDA
   if (stream.kind() == DeviceKind::kCuda) return LinearOnCuda(stream, p);
 #endif

@@ -5,10 +5,16 @@
 #define PDWORKER_WORKER_KERNELS_LINEAR_H_
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "pdw_cuda_config.h"  // PDW_HAVE_CUDA
 #include "worker/kernels/rope_kv_cache.h"
 #include "worker/model/dtype.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
+
+#if PDW_HAVE_CUDA
+#include "worker/kernels/linear_cuda.h"
+#endif
 
 namespace pdworker {
 namespace kernels {
@@ -92,6 +98,17 @@ bool LinearCanFuse(const Stream& stream, const LinearParams& p);
 // algorithm per shape, so row t may differ in the last bits between token
 // counts (graph at the padded count vs eager at the real one).
 absl::Status LaunchLinear(Stream& stream, const LinearParams& p);
+
+#if PDW_HAVE_CUDA
+// The CUDA launcher's params for `p`, field by field (no checks).
+LinearCudaParams ToLinearCudaParams(const LinearParams& p);
+
+// What LaunchLinear checks on a CUDA stream, and the params it would launch
+// with (kernels that run a layer inside a bigger kernel take these; the
+// skinny GEMM's split is SkinnyGemmKSplit of the shape).
+absl::StatusOr<LinearCudaParams> ResolveLinearCuda(const Stream& stream,
+                                                   const LinearParams& p);
+#endif
 
 }  // namespace kernels
 }  // namespace pdworker

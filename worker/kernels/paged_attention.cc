@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 #include "glog/logging.h"
 #include "pdw_cuda_config.h"  // PDW_HAVE_CUDA, PDW_HAVE_NCCL
 #include "worker/kernels/kernel_checks.h"
@@ -578,30 +579,43 @@ absl::Status LaunchPagedAttention(Stream& stream,
       kOp, [resolved](const OpContext&) { VarlenAttentionCpu(resolved); });
 }
 
+#if PDW_HAVE_CUDA
+absl::StatusOr<PagedAttentionCudaParams> ResolveUniformDecodeCuda(
+    const Stream& stream, const PagedAttentionParams& p) {
+  constexpr char kOp[] = "paged_attention_decode";
+  PagedAttentionParams resolved;
+  PDW_RETURN_IF_ERROR(
+      CheckAndResolve(stream, kOp, Routine::kUniformDecode, p, &resolved));
+  if (stream.kind() != DeviceKind::kCuda) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: not a CUDA stream", kOp));
+  }
+  PagedAttentionCudaParams c = ToCudaParams(resolved);
+  c.programmatic_launch = resolved.decode_pdl == DecodeAttentionPdl::kOn;
+  c.decode_tensor_cores =
+      resolved.decode_kernel == DecodeAttentionKernel::kTensorCores ||
+      (resolved.decode_kernel == DecodeAttentionKernel::kAuto &&
+       kDecodeAttentionAutoTensorCores && PagedAttentionDecodeMmaSupports(c));
+  if (c.decode_tensor_cores && !PagedAttentionDecodeMmaSupports(c)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: decode_kernel kTensorCores covers head_dim 64 or 128 with at "
+        "most 16 query rows per kv head and 16-byte aligned query rows; got "
+        "head_dim %d, %d heads over %d kv heads, uniform_query_len %d, "
+        "query_row_stride %d",
+        kOp, p.head_dim, p.num_heads, p.num_kv_heads, p.uniform_query_len,
+        resolved.query_row_stride));
+  }
+  return c;
+}
+#endif
+
 absl::Status LaunchPagedAttentionUniformDecode(Stream& stream,
                                                const PagedAttentionParams& p) {
   constexpr char kOp[] = "paged_attention_decode";
-  PagedAttentionParams resolved;
-  absl::Status status =
-      CheckAndResolve(stream, kOp, Routine::kUniformDecode, p, &resolved);
-  if (!status.ok()) return status;
 #if PDW_HAVE_CUDA
   if (stream.kind() == DeviceKind::kCuda) {
-    PagedAttentionCudaParams c = ToCudaParams(resolved);
-    c.programmatic_launch = resolved.decode_pdl == DecodeAttentionPdl::kOn;
-    c.decode_tensor_cores =
-        resolved.decode_kernel == DecodeAttentionKernel::kTensorCores ||
-        (resolved.decode_kernel == DecodeAttentionKernel::kAuto &&
-         kDecodeAttentionAutoTensorCores && PagedAttentionDecodeMmaSupports(c));
-    if (c.decode_tensor_cores && !PagedAttentionDecodeMmaSupports(c)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s: decode_kernel kTensorCores covers head_dim 64 or 128 with at "
-          "most 16 query rows per kv head and 16-byte aligned query rows; got "
-          "head_dim %d, %d heads over %d kv heads, uniform_query_len %d, "
-          "query_row_stride %d",
-          kOp, p.head_dim, p.num_heads, p.num_kv_heads, p.uniform_query_len,
-          resolved.query_row_stride));
-    }
+    PDW_ASSIGN_OR_RETURN(const PagedAttentionCudaParams c,
+                         ResolveUniformDecodeCuda(stream, p));
     return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
       return CudaStatus(LaunchPagedAttentionDecodeCuda(
                             c, static_cast<cudaStream_t>(ctx.cuda_stream)),
@@ -609,6 +623,9 @@ absl::Status LaunchPagedAttentionUniformDecode(Stream& stream,
     });
   }
 #endif
+  PagedAttentionParams resolved;
+  PDW_RETURN_IF_ERROR(
+      CheckAndResolve(stream, kOp, Routine::kUniformDecode, p, &resolved));
   return stream.Launch(kOp, [resolved](const OpContext&) {
     UniformDecodeAttentionCpu(resolved);
   });

@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "worker/kernels/cuda_common.cuh"
+#include "worker/kernels/decode_attention_cta.cuh"
 #include "worker/kernels/paged_attention_cuda.h"
 
 namespace pdworker {
@@ -384,29 +385,9 @@ __global__ void __launch_bounds__(kThreads)
 // [num_tokens, num_heads, num_splits, head_dim], then maxima and sums
 // [num_tokens, num_heads, num_splits] each.
 // ---------------------------------------------------------------------------
-struct DecodeWorkspace {
-  float* out;
-  float* max;
-  float* sum;
-};
-
-__device__ __forceinline__ DecodeWorkspace
-Carve(const PagedAttentionCudaParams& p) {
-  const int64_t slots =
-      static_cast<int64_t>(p.num_tokens) * p.num_heads * p.num_splits;
-  DecodeWorkspace w;
-  w.out = p.workspace;
-  w.max = p.workspace + slots * p.head_dim;
-  w.sum = w.max + slots;
-  return w;
-}
-
-__device__ __forceinline__ int ContextLen(const PagedAttentionCudaParams& p,
-                                          int seq_len) {
-  return static_cast<int>(
-      min(static_cast<int64_t>(seq_len),
-          static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size));
-}
+using decode_cta::Carve;
+using decode_cta::ContextLen;
+using decode_cta::DecodeWorkspace;
 
 template <int kRows>
 __global__ void __launch_bounds__(kThreads)
@@ -468,47 +449,8 @@ __global__ void __launch_bounds__(kReduceThreads)
     DecodeReduceKernel(PagedAttentionCudaParams p) {
   cuda::AllowDependentLaunch();
   cuda::WaitForPreviousKernel();  // the split kernel's partials
-  const int token = blockIdx.x;
-  const int head = blockIdx.y;
-  const int k = p.uniform_query_len;
-  const int seq_len = p.seq_lens[token / k];
-  __nv_bfloat16* out =
-      p.output +
-      (static_cast<int64_t>(token) * p.num_heads + head) * p.head_dim;
-  const int context_len = seq_len <= 0 ? 0 : ContextLen(p, seq_len);
-  int num_splits = 0;
-  if (context_len > 0) {
-    const int span = CudaDecodeSplitSpan(context_len, p.num_splits);
-    num_splits = (context_len + span - 1) / span;
-  }
-  const DecodeWorkspace w = Carve(p);
-  const int64_t base =
-      (static_cast<int64_t>(token) * p.num_heads + head) * p.num_splits;
-
-  float global_max = kNegInf;
-  for (int q = 0; q < num_splits; ++q) {
-    global_max = fmaxf(global_max, w.max[base + q]);
-  }
-  if (global_max == kNegInf) {  // padding request or nothing visible
-    for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
-      out[d] = FromFloat<__nv_bfloat16>(0.0f);
-    }
-    return;
-  }
-  // Split q contributes exp(max_q - global_max) · sum_q of the total mass;
-  // its stored output is already divided by sum_q.
-  float total = 0.0f;
-  for (int q = 0; q < num_splits; ++q) {
-    total += expf(w.max[base + q] - global_max) * w.sum[base + q];
-  }
-  for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
-    float o = 0.0f;
-    for (int q = 0; q < num_splits; ++q) {
-      const float weight = expf(w.max[base + q] - global_max) * w.sum[base + q];
-      o += weight * w.out[(base + q) * p.head_dim + d];
-    }
-    out[d] = FromFloat<__nv_bfloat16>(o / total);
-  }
+  decode_cta::DecodeReduceCta(p, blockIdx.x, blockIdx.y, threadIdx.x,
+                              blockDim.x);
 }
 
 int NumChunks(const PagedAttentionCudaParams& p, int heads_per_cta) {

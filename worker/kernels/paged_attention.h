@@ -11,11 +11,17 @@
 #include <cstddef>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "dispatcher/attention_cg_support.h"
+#include "pdw_cuda_config.h"  // PDW_HAVE_CUDA
 #include "worker/model/dtype.h"
 #include "worker/runtime/device.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
+
+#if PDW_HAVE_CUDA
+#include "worker/kernels/paged_attention_cuda.h"
+#endif
 
 namespace pdworker {
 namespace kernels {
@@ -245,6 +251,14 @@ absl::Status LaunchPagedAttention(Stream& stream,
 // (another split), but are fixed for a given shape.
 absl::Status LaunchPagedAttentionUniformDecode(Stream& stream,
                                                const PagedAttentionParams& p);
+
+#if PDW_HAVE_CUDA
+// What LaunchPagedAttentionUniformDecode checks on a CUDA stream, and the
+// params of its kernels (split count, split kernel, PDL), for kernels that
+// run the attention inside a bigger kernel.
+absl::StatusOr<PagedAttentionCudaParams> ResolveUniformDecodeCuda(
+    const Stream& stream, const PagedAttentionParams& p);
+#endif
 
 }  // namespace kernels
 }  // namespace pdworker
