@@ -94,6 +94,14 @@ ABSL_FLAG(std::string, greedy_head, "on",
           "on (the default): a one-row step's LM head also folds its logits "
           "for the greedy sampler, which then skips its pass over them; "
           "off: the head's GEMM, then the sampler's slice kernel.");
+ABSL_FLAG(std::string, megakernel, "off",
+          "on: one-token decode steps run every layer in one cooperative "
+          "kernel (DecodeMegakernel); off: kernel by kernel.");
+ABSL_FLAG(int, megakernel_ctas_per_sm, 0,
+          "The megakernel's resident CTAs per SM (0: as many as fit).");
+ABSL_FLAG(int64_t, megakernel_prefetch_mib, -1,
+          "MiB of weights ahead the megakernel asks L2 to prefetch (-1: half "
+          "of L2, 0: none).");
 ABSL_FLAG(std::string, decode_attention_pdl, "on",
           "on (the default): the decode attention's split and reduce "
           "kernels launch under programmatic dependent launch; off: fully "
@@ -236,6 +244,15 @@ std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
       << "--greedy_head: on or off, got " << greedy_head;
   o.greedy_head_fusion =
       greedy_head == "on" ? GreedyHeadFusion::kOn : GreedyHeadFusion::kOff;
+  const std::string megakernel = absl::GetFlag(FLAGS_megakernel);
+  CHECK(megakernel == "on" || megakernel == "off")
+      << "--megakernel: on or off, got " << megakernel;
+  o.decode_megakernel =
+      megakernel == "on" ? DecodeMegakernel::kOn : DecodeMegakernel::kOff;
+  o.megakernel_tuning.ctas_per_sm = absl::GetFlag(FLAGS_megakernel_ctas_per_sm);
+  const int64_t prefetch_mib = absl::GetFlag(FLAGS_megakernel_prefetch_mib);
+  o.megakernel_tuning.prefetch_window_bytes =
+      prefetch_mib < 0 ? -1 : prefetch_mib << 20;
   auto runner = ModelRunner::Create(device, dir, o);
   CHECK(runner.ok()) << runner.status();
   return std::move(*runner);

@@ -46,6 +46,14 @@ size_t HeadTilesBytes(DeviceKind kind) {
   return kind == DeviceKind::kCuda ? kernels::GreedyTilesBytes(1) : 0;
 }
 
+// The megakernel's table and barrier, where it is asked for on CUDA.
+size_t MegakernelBytes(const ModelConfig& c, const LlamaForwardOptions& o,
+                       DeviceKind kind) {
+  if (o.decode_megakernel == DecodeMegakernel::kOff) return 0;
+  return kernels::DecodeMegakernelBytes(kind,
+                                        static_cast<int>(c.num_hidden_layers));
+}
+
 kernels::RopeConfig RopeConfigFor(const ModelConfig& c) {
   kernels::RopeConfig rope;
   rope.head_dim = static_cast<int>(c.head_dim);
@@ -76,7 +84,7 @@ size_t LlamaForward::ActivationBytes(const ModelConfig& c,
          Aligned(t * c.intermediate_size * e) + Aligned(s * c.hidden_size * e) +
          Aligned(s * c.vocab_size * f) + Aligned(c.head_dim / 2 * f) +
          Aligned(AttentionWorkspaceBytes(c, o, kind)) +
-         Aligned(HeadTilesBytes(kind));
+         Aligned(HeadTilesBytes(kind)) + Aligned(MegakernelBytes(c, o, kind));
 }
 
 size_t LlamaForward::KvCacheBytes(const ModelConfig& c,
@@ -181,6 +189,11 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
     PDW_ASSIGN_OR_RETURN(act.greedy_tiles,
                          a.Allocate(HeadTilesBytes(kind), "greedy_tiles"));
   }
+  const size_t megakernel_bytes = MegakernelBytes(config, options, kind);
+  if (megakernel_bytes > 0) {
+    PDW_ASSIGN_OR_RETURN(act.megakernel,
+                         a.Allocate(megakernel_bytes, "megakernel"));
+  }
 
   const int64_t cache_elems = static_cast<int64_t>(options.num_blocks) *
                               options.block_size * config.kv_size();
@@ -222,6 +235,9 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
     f->fuses_decode_layers_[n] =
         n <= f->options_.max_num_tokens && f->CanFuseDecodeLayers(n);
   }
+  if (options.decode_megakernel == DecodeMegakernel::kOn) {
+    PDW_RETURN_IF_ERROR(f->CreateMegakernel());
+  }
   return f;
 }
 
@@ -241,7 +257,44 @@ absl::Status LlamaForward::Run(const ForwardContext& context) {
   return full_->Run(context, input_addresses_);
 }
 
+absl::Status LlamaForward::CreateMegakernel() {
+  if (stream_.kind() != DeviceKind::kCuda) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "LlamaForward: decode_megakernel on runs on the CUDA backend only, "
+        "not on ",
+        DeviceKindName(stream_.kind())));
+  }
+  if (options_.uniform_decode_query_len != 1 || !FusesDecodeLayers(1)) {
+    return absl::InvalidArgumentError(
+        "LlamaForward: decode_megakernel on needs the fused one-token decode "
+        "step (decode_fusion on, uniform_decode_query_len 1, bf16 layers the "
+        "skinny GEMM fuses)");
+  }
+  std::vector<kernels::DecodeMegakernelLayer> layers;
+  for (int l = 0; l < static_cast<int>(config_.num_hidden_layers); ++l) {
+    const LayerLinears linears = Linears(l, 1, /*fused=*/true);
+    layers.push_back({linears.qkv, linears.o_proj, linears.gate_up,
+                      linears.down, AttentionParams(l, 1, /*uniform=*/true)});
+  }
+  PDW_ASSIGN_OR_RETURN(megakernel_, kernels::DecodeMegakernelPlan::Create(
+                                        stream_, act_.megakernel, layers,
+                                        options_.megakernel_tuning));
+  return absl::OkStatus();
+}
+
+bool LlamaForward::UsesDecodeMegakernel(const ForwardContext& context) const {
+  const BatchDescriptor& d = context.batch_descriptor;
+  return megakernel_.has_value() && d.uniform && d.num_tokens == 1 &&
+         context.runtime_mode != RuntimeMode::kPiecewise;
+}
+
 absl::Status LlamaForward::RunBody(const ForwardContext& context) {
+  if (UsesDecodeMegakernel(context)) {
+    // The same launches as below, the layers' kernels in one.
+    PDW_RETURN_IF_ERROR(kernels::LaunchEmbedding(stream_, EmbeddingFor(1)));
+    PDW_RETURN_IF_ERROR(megakernel_->Launch(stream_));
+    return RunHead(context, /*fused=*/true);
+  }
   const int num_layers = static_cast<int>(config_.num_hidden_layers);
   for (int layer = 0; layer < num_layers; ++layer) {
     PDW_RETURN_IF_ERROR(pieces_[layer]->Run(context, input_addresses_));
@@ -372,14 +425,8 @@ absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
 
   if (i == 0) {
     // residual = embed(tokens); hidden = input_norm[0](residual).
-    kernels::EmbeddingParams embed{step_.token_ids,
-                                   weights_.embed_tokens,
-                                   act_.residual,
-                                   num_tokens,
-                                   static_cast<int>(config_.vocab_size),
-                                   hidden,
-                                   dtype};
-    PDW_RETURN_IF_ERROR(kernels::LaunchEmbedding(stream_, embed));
+    PDW_RETURN_IF_ERROR(
+        kernels::LaunchEmbedding(stream_, EmbeddingFor(num_tokens)));
     if (!fused) {
       kernels::RmsNormParams norm{act_.residual, weights_.layers[0].input_norm,
                                   act_.hidden,   num_tokens,
@@ -402,10 +449,28 @@ absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
     }
     return kernels::LaunchLinear(stream_, Linears(i, num_tokens, fused).qkv);
   }
-  // Last piece: the final norm of each request's last token only (it also
-  // gathers those rows, logits_indices[r], into `gathered`; -1 gives a zero
-  // row), then their logits. Rows nobody samples are never normalized. A
-  // head that normalizes its own row (LmHeadFor) is the whole piece.
+  return RunHead(context, fused);
+}
+
+kernels::EmbeddingParams LlamaForward::EmbeddingFor(int num_tokens) const {
+  return {step_.token_ids,
+          weights_.embed_tokens,
+          act_.residual,
+          num_tokens,
+          static_cast<int>(config_.vocab_size),
+          static_cast<int>(config_.hidden_size),
+          weights_.dtype};
+}
+
+absl::Status LlamaForward::RunHead(const ForwardContext& context, bool fused) {
+  const int num_tokens = context.batch_descriptor.num_tokens;
+  const int hidden = static_cast<int>(config_.hidden_size);
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  const DType dtype = weights_.dtype;
+  // The final norm of each request's last token only (it also gathers
+  // those rows, logits_indices[r], into `gathered`; -1 gives a zero row),
+  // then their logits. Rows nobody samples are never normalized. A head
+  // that normalizes its own row (LmHeadFor) is the whole of it.
   const int num_rows = LogitsRows(context);
   const kernels::LmHeadParams head = LmHeadFor(context);
   if (!head.norm_weight.empty()) return kernels::LaunchLmHead(stream_, head);
@@ -500,27 +565,17 @@ kernels::RopeKvCacheParams LlamaForward::RopeParams(int layer,
   return rope;
 }
 
-absl::Status LlamaForward::RunAttention(int layer,
-                                        const ForwardContext& context) {
-  const int num_tokens = context.batch_descriptor.num_tokens;
+kernels::PagedAttentionParams LlamaForward::AttentionParams(
+    int layer, int num_tokens, bool uniform) const {
   const int heads = static_cast<int>(config_.num_attention_heads);
   const int kv_heads = static_cast<int>(config_.num_key_value_heads);
   const int head_dim = static_cast<int>(config_.head_dim);
-  const int qkv_stride = (heads + 2 * kv_heads) * head_dim;
-  const DType dtype = weights_.dtype;
-  const kernels::RopeKvCacheParams rope = RopeParams(layer, num_tokens);
-  // A fused step's qkv projection rotated q and k and wrote the KV cache.
-  if (!FusesDecodeLayers(num_tokens)) {
-    PDW_RETURN_IF_ERROR(kernels::LaunchRopeKvCache(stream_, rope));
-  }
-  const DeviceBuffer q = rope.query;
-
   kernels::PagedAttentionParams attn;
   attn.num_reqs = step_.num_reqs;
   attn.query_start_loc = step_.query_start_loc;
   attn.seq_lens = step_.seq_lens;
   attn.block_tables = step_.block_tables;
-  attn.query = q;
+  attn.query = RopeParams(layer, num_tokens).query;
   attn.key_cache = key_cache_[layer];
   attn.value_cache = value_cache_[layer];
   attn.output = act_.attn_out;
@@ -532,8 +587,8 @@ absl::Status LlamaForward::RunAttention(int layer,
   attn.block_size = options_.block_size;
   attn.num_blocks = options_.num_blocks;
   attn.max_blocks_per_seq = options_.max_blocks_per_seq;
-  attn.query_row_stride = qkv_stride;
-  attn.dtype = dtype;
+  attn.query_row_stride = (heads + 2 * kv_heads) * head_dim;
+  attn.dtype = weights_.dtype;
   attn.workspace = act_.attention_workspace;
   // A uniform descriptor (a uniform decode key, in its graph or in its
   // warm-up runs; never a NONE step, whose descriptor is relaxed) means the
@@ -541,7 +596,7 @@ absl::Status LlamaForward::RunAttention(int layer,
   // bit-identical to varlen; on CUDA it is split-K with other bits, so the
   // choice must depend on the descriptor alone for an eager run and a graph
   // of the same key to agree bit for bit.
-  if (context.batch_descriptor.uniform) {
+  if (uniform) {
     attn.uniform_query_len = options_.uniform_decode_query_len;
     attn.decode_pdl = options_.decode_attention_pdl;
     const bool tensor_cores_cover =
@@ -552,10 +607,25 @@ absl::Status LlamaForward::RunAttention(int layer,
         tensor_cores_cover) {
       attn.decode_kernel = options_.decode_attention_kernel;
     }
-    return kernels::LaunchPagedAttentionUniformDecode(stream_, attn);
+  } else {
+    attn.varlen_kernel = options_.varlen_attention_kernel;
   }
-  attn.varlen_kernel = options_.varlen_attention_kernel;
-  return kernels::LaunchPagedAttention(stream_, attn);
+  return attn;
+}
+
+absl::Status LlamaForward::RunAttention(int layer,
+                                        const ForwardContext& context) {
+  const int num_tokens = context.batch_descriptor.num_tokens;
+  // A fused step's qkv projection rotated q and k and wrote the KV cache.
+  if (!FusesDecodeLayers(num_tokens)) {
+    PDW_RETURN_IF_ERROR(
+        kernels::LaunchRopeKvCache(stream_, RopeParams(layer, num_tokens)));
+  }
+  const bool uniform = context.batch_descriptor.uniform;
+  const kernels::PagedAttentionParams attn =
+      AttentionParams(layer, num_tokens, uniform);
+  return uniform ? kernels::LaunchPagedAttentionUniformDecode(stream_, attn)
+                 : kernels::LaunchPagedAttention(stream_, attn);
 }
 
 }  // namespace pdworker

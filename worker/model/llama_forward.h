@@ -28,6 +28,7 @@
 #include <array>
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -35,6 +36,8 @@
 #include "dispatcher/capture_lifecycle.h"
 #include "dispatcher/forward_context.h"
 #include "dispatcher/graph_wrapper.h"
+#include "worker/kernels/decode_megakernel.h"
+#include "worker/kernels/embedding.h"
 #include "worker/kernels/linear.h"
 #include "worker/kernels/lm_head.h"
 #include "worker/kernels/paged_attention.h"
@@ -52,6 +55,17 @@ enum class DecodeFusion { kOff, kOn };
 // greedy step's sampler skips its pass over the logits; kOff: never (tests
 // and benchmarks compare the two; tokens and logprobs are the same bits).
 enum class GreedyHeadFusion { kOff, kOn };
+
+// kOn: on CUDA, a one-token uniform decode step (batch 1 in its FULL graph
+// and the graph's warm-up runs) runs every decoder layer in one cooperative
+// kernel (kernels::DecodeMegakernelPlan: the fused step's CTA bodies, so
+// the same bits, with L2 prefetch of the weights ahead); the embedding and
+// the LM head stay kernels of their own. kOff: the layers' kernels one by
+// one. Create refuses kOn where the megakernel cannot run the model (not
+// CUDA, DecodeFusion::kOff, a head_dim other than 64 or 128, a forced
+// kernel other than the CUDA-core skinny GEMM or the tensor-core decode
+// attention).
+enum class DecodeMegakernel { kOff, kOn };
 
 struct LlamaForwardOptions {
   int max_num_tokens = 0;  // padded query tokens per step
@@ -75,6 +89,9 @@ struct LlamaForwardOptions {
   // (bench/RESULTS.md, 2026-11-27), with every logit bit-identical.
   DecodeFusion decode_fusion = DecodeFusion::kOn;
   GreedyHeadFusion greedy_head_fusion = GreedyHeadFusion::kOn;
+  // Off by default until an H200 run has timed it (bench/RESULTS.md).
+  DecodeMegakernel decode_megakernel = DecodeMegakernel::kOff;
+  kernels::DecodeMegakernelTuning megakernel_tuning;
   // The uniform-decode attention's split kernel on CUDA. kTensorCores runs
   // the tensor-core one where it covers the model (head_dim 64 or 128, at
   // most 16 query rows per kv head) and kAuto elsewhere, so a benchmark can
@@ -112,6 +129,9 @@ struct LlamaActivations {
   // CUDA only: one row's greedy tile folds (kernels::GreedyTilesBytes(1)),
   // written by the LM head of a one-row step (GreedyHeadFusion).
   DeviceBuffer greedy_tiles;
+  // CUDA, DecodeMegakernel::kOn: the megakernel's layer table and barrier
+  // (kernels::DecodeMegakernelBytes).
+  DeviceBuffer megakernel;
 };
 
 class LlamaForward {
@@ -184,6 +204,18 @@ class LlamaForward {
   absl::Status RunBody(const ForwardContext& context);
   // Piece `i` in [0, num_layers]; see the file comment.
   absl::Status RunPiece(int i, const ForwardContext& context);
+  // The embedding of piece 0 and the final norm + LM head of the last piece.
+  kernels::EmbeddingParams EmbeddingFor(int num_tokens) const;
+  absl::Status RunHead(const ForwardContext& context, bool fused);
+  // True when `context` runs its layers in the megakernel: a plan exists,
+  // a uniform one-token key, not piecewise.
+  bool UsesDecodeMegakernel(const ForwardContext& context) const;
+  // Builds megakernel_ from the fused one-token step's launches (Create).
+  absl::Status CreateMegakernel();
+  // The paged attention launch of `layer` for a step of `num_tokens` with
+  // `context`'s descriptor (uniform: the decode routine).
+  kernels::PagedAttentionParams AttentionParams(int layer, int num_tokens,
+                                                bool uniform) const;
   absl::Status RunAttention(int layer, const ForwardContext& context);
   // The four projections of a layer. Unfused: qkv reads act_.hidden (the
   // normalized residual), o_proj and down write act_.hidden (the residual's
@@ -224,6 +256,8 @@ class LlamaForward {
   // out once at Create (a step asks once per piece and per attention layer;
   // larger steps never fuse: no skinny GEMM runs them).
   std::array<bool, kernels::kLinearSkinnyMaxTokens + 1> fuses_decode_layers_{};
+  // DecodeMegakernel::kOn on CUDA: the plan one-token uniform steps launch.
+  std::optional<kernels::DecodeMegakernelPlan> megakernel_;
 };
 
 }  // namespace pdworker

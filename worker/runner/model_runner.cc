@@ -229,6 +229,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   fo.linear_kernel = options.linear_kernel;
   fo.decode_fusion = options.decode_fusion;
   fo.greedy_head_fusion = options.greedy_head_fusion;
+  fo.decode_megakernel = options.decode_megakernel;
+  fo.megakernel_tuning = options.megakernel_tuning;
   fo.decode_attention_kernel = options.decode_attention_kernel;
   fo.decode_attention_pdl = options.decode_attention_pdl;
   fo.varlen_attention_kernel = options.varlen_attention_kernel;

@@ -70,6 +70,11 @@ struct ModelRunnerOptions {
   // A one-row step's LM head folds its logits for the greedy sampler
   // (LlamaForwardOptions::greedy_head_fusion).
   GreedyHeadFusion greedy_head_fusion = GreedyHeadFusion::kOn;
+  // One-token uniform decode steps run every layer in one cooperative
+  // kernel (LlamaForwardOptions::decode_megakernel; CUDA only, refused
+  // elsewhere), with its tuning (ctas per SM, L2 prefetch window).
+  DecodeMegakernel decode_megakernel = DecodeMegakernel::kOff;
+  kernels::DecodeMegakernelTuning megakernel_tuning;
   // The uniform-decode attention's split kernel
   // (LlamaForwardOptions::decode_attention_kernel); benchmarks compare.
   kernels::DecodeAttentionKernel decode_attention_kernel =
