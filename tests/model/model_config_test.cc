@@ -203,7 +203,9 @@ TEST(ModelConfigTest, ParsesEveryTinyShape) {
       case TinyShape::kSmall:
       case TinyShape::kLlama1B:
       case TinyShape::kLlama0p5B:
-        ADD_FAILURE() << "benchmark shapes are not part of AllTinyShapes()";
+      case TinyShape::kHeadDim64:
+        ADD_FAILURE() << "benchmark and GPU-only shapes are not part of "
+                         "AllTinyShapes()";
         break;
     }
   }
@@ -316,6 +318,25 @@ TEST(ModelConfigTest, BenchmarkShapesParseByNameWithTheirDimensions) {
     EXPECT_EQ(c.max_position_embeddings, w.max_positions);
   }
   EXPECT_FALSE(ParseTinyShape("llama_0p5").ok());
+}
+
+// The GPU tests' shape for the kernels that need head_dim 64 (tensor-core
+// decode attention, decode megakernel): a Qwen2 with biases whose rows end
+// inside a 256-element load chunk.
+TEST(ModelConfigTest, HeadDim64ShapeParsesByName) {
+  absl::StatusOr<TinyShape> shape = ParseTinyShape("head_dim_64");
+  ASSERT_TRUE(shape.ok()) << shape.status();
+  TinyModelOptions options;
+  options.shape = *shape;
+  options.dtype = DType::kBFloat16;
+  const ModelConfig c = ParseOrDie(TinyModelConfigJson(options));
+  EXPECT_EQ(c.architecture, Architecture::kQwen2);
+  EXPECT_TRUE(c.qkv_bias);
+  EXPECT_EQ(c.head_dim, 64);
+  EXPECT_EQ(c.num_attention_heads, 3);
+  EXPECT_EQ(c.num_key_value_heads, 1);
+  EXPECT_NE(c.hidden_size % 256, 0);
+  EXPECT_NE(c.intermediate_size % 256, 0);
 }
 
 TEST(ModelConfigTest, Transformers5LayoutEqualsTransformers4Layout) {

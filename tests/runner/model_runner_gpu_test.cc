@@ -388,6 +388,124 @@ TEST_P(RunnerGpuTest, GreedyHeadFusionChangesNoTokenLogprobOrLogit) {
   }
 }
 
+// The decode megakernel runs the fused one-token step's CTA bodies on their
+// virtual grids, so every token, logprob and logit of a batch-1 decode step
+// must be the kernel-by-kernel step's bits; steps it does not run (prefill,
+// two rows) must be untouched. On the head_dim 64 shape (the tensor-core
+// decode attention it needs), with a 60-token prompt so the attention has
+// several splits, and once more on 3 CTAs, so every phase runs several
+// virtual CTAs on one CTA (and both halves of a CTA run split CTAs).
+TEST(DecodeMegakernelGpuTest, KeepsEveryBitOfTheKernelByKernelStep) {
+  auto device = CreateDevice(DeviceKind::kCuda);
+  if (!device.ok()) {
+    GTEST_SKIP() << "CUDA backend not available here ("
+                 << device.status().message() << ")";
+  }
+  auto dir = TinyModelDir(TinyShape::kHeadDim64);
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  const BatchDescriptor one_row{1, 1, true};
+  struct Outcome {
+    std::vector<int32_t> tokens;
+    std::vector<float> logprobs, top;
+    std::vector<std::vector<float>> logits;
+    size_t one_row_nodes = 0;
+  };
+  // Off, on, on with 3 CTAs.
+  constexpr int kConfigs = 3;
+  Outcome outcome[kConfigs];
+  for (int config = 0; config < kConfigs; ++config) {
+    SCOPED_TRACE(config);
+    ModelRunnerOptions o =
+        SmallOptions(R"({"cudagraph_mode":"FULL_AND_PIECEWISE",)"
+                     R"("cudagraph_capture_sizes":[1,2,4,8]})");
+    if (config > 0) o.decode_megakernel = DecodeMegakernel::kOn;
+    if (config == 2) o.megakernel_tuning.max_ctas = 3;
+    auto runner = ModelRunner::Create(**device, *dir, o);
+    ASSERT_TRUE(runner.ok()) << runner.status();
+    ASSERT_TRUE((*runner)->CaptureGraphs().ok());
+    Outcome& out = outcome[config];
+    out.one_row_nodes = (*runner)->forward().full_wrapper().NumNodes(one_row);
+    int32_t last = 0;
+    auto step = [&](std::vector<SequenceStep> batch) {
+      auto result = (*runner)->Execute(batch);
+      ASSERT_TRUE(result.ok()) << result.status();
+      for (const SequenceResult& r : result->sequences) {
+        out.tokens.push_back(r.token_id);
+        out.logprobs.push_back(r.logprob);
+        for (const TopLogprob& t : r.top_logprobs) {
+          out.top.push_back(static_cast<float>(t.token_id));
+          out.top.push_back(t.logprob);
+        }
+      }
+      last = result->sequences[0].token_id;
+      std::vector<float> l;
+      ASSERT_TRUE(
+          (*runner)->ReadLogits(static_cast<int>(batch.size()), &l).ok());
+      out.logits.push_back(std::move(l));
+    };
+    std::vector<int32_t> prompt;
+    for (int i = 0; i < 60; ++i) prompt.push_back((i * 37 + 11) % 512);
+    step({Seq("a", prompt)});
+    for (int i = 0; i < 6; ++i) step({Seq("a", {last})});
+    SequenceStep with_top = Seq("a", {last});
+    with_top.num_top_logprobs = 3;
+    step({with_top});
+    SequenceStep sampled = Seq("a", {last});
+    sampled.sampling.temperature = 0.8f;
+    sampled.sampling.seed = 5;
+    step({sampled});
+    step({Seq("a", {last}), Seq("b", {1, 2, 3})});
+    for (int i = 0; i < 3; ++i) step({Seq("a", {last})});
+  }
+  // Off: two layers of kernels; on: the embedding, the megakernel, the head.
+  EXPECT_GT(outcome[0].one_row_nodes, 10u);
+  EXPECT_LE(outcome[1].one_row_nodes, 3u);
+  EXPECT_GT(outcome[1].one_row_nodes, 0u);
+  auto same_bits = [](const std::vector<float>& a,
+                      const std::vector<float>& b) {
+    return a.size() == b.size() &&
+           std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  };
+  for (int config = 1; config < kConfigs; ++config) {
+    SCOPED_TRACE(config == 1 ? "megakernel" : "megakernel on 3 CTAs");
+    const Outcome& want = outcome[0];
+    const Outcome& got = outcome[config];
+    EXPECT_EQ(got.tokens, want.tokens);
+    EXPECT_TRUE(same_bits(got.logprobs, want.logprobs));
+    EXPECT_TRUE(same_bits(got.top, want.top));
+    ASSERT_EQ(got.logits.size(), want.logits.size());
+    for (size_t s = 0; s < want.logits.size(); ++s) {
+      EXPECT_TRUE(same_bits(got.logits[s], want.logits[s]))
+          << "step " << s << " max diff "
+          << Compare(got.logits[s], want.logits[s]).max;
+    }
+  }
+}
+
+// What the megakernel cannot run is refused at Create, naming the option:
+// head_dim 8 (no tensor-core decode attention), the decode fusion off.
+TEST(DecodeMegakernelGpuTest, ModelsItCannotRunAreRefused) {
+  auto device = CreateDevice(DeviceKind::kCuda);
+  if (!device.ok()) {
+    GTEST_SKIP() << "CUDA backend not available here ("
+                 << device.status().message() << ")";
+  }
+  for (const TinyShape shape : {TinyShape::kGqa, TinyShape::kHeadDim64}) {
+    SCOPED_TRACE(TinyShapeName(shape));
+    auto dir = TinyModelDir(shape);
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    ModelRunnerOptions o = SmallOptions(R"({"cudagraph_mode":"FULL"})");
+    o.decode_megakernel = DecodeMegakernel::kOn;
+    if (shape == TinyShape::kHeadDim64) o.decode_fusion = DecodeFusion::kOff;
+    auto runner = ModelRunner::Create(**device, *dir, o);
+    ASSERT_FALSE(runner.ok());
+    EXPECT_EQ(runner.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(runner.status().message().find("decode_megakernel"),
+              std::string::npos)
+        << runner.status();
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllShapes, RunnerGpuTest,
                          ::testing::ValuesIn(AllTinyShapes()),
                          [](const ::testing::TestParamInfo<TinyShape>& info) {

@@ -264,6 +264,13 @@ TEST(ModelRunnerOptionsTest, ForcedLinearKernelIsRefusedOnTheCpuBackend) {
                 ::testing::HasSubstr("varlen_attention_kernel must be auto"));
   }
   options.varlen_attention_kernel = kernels::VarlenAttentionKernel::kAuto;
+  options.decode_megakernel = DecodeMegakernel::kOn;
+  runner = ModelRunner::Create(device, *dir, options);
+  ASSERT_FALSE(runner.ok());
+  EXPECT_EQ(runner.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(runner.status().message(),
+              ::testing::HasSubstr("decode_megakernel must be off"));
+  options.decode_megakernel = DecodeMegakernel::kOff;
   EXPECT_TRUE(ModelRunner::Create(device, *dir, options).ok());
 }
 

@@ -115,6 +115,9 @@ TinyDims DimsFor(TinyShape shape) {
       return {
           "LlamaForCausalLM", "llama", 896,  4864,  24,    14,   2, 0, 151936,
           1000000.0,          1e-6,    true, false, false, 32768};
+    case TinyShape::kHeadDim64:
+      return {"Qwen2ForCausalLM", "qwen2", 192,   448,  2,    3, 1, 0, 512,
+              1000000.0,          1e-6,    false, true, false};
   }
   return DimsFor(TinyShape::kGqa);
 }
@@ -255,6 +258,8 @@ absl::string_view TinyShapeName(TinyShape shape) {
       return "llama_1b";
     case TinyShape::kLlama0p5B:
       return "llama_0p5b";
+    case TinyShape::kHeadDim64:
+      return "head_dim_64";
   }
   return "unknown";
 }
@@ -263,14 +268,14 @@ absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name) {
   for (const TinyShape shape : AllTinyShapes()) {
     if (TinyShapeName(shape) == name) return shape;
   }
-  for (const TinyShape shape :
-       {TinyShape::kSmall, TinyShape::kLlama1B, TinyShape::kLlama0p5B}) {
+  for (const TinyShape shape : {TinyShape::kSmall, TinyShape::kLlama1B,
+                                TinyShape::kLlama0p5B, TinyShape::kHeadDim64}) {
     if (TinyShapeName(shape) == name) return shape;
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown tiny model shape \"", name,
       "\"; known: gqa, tied, qkv_bias, head_dim, llama3_rope, small, "
-      "llama_1b, llama_0p5b"));
+      "llama_1b, llama_0p5b, head_dim_64"));
 }
 
 std::string TinyModelConfigJson(const TinyModelOptions& options) {

@@ -36,11 +36,16 @@ enum class TinyShape {
   // 1e-6, 32768 positions, no q/k/v bias) with random weights; ~494M
   // parameters, 0.99 GB in bf16: the launch-bound decode shape. Not in All.
   kLlama0p5B,
+  // GPU tests of the kernels that need head_dim 64 (the tensor-core decode
+  // attention, the decode megakernel): a Qwen2 with q/k/v biases, hidden
+  // 192 = 3 query heads × 64 over 1 KV head, intermediate 448 (rows that
+  // end inside a 256-element load chunk), 2 layers, vocab 512. Not in All.
+  kHeadDim64,
 };
 
 std::vector<TinyShape> AllTinyShapes();
 // "gqa", "tied", "qkv_bias", "head_dim", "llama3_rope", "small", "llama_1b",
-// "llama_0p5b".
+// "llama_0p5b", "head_dim_64".
 absl::string_view TinyShapeName(TinyShape shape);
 absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name);
 

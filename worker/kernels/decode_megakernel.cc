@@ -122,11 +122,13 @@ absl::StatusOr<DecodeMegakernelPlan> DecodeMegakernelPlan::Create(
     return absl::InvalidArgumentError(
         absl::StrFormat("%s: layers is empty", kOp));
   }
-  if (tuning.ctas_per_sm < 0 || tuning.prefetch_window_bytes < -1) {
+  if (tuning.ctas_per_sm < 0 || tuning.max_ctas < 0 ||
+      tuning.prefetch_window_bytes < -1) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: ctas_per_sm must be >= 0 (0: as many as fit) and "
-        "prefetch_window_bytes >= -1 (-1: half of L2), got %d and %d",
-        kOp, tuning.ctas_per_sm, tuning.prefetch_window_bytes));
+        "%s: ctas_per_sm and max_ctas must be >= 0 (0: as many as fit) and "
+        "prefetch_window_bytes >= -1 (-1: half of L2), got %d, %d and %d",
+        kOp, tuning.ctas_per_sm, tuning.max_ctas,
+        tuning.prefetch_window_bytes));
   }
   const size_t bytes = DecodeMegakernelBytes(DeviceKind::kCuda, num_layers);
   if (memory.size_bytes() < bytes) {
@@ -217,6 +219,7 @@ absl::StatusOr<DecodeMegakernelPlan> DecodeMegakernelPlan::Create(
       CudaStatus(DecodeMegakernelMaxCtas(head_dim, plan.shared_bytes_,
                                          tuning.ctas_per_sm, &plan.ctas_),
                  kOp));
+  if (tuning.max_ctas > 0) plan.ctas_ = std::min(plan.ctas_, tuning.max_ctas);
   if (plan.ctas_ <= 0) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "%s: not one CTA of %d bytes of shared memory fits on an SM", kOp,

@@ -105,8 +105,9 @@ __device__ __forceinline__ void SkinnyPhase(const LinearCudaParams& p,
   using Shape = cuda::SkinnyShape<1, kEpi>;
   const int n = cuda::SkinnyGemmCtas<1, kEpi>(p.out_features, k_split);
   for (int cta = blockIdx.x; cta < n; cta += gridDim.x) {
-    cuda::SkinnyGemmCta<1, Shape::R, Shape::U, __nv_bfloat16, kEpi, kNorm>(
-        p, k_split, cta);
+    // X was written by an earlier phase of this kernel (the coherent path).
+    cuda::SkinnyGemmCta<1, Shape::R, Shape::U, __nv_bfloat16, kEpi, kNorm,
+                        cuda::SkinnyInput::kWrittenByKernel>(p, k_split, cta);
     __syncthreads();  // its epilogue has read `partial` before the next
   }
 }

@@ -30,6 +30,9 @@ struct DecodeMegakernelLayer {
 struct DecodeMegakernelTuning {
   // Resident CTAs per SM; 0: as many as fit (2 at head_dim 64, 1 at 128).
   int ctas_per_sm = 0;
+  // At most this many CTAs in all; 0: no cap (tests use a few CTAs to run
+  // several virtual CTAs of each phase on one).
+  int max_ctas = 0;
   // Weight bytes ahead of the phase being computed that the phases ask L2
   // to prefetch; -1: half of the device's L2 (the rest keeps the phase's
   // own lines and the activations); 0: no prefetch.

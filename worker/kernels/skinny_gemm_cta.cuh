@@ -34,6 +34,14 @@ struct SkinnyShape {
   static constexpr int U = NT >= 5 ? 1 : 2;
 };
 
+// Where a CTA reads X from. kReadOnly: X is not written while the kernel
+// runs (a kernel of its own), so it may use the non-coherent read-only path
+// (__ldg). kWrittenByKernel: an earlier phase of the same kernel wrote it
+// (the megakernel's attention output and MLP activations, rewritten every
+// layer): the read-only path could return a previous layer's line, so X
+// takes the coherent path. The bits do not depend on it.
+enum class SkinnyInput { kReadOnly, kWrittenByKernel };
+
 // CTAs of a launch of `p` (out_features) with split-K factor `k_split`.
 template <int NT, LinearCudaEpilogue kEpi>
 __host__ __device__ inline int SkinnyGemmCtas(int out_features, int k_split) {
@@ -71,7 +79,7 @@ __host__ __device__ inline int SkinnyGemmCtas(int out_features, int k_split) {
 // it may return early, after its last
 // __syncthreads, so a caller running CTAs back to back syncs between them.
 template <int NT, int R, int U, typename OutT, LinearCudaEpilogue kEpi,
-          bool kNorm>
+          bool kNorm, SkinnyInput kInput = SkinnyInput::kReadOnly>
 __device__ __forceinline__ void SkinnyGemmCta(const LinearCudaParams& p,
                                               int k_split, int cta) {
   constexpr bool kSiluAndMul = kEpi == LinearCudaEpilogue::kSiluAndMul;
@@ -159,7 +167,9 @@ __device__ __forceinline__ void SkinnyGemmCta(const LinearCudaParams& p,
         float xf[8];
         const uint4* xv =
             reinterpret_cast<const uint4*>(x + row * in_features + k);
-        Bf16x8ToFloat(kNorm ? *xv : __ldg(xv), xf);
+        Bf16x8ToFloat(
+            kNorm || kInput == SkinnyInput::kWrittenByKernel ? *xv : __ldg(xv),
+            xf);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
 #pragma unroll

@@ -78,6 +78,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
                      DeviceKindName(device.kind()),
                      " backend (it has one attention routine)"));
   }
+  if (device.kind() != DeviceKind::kCuda &&
+      options.decode_megakernel != DecodeMegakernel::kOff) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "decode_megakernel must be off on the ", DeviceKindName(device.kind()),
+        " backend (the megakernel is a CUDA kernel)"));
+  }
   std::unique_ptr<ModelRunner> r(new ModelRunner(device, options));
   PDW_ASSIGN_OR_RETURN(r->config_, LoadModelConfig(model_dir));
   const ModelConfig& c = r->config_;
