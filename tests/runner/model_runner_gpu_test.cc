@@ -64,6 +64,54 @@ Diff Compare(const std::vector<float>& a, const std::vector<float>& b) {
   return d;
 }
 
+// What a run of steps returned: every row's token, logprobs and top
+// logprobs, and each step's logits; compared bit for bit across configs.
+struct StepOutcome {
+  std::vector<int32_t> tokens;
+  std::vector<float> logprobs, raw_logprobs, top;
+  std::vector<std::vector<float>> logits;
+};
+
+// Executes `batch` on `runner` and appends what it returned to `out`;
+// returns the first row's token (the next decode input).
+int32_t RecordStep(ModelRunner& runner, const std::vector<SequenceStep>& batch,
+                   StepOutcome& out) {
+  auto result = runner.Execute(batch);
+  EXPECT_TRUE(result.ok()) << result.status();
+  if (!result.ok()) return 0;
+  for (const SequenceResult& r : result->sequences) {
+    out.tokens.push_back(r.token_id);
+    out.logprobs.push_back(r.logprob);
+    out.raw_logprobs.push_back(r.raw_logprob);
+    for (const TopLogprob& t : r.top_logprobs) {
+      out.top.push_back(static_cast<float>(t.token_id));
+      out.top.push_back(t.logprob);
+    }
+  }
+  std::vector<float> l;
+  EXPECT_TRUE(runner.ReadLogits(static_cast<int>(batch.size()), &l).ok());
+  out.logits.push_back(std::move(l));
+  return result->sequences[0].token_id;
+}
+
+bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() &&
+         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+void ExpectSameBits(const StepOutcome& got, const StepOutcome& want) {
+  EXPECT_EQ(got.tokens, want.tokens);
+  EXPECT_TRUE(SameBits(got.logprobs, want.logprobs));
+  EXPECT_TRUE(SameBits(got.raw_logprobs, want.raw_logprobs));
+  EXPECT_TRUE(SameBits(got.top, want.top));
+  ASSERT_EQ(got.logits.size(), want.logits.size());
+  for (size_t s = 0; s < want.logits.size(); ++s) {
+    EXPECT_TRUE(SameBits(got.logits[s], want.logits[s]))
+        << "step " << s << " max diff "
+        << Compare(got.logits[s], want.logits[s]).max;
+  }
+}
+
 class RunnerGpuTest : public ::testing::TestWithParam<TinyShape> {
  protected:
   void SetUp() override {
@@ -307,14 +355,9 @@ TEST_P(RunnerGpuTest, GreedyHeadFusionChangesNoTokenLogprobOrLogit) {
   const ForwardContext two_rows{RuntimeMode::kFull, {2, 2, true}};
   for (const char* mode : {"NONE", "FULL"}) {
     SCOPED_TRACE(mode);
-    struct Outcome {
-      std::vector<int32_t> tokens;
-      std::vector<float> logprobs, raw_logprobs, top;
-      std::vector<std::vector<float>> logits;
-    };
     // The defaults, the greedy head off, the attention's PDL off.
     constexpr int kConfigs = 3;
-    Outcome outcome[kConfigs];
+    StepOutcome outcome[kConfigs];
     for (int config = 0; config < kConfigs; ++config) {
       const bool on = config != 1;
       ModelRunnerOptions o =
@@ -330,63 +373,35 @@ TEST_P(RunnerGpuTest, GreedyHeadFusionChangesNoTokenLogprobOrLogit) {
       ASSERT_TRUE((*runner)->CaptureGraphs().ok());
       EXPECT_EQ((*runner)->forward().GreedyTiles(one_row).empty(), !on);
       EXPECT_TRUE((*runner)->forward().GreedyTiles(two_rows).empty());
-      Outcome& out = outcome[config];
-      int32_t last = 0;
-      auto step = [&](std::vector<SequenceStep> batch) {
-        auto result = (*runner)->Execute(batch);
-        ASSERT_TRUE(result.ok()) << result.status();
-        for (const SequenceResult& r : result->sequences) {
-          out.tokens.push_back(r.token_id);
-          out.logprobs.push_back(r.logprob);
-          out.raw_logprobs.push_back(r.raw_logprob);
-          for (const TopLogprob& t : r.top_logprobs) {
-            out.top.push_back(static_cast<float>(t.token_id));
-            out.top.push_back(t.logprob);
-          }
-        }
-        last = result->sequences[0].token_id;
-        std::vector<float> l;
-        ASSERT_TRUE(
-            (*runner)->ReadLogits(static_cast<int>(batch.size()), &l).ok());
-        out.logits.push_back(std::move(l));
-      };
-      step({Seq("a", {5, 17, 42, 8, 99, 3, 61})});
-      for (int i = 0; i < 3; ++i) step({Seq("a", {last})});
+      ModelRunner& r = **runner;
+      StepOutcome& out = outcome[config];
+      int32_t last = RecordStep(r, {Seq("a", {5, 17, 42, 8, 99, 3, 61})}, out);
+      for (int i = 0; i < 3; ++i) last = RecordStep(r, {Seq("a", {last})}, out);
       SequenceStep banned = Seq("a", {last});
       banned.banned_token_ids = {last, 0};
-      step({banned});
+      last = RecordStep(r, {banned}, out);
       SequenceStep with_top = Seq("a", {last});
       with_top.num_top_logprobs = 3;
-      step({with_top});
+      last = RecordStep(r, {with_top}, out);
       SequenceStep sampled = Seq("a", {last});
       sampled.sampling.temperature = 0.8f;
       sampled.sampling.seed = 11;
-      step({sampled});
-      step({Seq("a", {last}), Seq("b", {1, 2, 3})});
-      step({Seq("a", {last})});
+      last = RecordStep(r, {sampled}, out);
+      last = RecordStep(r, {Seq("a", {last}), Seq("b", {1, 2, 3})}, out);
+      RecordStep(r, {Seq("a", {last})}, out);
     }
-    auto same_bits = [](const std::vector<float>& a,
-                        const std::vector<float>& b) {
-      return a.size() == b.size() &&
-             std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-    };
     for (int config = 1; config < kConfigs; ++config) {
       SCOPED_TRACE(config == 1 ? "greedy head off" : "attention PDL off");
-      const Outcome& want = outcome[0];
-      const Outcome& got = outcome[config];
-      EXPECT_EQ(got.tokens, want.tokens);
-      EXPECT_TRUE(same_bits(got.logprobs, want.logprobs));
-      EXPECT_TRUE(same_bits(got.raw_logprobs, want.raw_logprobs));
-      EXPECT_TRUE(same_bits(got.top, want.top));
-      ASSERT_EQ(got.logits.size(), want.logits.size());
-      for (size_t s = 0; s < want.logits.size(); ++s) {
-        EXPECT_TRUE(same_bits(got.logits[s], want.logits[s]))
-            << "step " << s << " max diff "
-            << Compare(got.logits[s], want.logits[s]).max;
-      }
+      ExpectSameBits(outcome[config], outcome[0]);
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(AllShapes, RunnerGpuTest,
+                         ::testing::ValuesIn(AllTinyShapes()),
+                         [](const ::testing::TestParamInfo<TinyShape>& info) {
+                           return std::string(TinyShapeName(info.param));
+                         });
 
 // The decode megakernel runs the fused one-token step's CTA bodies on their
 // virtual grids, so every token, logprob and logit of a batch-1 decode step
@@ -404,15 +419,10 @@ TEST(DecodeMegakernelGpuTest, KeepsEveryBitOfTheKernelByKernelStep) {
   auto dir = TinyModelDir(TinyShape::kHeadDim64);
   ASSERT_TRUE(dir.ok()) << dir.status();
   const BatchDescriptor one_row{1, 1, true};
-  struct Outcome {
-    std::vector<int32_t> tokens;
-    std::vector<float> logprobs, top;
-    std::vector<std::vector<float>> logits;
-    size_t one_row_nodes = 0;
-  };
   // Off, on, on with 3 CTAs.
   constexpr int kConfigs = 3;
-  Outcome outcome[kConfigs];
+  StepOutcome outcome[kConfigs];
+  size_t one_row_nodes[kConfigs] = {};
   for (int config = 0; config < kConfigs; ++config) {
     SCOPED_TRACE(config);
     ModelRunnerOptions o =
@@ -423,62 +433,31 @@ TEST(DecodeMegakernelGpuTest, KeepsEveryBitOfTheKernelByKernelStep) {
     auto runner = ModelRunner::Create(**device, *dir, o);
     ASSERT_TRUE(runner.ok()) << runner.status();
     ASSERT_TRUE((*runner)->CaptureGraphs().ok());
-    Outcome& out = outcome[config];
-    out.one_row_nodes = (*runner)->forward().full_wrapper().NumNodes(one_row);
-    int32_t last = 0;
-    auto step = [&](std::vector<SequenceStep> batch) {
-      auto result = (*runner)->Execute(batch);
-      ASSERT_TRUE(result.ok()) << result.status();
-      for (const SequenceResult& r : result->sequences) {
-        out.tokens.push_back(r.token_id);
-        out.logprobs.push_back(r.logprob);
-        for (const TopLogprob& t : r.top_logprobs) {
-          out.top.push_back(static_cast<float>(t.token_id));
-          out.top.push_back(t.logprob);
-        }
-      }
-      last = result->sequences[0].token_id;
-      std::vector<float> l;
-      ASSERT_TRUE(
-          (*runner)->ReadLogits(static_cast<int>(batch.size()), &l).ok());
-      out.logits.push_back(std::move(l));
-    };
+    one_row_nodes[config] =
+        (*runner)->forward().full_wrapper().NumNodes(one_row);
+    ModelRunner& r = **runner;
+    StepOutcome& out = outcome[config];
     std::vector<int32_t> prompt;
     for (int i = 0; i < 60; ++i) prompt.push_back((i * 37 + 11) % 512);
-    step({Seq("a", prompt)});
-    for (int i = 0; i < 6; ++i) step({Seq("a", {last})});
+    int32_t last = RecordStep(r, {Seq("a", prompt)}, out);
+    for (int i = 0; i < 6; ++i) last = RecordStep(r, {Seq("a", {last})}, out);
     SequenceStep with_top = Seq("a", {last});
     with_top.num_top_logprobs = 3;
-    step({with_top});
+    last = RecordStep(r, {with_top}, out);
     SequenceStep sampled = Seq("a", {last});
     sampled.sampling.temperature = 0.8f;
     sampled.sampling.seed = 5;
-    step({sampled});
-    step({Seq("a", {last}), Seq("b", {1, 2, 3})});
-    for (int i = 0; i < 3; ++i) step({Seq("a", {last})});
+    last = RecordStep(r, {sampled}, out);
+    last = RecordStep(r, {Seq("a", {last}), Seq("b", {1, 2, 3})}, out);
+    for (int i = 0; i < 3; ++i) last = RecordStep(r, {Seq("a", {last})}, out);
   }
   // Off: two layers of kernels; on: the embedding, the megakernel, the head.
-  EXPECT_GT(outcome[0].one_row_nodes, 10u);
-  EXPECT_LE(outcome[1].one_row_nodes, 3u);
-  EXPECT_GT(outcome[1].one_row_nodes, 0u);
-  auto same_bits = [](const std::vector<float>& a,
-                      const std::vector<float>& b) {
-    return a.size() == b.size() &&
-           std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-  };
+  EXPECT_GT(one_row_nodes[0], 10u);
+  EXPECT_LE(one_row_nodes[1], 3u);
+  EXPECT_GT(one_row_nodes[1], 0u);
   for (int config = 1; config < kConfigs; ++config) {
     SCOPED_TRACE(config == 1 ? "megakernel" : "megakernel on 3 CTAs");
-    const Outcome& want = outcome[0];
-    const Outcome& got = outcome[config];
-    EXPECT_EQ(got.tokens, want.tokens);
-    EXPECT_TRUE(same_bits(got.logprobs, want.logprobs));
-    EXPECT_TRUE(same_bits(got.top, want.top));
-    ASSERT_EQ(got.logits.size(), want.logits.size());
-    for (size_t s = 0; s < want.logits.size(); ++s) {
-      EXPECT_TRUE(same_bits(got.logits[s], want.logits[s]))
-          << "step " << s << " max diff "
-          << Compare(got.logits[s], want.logits[s]).max;
-    }
+    ExpectSameBits(outcome[config], outcome[0]);
   }
 }
 
@@ -505,12 +484,6 @@ TEST(DecodeMegakernelGpuTest, ModelsItCannotRunAreRefused) {
         << runner.status();
   }
 }
-
-INSTANTIATE_TEST_SUITE_P(AllShapes, RunnerGpuTest,
-                         ::testing::ValuesIn(AllTinyShapes()),
-                         [](const ::testing::TestParamInfo<TinyShape>& info) {
-                           return std::string(TinyShapeName(info.param));
-                         });
 
 }  // namespace
 }  // namespace pdworker

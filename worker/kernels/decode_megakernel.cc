@@ -20,11 +20,12 @@ namespace kernels {
 namespace {
 
 constexpr char kOp[] = "decode_megakernel";
+
+#if PDW_HAVE_CUDA
 // The barrier words sit first, alone in their 256 bytes; the layer table
 // follows.
 constexpr size_t kBarrierBytes = 256;
 
-#if PDW_HAVE_CUDA
 // One projection of the megakernel: `what` the separate launch checks, the
 // CUDA-core skinny GEMM at one token with `epilogue` and `prologue`.
 absl::Status CheckProjection(const Stream& stream, int layer, const char* name,

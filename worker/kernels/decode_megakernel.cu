@@ -58,7 +58,13 @@ __device__ __forceinline__ void GridSync(MegakernelBarrierState* state) {
       count.store(0, ::cuda::std::memory_order_relaxed);
       generation.fetch_add(1, ::cuda::std::memory_order_release);
     } else {
+      // A CTA that never arrives (a grid the device could not hold at
+      // once, which the cooperative launch should have refused) would
+      // hang the GPU: after ~10 s at ~2 GHz trap instead, so the launch
+      // fails with an error the caller sees.
+      const long long start = clock64();
       while (generation.load(::cuda::std::memory_order_acquire) == current) {
+        if (clock64() - start > 20'000'000'000LL) __trap();
       }
     }
     __threadfence();
@@ -67,11 +73,11 @@ __device__ __forceinline__ void GridSync(MegakernelBarrierState* state) {
 }
 
 // This CTA's share of each range into L2 (sm_90's bulk prefetch; a hint:
-// nothing waits for it). Lanes of warp 0 issue 64 KiB pieces.
+// nothing waits for it). Lanes of warp 0 issue 16 KiB pieces.
 __device__ __forceinline__ void PrefetchToL2(
     const MegakernelPrefetchRange (&ranges)[kMegakernelPrefetchRanges]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int64_t kPrefetchPiece = 64 * 1024;  // bytes, a multiple of 16
+  constexpr int64_t kPrefetchPiece = 16 * 1024;  // bytes, a multiple of 16
   if (threadIdx.x >= cuda::kWarpSize) return;
   for (int r = 0; r < kMegakernelPrefetchRanges; ++r) {
     const int64_t units = ranges[r].bytes / 16;

@@ -81,6 +81,7 @@ class DecodeMegakernelPlan {
   // One launch: every layer of the step (capturable).
   absl::Status Launch(Stream& stream) const;
 
+  int head_dim() const { return head_dim_; }
   int ctas() const { return ctas_; }
   size_t shared_bytes() const { return shared_bytes_; }
 
