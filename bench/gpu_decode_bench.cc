@@ -99,6 +99,10 @@ ABSL_FLAG(std::string, megakernel, "off",
           "kernel (DecodeMegakernel); off: kernel by kernel.");
 ABSL_FLAG(int, megakernel_ctas_per_sm, 0,
           "The megakernel's resident CTAs per SM (0: as many as fit).");
+ABSL_FLAG(std::string, megakernel_reduce, "last_split",
+          "Where the megakernel reduces the attention's splits: last_split "
+          "(the last split CTA of each kv head) or own_phase (a phase of its "
+          "own behind one more grid barrier).");
 ABSL_FLAG(int64_t, megakernel_prefetch_mib, -1,
           "MiB of weights ahead the megakernel asks L2 to prefetch (-1: half "
           "of L2, 0: none).");
@@ -250,6 +254,12 @@ std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
   o.decode_megakernel =
       megakernel == "on" ? DecodeMegakernel::kOn : DecodeMegakernel::kOff;
   o.megakernel_tuning.ctas_per_sm = absl::GetFlag(FLAGS_megakernel_ctas_per_sm);
+  const std::string reduce = absl::GetFlag(FLAGS_megakernel_reduce);
+  CHECK(reduce == "last_split" || reduce == "own_phase")
+      << "--megakernel_reduce: last_split or own_phase, got " << reduce;
+  o.megakernel_tuning.reduce = reduce == "last_split"
+                                   ? kernels::MegakernelReduce::kLastSplit
+                                   : kernels::MegakernelReduce::kOwnPhase;
   const int64_t prefetch_mib = absl::GetFlag(FLAGS_megakernel_prefetch_mib);
   o.megakernel_tuning.prefetch_window_bytes =
       prefetch_mib < 0 ? -1 : prefetch_mib << 20;

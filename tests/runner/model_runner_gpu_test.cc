@@ -409,7 +409,8 @@ INSTANTIATE_TEST_SUITE_P(AllShapes, RunnerGpuTest,
 // two rows) must be untouched. On the head_dim 64 shape (the tensor-core
 // decode attention it needs), with a 60-token prompt so the attention has
 // several splits, and once more on 3 CTAs, so every phase runs several
-// virtual CTAs on one CTA (and both halves of a CTA run split CTAs).
+// virtual CTAs on one CTA (and both halves of a CTA run split CTAs), with
+// the attention's reduce done by the last split and in its own phase.
 TEST(DecodeMegakernelGpuTest, KeepsEveryBitOfTheKernelByKernelStep) {
   auto device = CreateDevice(DeviceKind::kCuda);
   if (!device.ok()) {
@@ -419,8 +420,8 @@ TEST(DecodeMegakernelGpuTest, KeepsEveryBitOfTheKernelByKernelStep) {
   auto dir = TinyModelDir(TinyShape::kHeadDim64);
   ASSERT_TRUE(dir.ok()) << dir.status();
   const BatchDescriptor one_row{1, 1, true};
-  // Off, on, on with 3 CTAs.
-  constexpr int kConfigs = 3;
+  // Off, on, on with 3 CTAs, on with the reduce in its own phase (3 CTAs).
+  constexpr int kConfigs = 4;
   StepOutcome outcome[kConfigs];
   size_t one_row_nodes[kConfigs] = {};
   for (int config = 0; config < kConfigs; ++config) {
@@ -429,7 +430,10 @@ TEST(DecodeMegakernelGpuTest, KeepsEveryBitOfTheKernelByKernelStep) {
         SmallOptions(R"({"cudagraph_mode":"FULL_AND_PIECEWISE",)"
                      R"("cudagraph_capture_sizes":[1,2,4,8]})");
     if (config > 0) o.decode_megakernel = DecodeMegakernel::kOn;
-    if (config == 2) o.megakernel_tuning.max_ctas = 3;
+    if (config >= 2) o.megakernel_tuning.max_ctas = 3;
+    if (config == 3) {
+      o.megakernel_tuning.reduce = kernels::MegakernelReduce::kOwnPhase;
+    }
     auto runner = ModelRunner::Create(**device, *dir, o);
     ASSERT_TRUE(runner.ok()) << runner.status();
     ASSERT_TRUE((*runner)->CaptureGraphs().ok());
@@ -456,7 +460,9 @@ TEST(DecodeMegakernelGpuTest, KeepsEveryBitOfTheKernelByKernelStep) {
   EXPECT_LE(one_row_nodes[1], 3u);
   EXPECT_GT(one_row_nodes[1], 0u);
   for (int config = 1; config < kConfigs; ++config) {
-    SCOPED_TRACE(config == 1 ? "megakernel" : "megakernel on 3 CTAs");
+    SCOPED_TRACE(config == 1   ? "megakernel"
+                 : config == 2 ? "megakernel on 3 CTAs"
+                               : "megakernel, reduce phase, on 3 CTAs");
     ExpectSameBits(outcome[config], outcome[0]);
   }
 }

@@ -22,10 +22,6 @@ namespace {
 constexpr char kOp[] = "decode_megakernel";
 
 #if PDW_HAVE_CUDA
-// The barrier words sit first, alone in their 256 bytes; the layer table
-// follows.
-constexpr size_t kBarrierBytes = 256;
-
 // One projection of the megakernel: `what` the separate launch checks, the
 // CUDA-core skinny GEMM at one token with `epilogue` and `prologue`.
 absl::Status CheckProjection(const Stream& stream, int layer, const char* name,
@@ -52,7 +48,8 @@ absl::Status CheckProjection(const Stream& stream, int layer, const char* name,
 size_t DecodeMegakernelBytes(DeviceKind kind, int num_layers) {
 #if PDW_HAVE_CUDA
   if (kind != DeviceKind::kCuda || num_layers <= 0) return 0;
-  return kBarrierBytes +
+  // The barrier words and split counters, then the layer table.
+  return kMegakernelStateBytes +
          sizeof(DecodeMegakernelLayerCuda) * static_cast<size_t>(num_layers);
 #else
   (void)kind;
@@ -168,6 +165,12 @@ absl::StatusOr<DecodeMegakernelPlan> DecodeMegakernelPlan::Create(
           "got %d), with every layer's head_dim alike",
           kOp, l, a.num_tokens, a.uniform_query_len, a.head_dim));
     }
+    if (a.num_tokens / a.uniform_query_len * a.num_kv_heads >
+        kMegakernelMaxSplitCounters) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: layer %d has %d kv heads, more than the %d split counters", kOp,
+          l, a.num_kv_heads, kMegakernelMaxSplitCounters));
+    }
     head_dim = a.head_dim;
     for (const LinearCudaParams* c :
          {&out.qkv, &out.o_proj, &out.gate_up, &out.down}) {
@@ -213,6 +216,7 @@ absl::StatusOr<DecodeMegakernelPlan> DecodeMegakernelPlan::Create(
 
   DecodeMegakernelPlan plan;
   plan.memory_ = memory;
+  plan.reduce_ = tuning.reduce;
   plan.num_layers_ = num_layers;
   plan.head_dim_ = head_dim;
   plan.shared_bytes_ = DecodeMegakernelSharedBytes(head_dim, max_norm_features);
@@ -226,8 +230,9 @@ absl::StatusOr<DecodeMegakernelPlan> DecodeMegakernelPlan::Create(
         "%s: not one CTA of %d bytes of shared memory fits on an SM", kOp,
         plan.shared_bytes_));
   }
-  std::vector<unsigned char> host(bytes, 0);  // the barrier words: zero
-  std::memcpy(host.data() + kBarrierBytes, table.data(),
+  // The barrier words and split counters: zero.
+  std::vector<unsigned char> host(bytes, 0);
+  std::memcpy(host.data() + kMegakernelStateBytes, table.data(),
               sizeof(DecodeMegakernelLayerCuda) * table.size());
   PDW_RETURN_IF_ERROR(stream.CopyToDevice(memory, host.data(), bytes));
   return plan;
@@ -247,9 +252,15 @@ absl::Status DecodeMegakernelPlan::Launch(Stream& stream) const {
   }
 #if PDW_HAVE_CUDA
   DecodeMegakernelCudaParams p;
-  p.barrier = memory_.as<MegakernelBarrierState>();
+  unsigned char* state = static_cast<unsigned char*>(memory_.data());
+  p.barrier = reinterpret_cast<MegakernelBarrierState*>(state);
+  p.split_counters =
+      reinterpret_cast<unsigned int*>(state + kMegakernelCountersOffset);
   p.layers = reinterpret_cast<const DecodeMegakernelLayerCuda*>(
-      static_cast<const unsigned char*>(memory_.data()) + kBarrierBytes);
+      state + kMegakernelStateBytes);
+  p.reduce = reduce_ == MegakernelReduce::kLastSplit
+                 ? MegakernelReduceCuda::kLastSplit
+                 : MegakernelReduceCuda::kOwnPhase;
   p.num_layers = num_layers_;
   p.head_dim = head_dim_;
   const int ctas = ctas_;

@@ -20,8 +20,10 @@
 //
 // Phases of a layer (the barrier after each one makes its writes visible to
 // the next): qkv (input RMSNorm prologue, RoPE + KV-cache write epilogue) |
-// attention split | attention reduce | o_proj (+ residual) | gate_up
-// (post-attention RMSNorm prologue, SiLU-and-mul) | down (+ residual).
+// attention split, each (request, kv head)'s last split reducing it
+// (MegakernelReduceCuda::kLastSplit; or a reduce phase of its own) |
+// o_proj (+ residual) | gate_up (post-attention RMSNorm prologue,
+// SiLU-and-mul) | down (+ residual).
 #include <cuda/atomic>
 
 #include "worker/kernels/cuda_common.cuh"
@@ -120,25 +122,56 @@ __device__ __forceinline__ void SkinnyPhase(const LinearCudaParams& p,
 
 // The attention split phase: virtual CTA v = (request, kv head, split) of
 // the split kernel's grid, two at a time per CTA (warps 0-3 and 4-7).
+// kLastSplit: each split then counts itself in, and the one that completes
+// its (request, kv head) reduces the group's heads with its 128 threads
+// (the threadfence-reduction pattern: the splits' workspace writes are
+// released by the fence before the count and acquired by the fence after
+// it), resetting the counter for the next layer.
 template <int kHeadDim>
 __device__ __forceinline__ void SplitPhase(const PagedAttentionCudaParams& p,
-                                           unsigned char* smem) {
+                                           unsigned char* smem,
+                                           unsigned int* counters,
+                                           MegakernelReduceCuda reduce) {
   constexpr int kHalfBytes =
       (decode_cta::DecodeTile<kHeadDim>::kSharedBytes + 127) / 128 * 128;
+  __shared__ int completes[2];  // per half: this split completed its pair
   const int half = threadIdx.x / decode_cta::kThreads;
   const int tid = threadIdx.x % decode_cta::kThreads;
-  const int requests = p.num_tokens / p.uniform_query_len;
+  const decode_cta::CtaSync sync{1 + half};
+  const int k = p.uniform_query_len;
+  const int requests = p.num_tokens / k;
   const int per_request = p.num_kv_heads * p.num_splits;
+  const int group = p.num_heads / p.num_kv_heads;
   const int n = requests * per_request;
   for (int v = 2 * blockIdx.x + half; v < n; v += 2 * gridDim.x) {
     const int request = v / per_request;
     const int kv_head = v % per_request / p.num_splits;
     const int split = v % p.num_splits;
     decode_cta::MmaDecodeSplitCta<kHeadDim>(p, request, kv_head, split, tid,
-                                            smem + half * kHalfBytes,
-                                            decode_cta::CtaSync{1 + half});
-    // The next virtual CTA's Q and K/V copies overwrite this one's tiles.
-    decode_cta::CtaSync{1 + half}();
+                                            smem + half * kHalfBytes, sync);
+    // Every thread's workspace writes are done, and the next virtual CTA's
+    // copies may overwrite this one's tiles.
+    sync();
+    if (reduce != MegakernelReduceCuda::kLastSplit) continue;
+    if (tid == 0) {
+      unsigned int* counter = counters + request * p.num_kv_heads + kv_head;
+      __threadfence();
+      const bool last = atomicAdd(counter, 1u) == p.num_splits - 1u;
+      if (last) {
+        atomicExch(counter, 0u);  // read again only after a grid barrier
+        __threadfence();
+      }
+      completes[half] = last;
+    }
+    sync();
+    if (completes[half]) {
+      for (int h = 0; h < group; ++h) {
+        for (int j = 0; j < k; ++j) {
+          decode_cta::DecodeReduceCta(p, request * k + j, kv_head * group + h,
+                                      tid, decode_cta::kThreads);
+        }
+      }
+    }
   }
 }
 
@@ -163,11 +196,16 @@ __global__ void __launch_bounds__(kThreads, kHeadDim == 64 ? 2 : 1)
     SkinnyPhase<E::kRopeKvCache, true>(layer.qkv, layer.qkv_k_split);
     GridSync(p.barrier);
     PrefetchToL2(layer.prefetch[1]);
-    SplitPhase<kHeadDim>(layer.attention, smem);
+    if (p.reduce == MegakernelReduceCuda::kLastSplit) {
+      PrefetchToL2(layer.prefetch[2]);
+    }
+    SplitPhase<kHeadDim>(layer.attention, smem, p.split_counters, p.reduce);
     GridSync(p.barrier);
-    PrefetchToL2(layer.prefetch[2]);
-    ReducePhase(layer.attention);
-    GridSync(p.barrier);
+    if (p.reduce == MegakernelReduceCuda::kOwnPhase) {
+      PrefetchToL2(layer.prefetch[2]);
+      ReducePhase(layer.attention);
+      GridSync(p.barrier);
+    }
     PrefetchToL2(layer.prefetch[3]);
     SkinnyPhase<E::kAddResidual, false>(layer.o_proj, layer.o_proj_k_split);
     GridSync(p.barrier);
@@ -253,7 +291,7 @@ cudaError_t LaunchDecodeMegakernelCuda(const DecodeMegakernelCudaParams& p,
                                        int ctas, size_t shared_bytes,
                                        cudaStream_t stream) {
   if (p.layers == nullptr || p.num_layers <= 0 || p.barrier == nullptr ||
-      ctas <= 0) {
+      p.split_counters == nullptr || ctas <= 0) {
     return cudaErrorInvalidValue;
   }
   if (p.head_dim == 64) return Launch<64>(p, ctas, shared_bytes, stream);

@@ -27,6 +27,12 @@ struct DecodeMegakernelLayer {
   PagedAttentionParams attention;
 };
 
+// Where the attention's reduce runs in the megakernel. kLastSplit: the last
+// split CTA of each (request, kv head) to finish reduces its heads (five
+// phases a layer); kOwnPhase: a phase of its own behind one more grid
+// barrier (six). The same bits either way.
+enum class MegakernelReduce { kLastSplit, kOwnPhase };
+
 struct DecodeMegakernelTuning {
   // Resident CTAs per SM; 0: as many as fit (2 at head_dim 64, 1 at 128).
   int ctas_per_sm = 0;
@@ -37,6 +43,7 @@ struct DecodeMegakernelTuning {
   // to prefetch; -1: half of the device's L2 (the rest keeps the phase's
   // own lines and the activations); 0: no prefetch.
   int64_t prefetch_window_bytes = -1;
+  MegakernelReduce reduce = MegakernelReduce::kLastSplit;
 };
 
 // Device memory a plan of `num_layers` layers needs on a device of `kind`
@@ -82,6 +89,7 @@ class DecodeMegakernelPlan {
   absl::Status Launch(Stream& stream) const;
 
   int head_dim() const { return head_dim_; }
+  MegakernelReduce reduce() const { return reduce_; }
   int ctas() const { return ctas_; }
   size_t shared_bytes() const { return shared_bytes_; }
 
@@ -91,6 +99,7 @@ class DecodeMegakernelPlan {
   int head_dim_ = 0;
   int ctas_ = 0;
   size_t shared_bytes_ = 0;
+  MegakernelReduce reduce_ = MegakernelReduce::kLastSplit;
 };
 
 }  // namespace kernels

@@ -52,11 +52,28 @@ struct MegakernelBarrierState {
   unsigned int generation;
 };
 
+// Where the attention's reduce runs. kLastSplit: the last split CTA of each
+// (request, kv head) to finish reduces its group's heads (a counter per
+// pair, reset by that CTA), so a layer is five phases; kOwnPhase: a phase
+// of its own after a barrier (six). The same DecodeReduceCta either way.
+enum class MegakernelReduceCuda { kLastSplit, kOwnPhase };
+
+// The split counters (kLastSplit) sit after the barrier words, in the
+// first kMegakernelStateBytes of the plan's memory: at most
+// kMegakernelMaxSplitCounters (request, kv head) pairs.
+inline constexpr size_t kMegakernelStateBytes = 4096;
+inline constexpr size_t kMegakernelCountersOffset = 256;
+inline constexpr int kMegakernelMaxSplitCounters =
+    (kMegakernelStateBytes - kMegakernelCountersOffset) / sizeof(unsigned int);
+
 struct DecodeMegakernelCudaParams {
   const DecodeMegakernelLayerCuda* layers = nullptr;  // device memory
   int num_layers = 0;
   int head_dim = 0;  // 64 or 128: the attention split's instantiation
   MegakernelBarrierState* barrier = nullptr;
+  // [requests × kv heads], zero before the first launch and after each.
+  unsigned int* split_counters = nullptr;
+  MegakernelReduceCuda reduce = MegakernelReduceCuda::kLastSplit;
 };
 
 // Dynamic shared memory of a CTA: two attention split CTAs (the two halves
