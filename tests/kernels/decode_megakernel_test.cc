@@ -119,6 +119,22 @@ TEST(DecodeMegakernelScheduleTest, WindowZeroOrBadSegmentsAskNothing) {
   }
 }
 
+// The LM head after the layers: the last layer's phases run the window into
+// it, and no further (the head's own kernel streams the rest).
+TEST(DecodeMegakernelScheduleTest, TheNextKernelsWeightsTrailTheLastLayer) {
+  std::vector<int64_t> segments(8, int64_t{1} << 20);  // 2 layers of 1 MiB
+  segments.push_back(int64_t{64} << 20);               // the head: 64 MiB
+  const int64_t window = int64_t{4} << 20;
+  const auto schedule = MegakernelPrefetchSchedule(segments, 2, window);
+  ASSERT_EQ(schedule.size(), 2u * kPhases);
+  const std::vector<int64_t> asked = CheckAndAccumulate(schedule, segments);
+  // down of layer 1 ends at 8 MiB: the window reaches 4 MiB into the head.
+  EXPECT_EQ(asked.back(), int64_t{12} << 20);
+  EXPECT_EQ(schedule.back().back().segment, 8);
+  EXPECT_EQ(schedule.back().back().offset + schedule.back().back().bytes,
+            int64_t{4} << 20);
+}
+
 TEST(DecodeMegakernelScheduleTest, AWindowNotAMultipleOf16IsRoundedDown) {
   const std::vector<int64_t> segments(4, 1 << 20);
   const auto schedule = MegakernelPrefetchSchedule(segments, 1, 1000 + 7);
@@ -131,9 +147,10 @@ class DecodeMegakernelCpuTest : public KernelTest {};
 
 TEST_F(DecodeMegakernelCpuTest, PlanIsRefusedOffCudaAndNeedsNoMemory) {
   EXPECT_EQ(DecodeMegakernelBytes(DeviceKind::kCpu, 24), 0u);
-  std::vector<DecodeMegakernelLayer> layers(2);
-  absl::StatusOr<DecodeMegakernelPlan> plan = DecodeMegakernelPlan::Create(
-      stream(), DeviceBuffer(), layers, DecodeMegakernelTuning());
+  DecodeMegakernelParams params;
+  params.layers = std::vector<DecodeMegakernelLayer>(2);
+  absl::StatusOr<DecodeMegakernelPlan> plan =
+      DecodeMegakernelPlan::Create(stream(), params);
   ASSERT_FALSE(plan.ok());
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_NE(plan.status().message().find("CUDA"), absl::string_view::npos)

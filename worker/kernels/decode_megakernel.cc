@@ -65,7 +65,7 @@ std::vector<std::vector<PrefetchRange>> MegakernelPrefetchSchedule(
   std::vector<std::vector<PrefetchRange>> schedule(
       static_cast<size_t>(std::max(num_layers, 0)) * kPhases);
   const int num_segments = static_cast<int>(segment_bytes.size());
-  if (window <= 0 || num_segments != 4 * num_layers) return schedule;
+  if (window <= 0 || num_segments < 4 * num_layers) return schedule;
   window = window / 16 * 16;
   std::vector<int64_t> offset(num_segments + 1, 0);
   for (int s = 0; s < num_segments; ++s) {
@@ -106,15 +106,16 @@ std::vector<std::vector<PrefetchRange>> MegakernelPrefetchSchedule(
 }
 
 absl::StatusOr<DecodeMegakernelPlan> DecodeMegakernelPlan::Create(
-    Stream& stream, DeviceBuffer memory,
-    const std::vector<DecodeMegakernelLayer>& layers,
-    const DecodeMegakernelTuning& tuning) {
+    Stream& stream, const DecodeMegakernelParams& params) {
   if (stream.kind() != DeviceKind::kCuda) {
     return absl::UnimplementedError(
         absl::StrFormat("%s: runs on the CUDA backend only, not on %s", kOp,
                         DeviceKindName(stream.kind())));
   }
 #if PDW_HAVE_CUDA
+  const DeviceBuffer memory = params.memory;
+  const std::vector<DecodeMegakernelLayer>& layers = params.layers;
+  const DecodeMegakernelTuning& tuning = params.tuning;
   const int num_layers = static_cast<int>(layers.size());
   if (num_layers == 0) {
     return absl::InvalidArgumentError(
@@ -190,6 +191,12 @@ absl::StatusOr<DecodeMegakernelPlan> DecodeMegakernelPlan::Create(
         {max_norm_features, out.qkv.in_features, out.gate_up.in_features});
   }
 
+  if (!params.next_weights.empty() &&
+      reinterpret_cast<uintptr_t>(params.next_weights.data()) % 16 == 0) {
+    segment_base.push_back(params.next_weights.data());
+    segment_bytes.push_back(
+        static_cast<int64_t>(params.next_weights.size_bytes()));
+  }
   int64_t window = tuning.prefetch_window_bytes;
   if (window < 0) {
     int device = 0, l2_bytes = 0;
@@ -237,9 +244,7 @@ absl::StatusOr<DecodeMegakernelPlan> DecodeMegakernelPlan::Create(
   PDW_RETURN_IF_ERROR(stream.CopyToDevice(memory, host.data(), bytes));
   return plan;
 #else
-  (void)memory;
-  (void)layers;
-  (void)tuning;
+  (void)params;
   return absl::UnimplementedError(
       absl::StrFormat("%s: built without CUDA", kOp));
 #endif

@@ -53,7 +53,8 @@ size_t DecodeMegakernelBytes(DeviceKind kind, int num_layers);
 // The prefetch schedule: for phase `phase` (0..5: qkv, attention split,
 // reduce, o_proj, gate_up, down) of layer `layer`, the byte ranges of
 // `segments` (the weights in the order the step reads them: qkv, o_proj,
-// gate_up, down of layer 0, then layer 1, ...) it asks L2 for, so that the
+// gate_up, down of layer 0, then layer 1, ..., then optionally the weights
+// the next kernel reads, the LM head) it asks L2 for, so that the
 // prefetched bytes run `window` ahead of the end of the phase's own weights;
 // each range is inside one segment, a multiple of 16 bytes, at most 4 per
 // phase. Plain arithmetic on sizes (the CPU tests check it).
@@ -69,6 +70,16 @@ struct PrefetchRange {
 std::vector<std::vector<PrefetchRange>> MegakernelPrefetchSchedule(
     const std::vector<int64_t>& segment_bytes, int num_layers, int64_t window);
 
+struct DecodeMegakernelParams {
+  DeviceBuffer memory;  // DecodeMegakernelBytes(kCuda, layers.size())
+  std::vector<DecodeMegakernelLayer> layers;
+  // Optional: the weights the kernel after the megakernel streams first
+  // (the LM head); the last layer's phases prefetch its start into L2 as
+  // they do the next layer's weights.
+  DeviceBuffer next_weights;
+  DecodeMegakernelTuning tuning;
+};
+
 class DecodeMegakernelPlan {
  public:
   // Checks every layer as its separate launches are checked, and that it is
@@ -77,13 +88,11 @@ class DecodeMegakernelPlan {
   // gate_up with the RMSNorm prologue and SiLU-and-mul, each on the
   // CUDA-core skinny GEMM (kAuto's one-token choice); the attention on the
   // tensor-core split kernel, one query token per request; one head_dim.
-  // Writes the layer table and zeroed barrier words into `memory`
+  // Writes the layer table and zeroed barrier words into `params.memory`
   // (DecodeMegakernelBytes; a synchronous copy, so not while capturing).
   // InvalidArgument names what does not fit; Unimplemented off CUDA.
   static absl::StatusOr<DecodeMegakernelPlan> Create(
-      Stream& stream, DeviceBuffer memory,
-      const std::vector<DecodeMegakernelLayer>& layers,
-      const DecodeMegakernelTuning& tuning);
+      Stream& stream, const DecodeMegakernelParams& params);
 
   // One launch: every layer of the step (capturable).
   absl::Status Launch(Stream& stream) const;

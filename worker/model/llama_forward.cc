@@ -276,9 +276,13 @@ absl::Status LlamaForward::CreateMegakernel() {
     layers.push_back({linears.qkv, linears.o_proj, linears.gate_up,
                       linears.down, AttentionParams(l, 1, /*uniform=*/true)});
   }
-  PDW_ASSIGN_OR_RETURN(megakernel_, kernels::DecodeMegakernelPlan::Create(
-                                        stream_, act_.megakernel, layers,
-                                        options_.megakernel_tuning));
+  kernels::DecodeMegakernelParams params;
+  params.memory = act_.megakernel;
+  params.layers = std::move(layers);
+  params.next_weights = weights_.lm_head;  // the head runs right after
+  params.tuning = options_.megakernel_tuning;
+  PDW_ASSIGN_OR_RETURN(megakernel_,
+                       kernels::DecodeMegakernelPlan::Create(stream_, params));
   return absl::OkStatus();
 }
 
