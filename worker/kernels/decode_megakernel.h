@@ -47,7 +47,8 @@ struct DecodeMegakernelTuning {
 };
 
 // Device memory a plan of `num_layers` layers needs on a device of `kind`
-// (its layer table and barrier words); 0 where there is no megakernel.
+// (its barrier words, split counters and layer table); 0 where there is no
+// megakernel.
 size_t DecodeMegakernelBytes(DeviceKind kind, int num_layers);
 
 // The prefetch schedule: for phase `phase` (0..5: qkv, attention split,
@@ -58,10 +59,6 @@ size_t DecodeMegakernelBytes(DeviceKind kind, int num_layers);
 // prefetched bytes run `window` ahead of the end of the phase's own weights;
 // each range is inside one segment, a multiple of 16 bytes, at most 4 per
 // phase. Plain arithmetic on sizes (the CPU tests check it).
-struct WeightSegment {
-  int64_t offset = 0;  // in the weight stream
-  int64_t bytes = 0;
-};
 struct PrefetchRange {
   int segment = 0;
   int64_t offset = 0;  // within the segment

@@ -73,8 +73,6 @@ void LinearCpu(const LinearParams& p) {
   }
 }
 
-}  // namespace
-
 #if PDW_HAVE_CUDA
 static_assert(kLinearSkinnyMaxTokens == kSkinnyGemmMaxTokens,
               "linear.h and linear_cuda.h agree on the skinny GEMMs' range");
@@ -127,11 +125,7 @@ LinearCudaParams ToLinearCudaParams(const LinearParams& p) {
   }
   return c;
 }
-#endif
 
-namespace {
-
-#if PDW_HAVE_CUDA
 // LinearOnCuda's checks of the fusions and the forced kernel, and its
 // launch params.
 absl::StatusOr<LinearCudaParams> CheckedCudaParams(const Stream& stream,

@@ -100,9 +100,6 @@ bool LinearCanFuse(const Stream& stream, const LinearParams& p);
 absl::Status LaunchLinear(Stream& stream, const LinearParams& p);
 
 #if PDW_HAVE_CUDA
-// The CUDA launcher's params for `p`, field by field (no checks).
-LinearCudaParams ToLinearCudaParams(const LinearParams& p);
-
 // What LaunchLinear checks on a CUDA stream, and the params it would launch
 // with (kernels that run a layer inside a bigger kernel take these; the
 // skinny GEMM's split is SkinnyGemmKSplit of the shape).

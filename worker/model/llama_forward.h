@@ -212,8 +212,9 @@ class LlamaForward {
   bool UsesDecodeMegakernel(const ForwardContext& context) const;
   // Builds megakernel_ from the fused one-token step's launches (Create).
   absl::Status CreateMegakernel();
-  // The paged attention launch of `layer` for a step of `num_tokens` with
-  // `context`'s descriptor (uniform: the decode routine).
+  // The paged attention launch of `layer` for a step of `num_tokens`:
+  // the decode routine's params where the step's descriptor is uniform,
+  // the varlen routine's otherwise.
   kernels::PagedAttentionParams AttentionParams(int layer, int num_tokens,
                                                 bool uniform) const;
   absl::Status RunAttention(int layer, const ForwardContext& context);
