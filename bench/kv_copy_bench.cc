@@ -26,9 +26,9 @@
 #include "bench/gpu_bench_util.h"
 #include "glog/logging.h"
 #include "nlohmann/json.hpp"
+#include "worker/runner/kv_cache_view.h"
 #include "worker/runtime/device_factory.h"
 #include "worker/runtime/stream.h"
-#include "worker/transfer/kv_cache_view.h"
 
 ABSL_FLAG(std::vector<std::string>, tokens,
           (std::vector<std::string>{"16", "256", "1024", "2048", "8192"}),

@@ -24,6 +24,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "dispatcher/capture_summary.h"
 #include "dispatcher/cudagraph_dispatcher.h"
 #include "dispatcher/cudagraph_mode.h"
 #include "dispatcher/graph_stats.h"
@@ -34,7 +35,6 @@
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
-#include "worker/runtime/capture_session.h"
 
 namespace pdworker {
 

@@ -11,8 +11,8 @@
 
 #include "glog/logging.h"
 #include "proto/worker.pb.h"
+#include "worker/runner/kv_cache_view.h"
 #include "worker/transfer/cuda_ipc_puller.h"
-#include "worker/transfer/kv_cache_view.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace pdworker;

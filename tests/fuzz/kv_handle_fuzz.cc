@@ -13,7 +13,7 @@
 #include "glog/logging.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "proto/worker.pb.h"
-#include "worker/transfer/kv_cache_view.h"
+#include "worker/runner/kv_cache_view.h"
 #include "worker/transfer/kv_importer.h"
 #include "worker/transfer/kv_transfer_params.h"
 

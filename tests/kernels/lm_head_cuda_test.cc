@@ -199,7 +199,9 @@ TEST_F(LmHeadCudaTest,
     EXPECT_EQ(from_tiles.token, cpu_sample.token);
     EXPECT_NEAR(from_tiles.logprob, cpu_sample.logprob,
                 1e-5 * std::fabs(cpu_sample.logprob) + 1e-6);
-    if (c.planted) EXPECT_EQ(from_tiles.token, winner);
+    if (c.planted) {
+      EXPECT_EQ(from_tiles.token, winner);
+    }
   }
 }
 

@@ -1,7 +1,7 @@
 // KvEventSink: one Publish reaches the ZMQ publisher and the gRPC stream as
 // the same batch (sequence number, timestamp, events), read back from the
 // replay socket (msgpack decoded here) and from SubscribeKvEvents.
-#include "worker/kv_events/kv_event_sink.h"
+#include "worker/server/kv_event_sink.h"
 
 #include <chrono>
 #include <cstring>

@@ -2,7 +2,7 @@
 // generated VllmEngine client. Every field of every batch, cursors inside
 // and outside the history, requests it cannot honour, a slow subscriber
 // dropped while a fast one gets everything, shutdown and cancellation.
-#include "worker/kv_events/kv_event_stream.h"
+#include "worker/server/kv_event_stream.h"
 
 #include <atomic>
 #include <chrono>

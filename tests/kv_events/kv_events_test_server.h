@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/vllm_engine.grpc.pb.h"
-#include "worker/kv_events/kv_event_stream.h"
+#include "worker/server/kv_event_stream.h"
 
 namespace pdworker::kv_events_testing {
 

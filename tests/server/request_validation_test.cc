@@ -8,7 +8,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "worker/server/status_mapping.h"
+#include "worker/rpc/status_mapping.h"
 
 namespace pdworker {
 namespace {

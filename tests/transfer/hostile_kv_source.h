@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "proto/worker.grpc.pb.h"
-#include "worker/server/parsed_call.h"
+#include "worker/rpc/parsed_call.h"
 
 namespace pdworker::testing {
 

@@ -16,11 +16,11 @@
 #include "proto/worker.grpc.pb.h"
 #include "tests/transfer/hostile_kv_source.h"
 #include "tests/transfer/test_kv_cache.h"
+#include "worker/runner/kv_cache_view.h"
 #include "worker/runtime/cpu_device.h"
 #include "worker/transfer/cuda_ipc.h"
 #include "worker/transfer/cuda_ipc_puller.h"
 #include "worker/transfer/grpc_kv_puller.h"
-#include "worker/transfer/kv_cache_view.h"
 #include "worker/transfer/kv_span_staging.h"
 #include "worker/transfer/peer_channels.h"
 

@@ -16,9 +16,9 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "worker/runner/kv_cache_view.h"
 #include "worker/runtime/device_factory.h"
 #include "worker/runtime/stream.h"
-#include "worker/transfer/kv_cache_view.h"
 
 namespace pdworker {
 namespace {

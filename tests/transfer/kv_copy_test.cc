@@ -12,10 +12,10 @@
 
 #include "gtest/gtest.h"
 #include "tests/transfer/test_kv_cache.h"
+#include "worker/runner/kv_cache_view.h"
 #include "worker/runtime/cpu_device.h"
 #include "worker/runtime/stream.h"
 #include "worker/transfer/cuda_ipc_puller.h"
-#include "worker/transfer/kv_cache_view.h"
 #include "worker/transfer/kv_span_staging.h"
 
 namespace pdworker {

@@ -25,9 +25,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "worker/runner/kv_cache_view.h"
 #include "worker/runtime/cpu_device.h"
 #include "worker/runtime/stream.h"
-#include "worker/transfer/kv_cache_view.h"
 #include "worker/transfer/nccl_transfer.h"
 
 namespace pdworker {

@@ -6,9 +6,9 @@
 #include <cstddef>
 #include <cstring>
 
+#include "worker/runner/kv_cache_view.h"
 #include "worker/runtime/device.h"
 #include "worker/runtime/device_buffer.h"
-#include "worker/transfer/kv_cache_view.h"
 
 namespace pdworker::testing {
 

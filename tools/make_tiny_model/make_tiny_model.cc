@@ -14,9 +14,9 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "common/dtype.h"
 #include "glog/logging.h"
 #include "tools/make_tiny_model/tiny_model.h"
-#include "worker/model/dtype.h"
 
 ABSL_FLAG(std::string, out_dir, "",
           "Model directory to write (created if missing). With --shape=all, "

@@ -59,12 +59,12 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "metrics/worker_metrics.h"
+#include "worker/engine/kv_lease_table.h"
 #include "worker/engine/request.h"
 #include "worker/engine/step_calls.h"
 #include "worker/engine/step_planner.h"
 #include "worker/kv_cache/kv_cache_manager.h"
 #include "worker/runner/model_runner.h"
-#include "worker/transfer/kv_lease_table.h"
 
 namespace pdworker {
 

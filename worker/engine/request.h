@@ -18,11 +18,11 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "worker/engine/kv_lease_table.h"
 #include "worker/engine/step_calls.h"
 #include "worker/engine/stop_conditions.h"
 #include "worker/runner/model_runner.h"
 #include "worker/runner/sampler.h"
-#include "worker/transfer/kv_lease_table.h"
 
 namespace pdworker {
 

@@ -16,8 +16,8 @@
 #include "dispatcher/cudagraph_dispatcher.h"
 #include "dispatcher/cudagraph_mode.h"
 #include "dispatcher/step_info.h"
+#include "worker/engine/kv_lease_table.h"
 #include "worker/runner/model_runner.h"
-#include "worker/transfer/kv_lease_table.h"
 
 namespace pdworker {
 

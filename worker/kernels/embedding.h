@@ -3,7 +3,7 @@
 #define PDWORKER_WORKER_KERNELS_EMBEDDING_H_
 
 #include "absl/status/status.h"
-#include "worker/model/dtype.h"
+#include "common/dtype.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
 

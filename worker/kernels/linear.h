@@ -6,9 +6,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/dtype.h"
 #include "pdw_cuda_config.h"  // PDW_HAVE_CUDA
 #include "worker/kernels/rope_kv_cache.h"
-#include "worker/model/dtype.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
 

@@ -5,8 +5,8 @@
 #define PDWORKER_WORKER_KERNELS_LM_HEAD_H_
 
 #include "absl/status/status.h"
+#include "common/dtype.h"
 #include "worker/kernels/linear.h"
-#include "worker/model/dtype.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
 

@@ -12,9 +12,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/dtype.h"
 #include "dispatcher/attention_cg_support.h"
 #include "pdw_cuda_config.h"  // PDW_HAVE_CUDA
-#include "worker/model/dtype.h"
 #include "worker/runtime/device.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"

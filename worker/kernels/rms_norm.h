@@ -4,7 +4,7 @@
 #define PDWORKER_WORKER_KERNELS_RMS_NORM_H_
 
 #include "absl/status/status.h"
-#include "worker/model/dtype.h"
+#include "common/dtype.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
 

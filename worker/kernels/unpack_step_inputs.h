@@ -19,7 +19,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
-#include "worker/model/step_buffers.h"
+#include "worker/kernels/step_buffers.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/stream.h"
 

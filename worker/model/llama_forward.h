@@ -41,9 +41,9 @@
 #include "worker/kernels/linear.h"
 #include "worker/kernels/lm_head.h"
 #include "worker/kernels/paged_attention.h"
+#include "worker/kernels/step_buffers.h"
 #include "worker/model/llama_weights.h"
 #include "worker/model/model_config.h"
-#include "worker/model/step_buffers.h"
 #include "worker/runtime/arena.h"
 #include "worker/runtime/stream.h"
 

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/dtype.h"
 #include "worker/model/checkpoint.h"
-#include "worker/model/dtype.h"
 #include "worker/model/model_config.h"
 #include "worker/runtime/arena.h"
 #include "worker/runtime/device.h"

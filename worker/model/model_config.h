@@ -12,7 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "worker/model/dtype.h"
+#include "common/dtype.h"
 
 namespace pdworker {
 

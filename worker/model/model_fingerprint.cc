@@ -8,7 +8,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "worker/model/dtype.h"
+#include "common/dtype.h"
 #include "worker/model/safetensors.h"
 
 namespace pdworker {

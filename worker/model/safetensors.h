@@ -21,7 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "worker/model/dtype.h"
+#include "common/dtype.h"
 #include "worker/model/mapped_file.h"
 
 namespace pdworker {

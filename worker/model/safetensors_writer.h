@@ -11,7 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "worker/model/dtype.h"
+#include "common/dtype.h"
 
 namespace pdworker {
 

@@ -37,6 +37,7 @@
 #include "worker/model/llama_forward.h"
 #include "worker/model/llama_weights.h"
 #include "worker/model/model_config.h"
+#include "worker/runner/kv_cache_view.h"
 #include "worker/runner/sampler.h"
 #include "worker/runner/step_inputs.h"
 #include "worker/runtime/arena.h"
@@ -45,7 +46,6 @@
 #include "worker/runtime/event.h"
 #include "worker/runtime/host_memory.h"
 #include "worker/runtime/stream.h"
-#include "worker/transfer/kv_cache_view.h"
 
 namespace pdworker {
 

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "dispatcher/batch_descriptor.h"
 #include "dispatcher/capture_lifecycle.h"
+#include "dispatcher/capture_summary.h"
 #include "dispatcher/cudagraph_mode.h"
 #include "dispatcher/forward_context.h"
 #include "worker/runtime/device.h"
@@ -41,25 +42,6 @@ struct CaptureSessionParams {
   std::function<absl::Status(const BatchDescriptor&)> prepare_inputs;
   // Runs the (wrapped) model under `context`; the wrappers capture.
   std::function<absl::Status(const ForwardContext&)> forward;
-};
-
-// Cost of capturing one runtime mode's graphs.
-struct ModeCaptureSummary {
-  RuntimeMode mode = RuntimeMode::kNone;
-  int num_graphs = 0;
-  int num_warmup_runs = 0;
-  double seconds = 0.0;
-  // Device memory in use after minus before (bytes; may be negative). On the
-  // CPU backend graphs live in host memory outside the device accounting, so
-  // this is 0 unless something allocated device memory.
-  int64_t memory_delta_bytes = 0;
-};
-
-struct CaptureSummary {
-  std::vector<ModeCaptureSummary> modes;  // In the order of `descs`.
-  double total_seconds = 0.0;
-  int64_t total_memory_delta_bytes = 0;
-  int total_graphs = 0;
 };
 
 // For each mode in order, and within it the keys largest first (by

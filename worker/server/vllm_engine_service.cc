@@ -14,8 +14,8 @@
 #include "absl/time/time.h"
 #include "glog/logging.h"
 #include "nlohmann/json.hpp"
-#include "worker/server/parsed_call.h"
-#include "worker/server/status_mapping.h"
+#include "worker/rpc/parsed_call.h"
+#include "worker/rpc/status_mapping.h"
 #include "worker/server/tokenizer_bundle.h"
 #include "worker/transfer/kv_transfer_params.h"
 

@@ -16,9 +16,9 @@
 
 #include "proto/vllm_engine.grpc.pb.h"
 #include "worker/engine/engine.h"
-#include "worker/kv_events/kv_event_stream.h"
 #include "worker/runner/model_runner.h"
 #include "worker/server/generate_request.h"
+#include "worker/server/kv_event_stream.h"
 #include "worker/server/worker_service.h"
 #include "worker/transfer/kv_importer.h"
 

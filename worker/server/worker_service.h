@@ -17,11 +17,11 @@
 #include "metrics/worker_metrics.h"
 #include "proto/worker.grpc.pb.h"
 #include "worker/engine/engine.h"
+#include "worker/engine/kv_lease_table.h"
+#include "worker/runner/kv_cache_view.h"
 #include "worker/runner/model_runner.h"
 #include "worker/server/request_validation.h"
-#include "worker/transfer/kv_cache_view.h"
 #include "worker/transfer/kv_importer.h"
-#include "worker/transfer/kv_lease_table.h"
 
 namespace pdworker {
 

@@ -8,9 +8,9 @@
 
 #include "absl/status/status.h"
 #include "proto/worker.pb.h"
+#include "worker/runner/kv_cache_view.h"
 #include "worker/transfer/cuda_ipc.h"
 #include "worker/transfer/grpc_kv_puller.h"
-#include "worker/transfer/kv_cache_view.h"
 #include "worker/transfer/peer_channels.h"
 
 namespace pdworker {

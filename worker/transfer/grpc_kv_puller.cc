@@ -14,8 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "proto/worker.grpc.pb.h"
-#include "worker/server/status_mapping.h"
-#include "worker/transfer/kv_lease_table.h"
+#include "worker/engine/kv_lease_table.h"
+#include "worker/rpc/status_mapping.h"
 #include "worker/transfer/kv_transfer_service.h"
 
 namespace pdworker {

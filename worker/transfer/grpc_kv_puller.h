@@ -20,8 +20,8 @@
 #include "metrics/worker_metrics.h"
 #include "proto/worker.pb.h"
 #include "worker/kv_cache/kv_cache_manager.h"
+#include "worker/runner/kv_cache_view.h"
 #include "worker/runtime/stream.h"
-#include "worker/transfer/kv_cache_view.h"
 #include "worker/transfer/kv_span_staging.h"
 #include "worker/transfer/peer_channels.h"
 

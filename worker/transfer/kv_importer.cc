@@ -11,9 +11,9 @@
 #include "absl/types/span.h"
 #include "glog/logging.h"
 #include "proto/worker.grpc.pb.h"
+#include "worker/engine/kv_lease_table.h"
 #include "worker/transfer/cuda_ipc_puller.h"
 #include "worker/transfer/grpc_kv_puller.h"
-#include "worker/transfer/kv_lease_table.h"
 #include "worker/transfer/kv_transfer_service.h"
 #include "worker/transfer/nccl_kv_puller.h"
 

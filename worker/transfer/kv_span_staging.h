@@ -30,12 +30,12 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "worker/kv_cache/kv_cache_manager.h"
+#include "worker/runner/kv_cache_view.h"
 #include "worker/runtime/device.h"
 #include "worker/runtime/device_buffer.h"
 #include "worker/runtime/event.h"
 #include "worker/runtime/host_memory.h"
 #include "worker/runtime/stream.h"
-#include "worker/transfer/kv_cache_view.h"
 
 namespace pdworker {
 

@@ -20,9 +20,9 @@
 #include "absl/types/span.h"
 #include "glog/logging.h"
 #include "worker/kv_cache/kv_cache_manager.h"
+#include "worker/rpc/parsed_call.h"
+#include "worker/rpc/status_mapping.h"
 #include "worker/runtime/stream.h"
-#include "worker/server/parsed_call.h"
-#include "worker/server/status_mapping.h"
 #include "worker/transfer/cuda_ipc.h"
 #include "worker/transfer/nccl_transfer.h"
 

@@ -20,9 +20,9 @@
 
 #include "metrics/worker_metrics.h"
 #include "proto/worker.grpc.pb.h"
+#include "worker/engine/kv_lease_table.h"
+#include "worker/runner/kv_cache_view.h"
 #include "worker/runtime/device.h"
-#include "worker/transfer/kv_cache_view.h"
-#include "worker/transfer/kv_lease_table.h"
 #include "worker/transfer/kv_span_staging.h"
 #include "worker/transfer/nccl_comm_cache.h"
 
@@ -42,7 +42,7 @@ struct KvTransferServiceOptions {
 
 class NcclSender;
 
-// Every method raw: requests are parsed by us (worker/server/parsed_call.h
+// Every method raw: requests are parsed by us (worker/rpc/parsed_call.h
 // says why).
 using RawKvTransferService = v1::KvTransfer::WithRawCallbackMethod_PullKv<
     v1::KvTransfer::WithRawCallbackMethod_ReleaseKv<

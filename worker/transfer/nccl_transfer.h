@@ -23,8 +23,8 @@
 
 #include "absl/status/statusor.h"
 #include "worker/kv_cache/kv_cache_manager.h"
+#include "worker/runner/kv_cache_view.h"
 #include "worker/runtime/device.h"
-#include "worker/transfer/kv_cache_view.h"
 #include "worker/transfer/nccl_comm_cache.h"
 
 namespace pdworker {

@@ -1,4 +1,4 @@
-#include "worker/server/status_mapping.h"
+#include "worker/rpc/status_mapping.h"
 
 #include <string>
 

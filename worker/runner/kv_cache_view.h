@@ -6,8 +6,8 @@
 // consecutive tokens are contiguous within a block, so a run of tokens is
 // copied block by block. Transfers move tokens, not blocks: two workers with
 // different block sizes can hand KV to each other.
-#ifndef PDWORKER_WORKER_TRANSFER_KV_CACHE_VIEW_H_
-#define PDWORKER_WORKER_TRANSFER_KV_CACHE_VIEW_H_
+#ifndef PDWORKER_WORKER_RUNNER_KV_CACHE_VIEW_H_
+#define PDWORKER_WORKER_RUNNER_KV_CACHE_VIEW_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -121,4 +121,4 @@ absl::Status WriteKvTokens(Stream& stream, const KvCacheView& view,
 
 }  // namespace pdworker
 
-#endif  // PDWORKER_WORKER_TRANSFER_KV_CACHE_VIEW_H_
+#endif  // PDWORKER_WORKER_RUNNER_KV_CACHE_VIEW_H_

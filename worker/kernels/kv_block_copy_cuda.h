@@ -3,8 +3,8 @@
 // cache into this process), instead of one cudaMemcpyAsync per block, layer
 // and part (4,096 host calls for a 2,048-token prompt of the 1B shape).
 // Plain C++ with CUDA runtime types; included only where PDW_HAVE_CUDA.
-#ifndef PDWORKER_WORKER_TRANSFER_KV_BLOCK_COPY_CUDA_H_
-#define PDWORKER_WORKER_TRANSFER_KV_BLOCK_COPY_CUDA_H_
+#ifndef PDWORKER_WORKER_KERNELS_KV_BLOCK_COPY_CUDA_H_
+#define PDWORKER_WORKER_KERNELS_KV_BLOCK_COPY_CUDA_H_
 
 #include <cuda_runtime_api.h>
 
@@ -51,4 +51,4 @@ cudaError_t LaunchKvBlockCopyCuda(const KvBlockCopyCudaParams& p,
 
 }  // namespace pdworker
 
-#endif  // PDWORKER_WORKER_TRANSFER_KV_BLOCK_COPY_CUDA_H_
+#endif  // PDWORKER_WORKER_KERNELS_KV_BLOCK_COPY_CUDA_H_

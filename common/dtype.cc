@@ -1,4 +1,4 @@
-#include "worker/model/dtype.h"
+#include "common/dtype.h"
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"

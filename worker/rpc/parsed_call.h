@@ -10,8 +10,8 @@
 // method does not exist". Parsing ourselves answers INVALID_ARGUMENT saying
 // which message could not be parsed, and the handler never runs: nothing
 // changes.
-#ifndef PDWORKER_WORKER_SERVER_PARSED_CALL_H_
-#define PDWORKER_WORKER_SERVER_PARSED_CALL_H_
+#ifndef PDWORKER_WORKER_RPC_PARSED_CALL_H_
+#define PDWORKER_WORKER_RPC_PARSED_CALL_H_
 
 #include <google/protobuf/message.h>
 #include <grpcpp/grpcpp.h>
@@ -112,4 +112,4 @@ class ListWriter final : public MessageWriter {
 
 }  // namespace pdworker
 
-#endif  // PDWORKER_WORKER_SERVER_PARSED_CALL_H_
+#endif  // PDWORKER_WORKER_RPC_PARSED_CALL_H_

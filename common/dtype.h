@@ -2,8 +2,8 @@
 // Llama-family checkpoints are published in. Names follow the two places they
 // appear: config.json's "torch_dtype" ("bfloat16") and the safetensors header's
 // "dtype" ("BF16").
-#ifndef PDWORKER_WORKER_MODEL_DTYPE_H_
-#define PDWORKER_WORKER_MODEL_DTYPE_H_
+#ifndef PDWORKER_COMMON_DTYPE_H_
+#define PDWORKER_COMMON_DTYPE_H_
 
 #include <cstddef>
 
@@ -33,4 +33,4 @@ absl::StatusOr<DType> ParseSafetensorsDType(absl::string_view name);
 
 }  // namespace pdworker
 
-#endif  // PDWORKER_WORKER_MODEL_DTYPE_H_
+#endif  // PDWORKER_COMMON_DTYPE_H_

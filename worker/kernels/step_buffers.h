@@ -1,7 +1,7 @@
 // StepBuffers: the per-step metadata the forward reads, in static device
 // buffers (the model's input contract; worker/runner/step_inputs fills them).
-#ifndef PDWORKER_WORKER_MODEL_STEP_BUFFERS_H_
-#define PDWORKER_WORKER_MODEL_STEP_BUFFERS_H_
+#ifndef PDWORKER_WORKER_KERNELS_STEP_BUFFERS_H_
+#define PDWORKER_WORKER_KERNELS_STEP_BUFFERS_H_
 
 #include "worker/runtime/device_buffer.h"
 
@@ -24,4 +24,4 @@ struct StepBuffers {
 
 }  // namespace pdworker
 
-#endif  // PDWORKER_WORKER_MODEL_STEP_BUFFERS_H_
+#endif  // PDWORKER_WORKER_KERNELS_STEP_BUFFERS_H_

@@ -31,8 +31,8 @@
 // per block (token_ids, block_size); a hash travels as the int64 with the
 // same 64 bits. cache_level and lora_id stay unset (the engine's own KV
 // cache; no LoRA), group events are off.
-#ifndef PDWORKER_WORKER_KV_EVENTS_KV_EVENT_STREAM_H_
-#define PDWORKER_WORKER_KV_EVENTS_KV_EVENT_STREAM_H_
+#ifndef PDWORKER_WORKER_SERVER_KV_EVENT_STREAM_H_
+#define PDWORKER_WORKER_SERVER_KV_EVENT_STREAM_H_
 
 #include <grpcpp/grpcpp.h>
 
@@ -106,4 +106,4 @@ class KvEventStream {
 
 }  // namespace pdworker
 
-#endif  // PDWORKER_WORKER_KV_EVENTS_KV_EVENT_STREAM_H_
+#endif  // PDWORKER_WORKER_SERVER_KV_EVENT_STREAM_H_

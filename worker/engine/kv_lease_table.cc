@@ -1,4 +1,4 @@
-#include "worker/transfer/kv_lease_table.h"
+#include "worker/engine/kv_lease_table.h"
 
 #include <algorithm>
 #include <random>

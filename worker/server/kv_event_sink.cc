@@ -1,4 +1,4 @@
-#include "worker/kv_events/kv_event_sink.h"
+#include "worker/server/kv_event_sink.h"
 
 #include <utility>
 

@@ -15,8 +15,8 @@
 // until EndPull). Finished leases leave a tombstone so a late or second
 // pull is told why: FAILED_PRECONDITION "already pulled", NOT_FOUND
 // "expired". Thread-safe; a sweeper thread expires leases on time.
-#ifndef PDWORKER_WORKER_TRANSFER_KV_LEASE_TABLE_H_
-#define PDWORKER_WORKER_TRANSFER_KV_LEASE_TABLE_H_
+#ifndef PDWORKER_WORKER_ENGINE_KV_LEASE_TABLE_H_
+#define PDWORKER_WORKER_ENGINE_KV_LEASE_TABLE_H_
 
 #include <chrono>
 #include <condition_variable>
@@ -142,4 +142,4 @@ class KvLeaseTable {
 
 }  // namespace pdworker
 
-#endif  // PDWORKER_WORKER_TRANSFER_KV_LEASE_TABLE_H_
+#endif  // PDWORKER_WORKER_ENGINE_KV_LEASE_TABLE_H_

@@ -1,4 +1,4 @@
-#include "worker/kv_events/kv_event_stream.h"
+#include "worker/server/kv_event_stream.h"
 
 #include <algorithm>
 #include <deque>
@@ -10,7 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
-#include "worker/server/parsed_call.h"
+#include "worker/rpc/parsed_call.h"
 
 namespace pdworker {
 namespace {

@@ -1,7 +1,7 @@
 // The one place where absl::Status becomes grpc::Status (DESIGN.md, "Errors
 // and bad input"): every RPC handler finishes through it.
-#ifndef PDWORKER_WORKER_SERVER_STATUS_MAPPING_H_
-#define PDWORKER_WORKER_SERVER_STATUS_MAPPING_H_
+#ifndef PDWORKER_WORKER_RPC_STATUS_MAPPING_H_
+#define PDWORKER_WORKER_RPC_STATUS_MAPPING_H_
 
 #include <grpcpp/support/status.h>
 
@@ -17,4 +17,4 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 
 }  // namespace pdworker
 
-#endif  // PDWORKER_WORKER_SERVER_STATUS_MAPPING_H_
+#endif  // PDWORKER_WORKER_RPC_STATUS_MAPPING_H_

@@ -1,4 +1,4 @@
-#include "worker/server/parsed_call.h"
+#include "worker/rpc/parsed_call.h"
 
 // SerializationTraits for protobuf messages (what generated stubs use).
 #include <grpcpp/impl/codegen/proto_utils.h>

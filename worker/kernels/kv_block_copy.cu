@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "worker/transfer/kv_block_copy_cuda.h"
+#include "worker/kernels/kv_block_copy_cuda.h"
 
 namespace pdworker {
 namespace {

@@ -2,7 +2,7 @@
 // pullable again, a release during a pull is deferred to its end, expiry
 // never frees blocks under a reader, and every lease's blocks are handed
 // back exactly once.
-#include "worker/transfer/kv_lease_table.h"
+#include "worker/engine/kv_lease_table.h"
 
 #include <chrono>
 #include <mutex>

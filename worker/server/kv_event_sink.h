@@ -2,15 +2,15 @@
 // Publish is one batch, stamped once, sent to the ZMQ publisher (vLLM's
 // wire, for llm-d and Dynamo) and to the gRPC stream (SMG's
 // SubscribeKvEvents); either may be absent. Neither ever blocks the caller.
-#ifndef PDWORKER_WORKER_KV_EVENTS_KV_EVENT_SINK_H_
-#define PDWORKER_WORKER_KV_EVENTS_KV_EVENT_SINK_H_
+#ifndef PDWORKER_WORKER_SERVER_KV_EVENT_SINK_H_
+#define PDWORKER_WORKER_SERVER_KV_EVENT_SINK_H_
 
 #include <memory>
 
 #include "absl/types/span.h"
 #include "worker/kv_cache/kv_cache_events.h"
 #include "worker/kv_events/kv_event_publisher.h"
-#include "worker/kv_events/kv_event_stream.h"
+#include "worker/server/kv_event_stream.h"
 
 namespace pdworker {
 
@@ -35,4 +35,4 @@ class KvEventSink final : public KvEventListener {
 
 }  // namespace pdworker
 
-#endif  // PDWORKER_WORKER_KV_EVENTS_KV_EVENT_SINK_H_
+#endif  // PDWORKER_WORKER_SERVER_KV_EVENT_SINK_H_

@@ -1,4 +1,4 @@
-#include "worker/transfer/kv_cache_view.h"
+#include "worker/runner/kv_cache_view.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -10,8 +10,8 @@
 
 #if PDW_HAVE_CUDA
 #include "worker/kernels/kernel_checks.h"
+#include "worker/kernels/kv_block_copy_cuda.h"
 #include "worker/runtime/cuda_status.h"
-#include "worker/transfer/kv_block_copy_cuda.h"
 #endif
 
 namespace pdworker {
