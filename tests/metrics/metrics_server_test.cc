@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -23,7 +24,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "common/status_macros.h"
 #include "dispatcher/cudagraph_mode.h"
 #include "dispatcher/graph_stats.h"
 #include "gmock/gmock.h"
@@ -32,6 +37,7 @@
 #include "prometheus/counter.h"
 #include "prometheus/registry.h"
 #include "tests/metrics/metrics_test_util.h"
+#include "tests/metrics/subprocess.h"
 
 namespace pdworker {
 namespace {
@@ -168,7 +174,8 @@ TEST(MetricsServerTest, ExpositionContentType) {
   ASSERT_TRUE(server.ok()) << server.status();
   const int fd = ConnectLoopback((*server)->port());
   ASSERT_GE(fd, 0);
-  const std::string request = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+  const std::string request =
+      "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
   ASSERT_EQ(send(fd, request.data(), request.size(), MSG_NOSIGNAL),
             static_cast<ssize_t>(request.size()));
   std::string raw;
@@ -286,7 +293,9 @@ absl::StatusOr<std::string> ScrapeWithin(int port,
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(port));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  const std::string request = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+  // Read to the server's close: one request per connection.
+  const std::string request =
+      "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
   if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
       send(fd, request.data(), request.size(), MSG_NOSIGNAL) !=
           static_cast<ssize_t>(request.size())) {
@@ -428,6 +437,347 @@ TEST(MetricsServerTest, ClosesConnectionsPastTheirDeadline) {
   ExpectScrapeSucceeds((*server)->port());
 }
 
+// One response read off a persistent connection.
+struct RawResponse {
+  int status = 0;
+  std::string head;  // status line and headers
+  std::string body;
+  bool says_close() const {
+    return absl::StrContains(head, "\r\nConnection: close\r\n");
+  }
+  bool says_keep_alive() const {
+    return absl::StrContains(head, "\r\nConnection: keep-alive\r\n");
+  }
+};
+
+// A client that frames responses by their Content-Length, so it can send
+// several requests over one socket (and pipeline them).
+class KeepAliveClient {
+ public:
+  explicit KeepAliveClient(int port) : fd_(ConnectLoopback(port)) {
+    // Bounded: a server that never answers fails the test, not hangs it.
+    timeval timeout{10, 0};
+    if (fd_ >= 0) {
+      setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+    }
+  }
+  ~KeepAliveClient() {
+    if (fd_ >= 0) close(fd_);
+  }
+  KeepAliveClient(const KeepAliveClient&) = delete;
+  KeepAliveClient& operator=(const KeepAliveClient&) = delete;
+
+  int fd() const { return fd_; }
+
+  bool Send(const std::string& raw) {
+    return fd_ >= 0 && send(fd_, raw.data(), raw.size(), MSG_NOSIGNAL) ==
+                           static_cast<ssize_t>(raw.size());
+  }
+
+  // The next response; a response to HEAD has no body whatever its
+  // Content-Length says.
+  absl::StatusOr<RawResponse> Read(bool to_head = false) {
+    size_t head_end;
+    while ((head_end = buffered_.find("\r\n\r\n")) == std::string::npos) {
+      PDW_RETURN_IF_ERROR(Receive());
+    }
+    RawResponse response;
+    response.head = buffered_.substr(0, head_end + 2);
+    const std::vector<std::string> status_line =
+        absl::StrSplit(response.head.substr(0, response.head.find("\r\n")),
+                       absl::MaxSplits(' ', 2));
+    const std::string length_field = "\r\nContent-Length: ";
+    const size_t length_at = response.head.find(length_field);
+    size_t length = 0;
+    if (status_line.size() < 2 ||
+        !absl::SimpleAtoi(status_line[1], &response.status) ||
+        length_at == std::string::npos ||
+        !absl::SimpleAtoi(
+            response.head.substr(length_at + length_field.size(),
+                                 response.head.find("\r\n", length_at + 2) -
+                                     (length_at + length_field.size())),
+            &length)) {
+      return absl::DataLossError("bad response head: " + response.head);
+    }
+    if (to_head) length = 0;
+    while (buffered_.size() < head_end + 4 + length) {
+      PDW_RETURN_IF_ERROR(Receive());
+    }
+    response.body = buffered_.substr(head_end + 4, length);
+    buffered_.erase(0, head_end + 4 + length);
+    return response;
+  }
+
+  // Sends `raw` and reads its response.
+  absl::StatusOr<RawResponse> Exchange(const std::string& raw,
+                                       bool to_head = false) {
+    if (!Send(raw)) return absl::UnavailableError(strerror(errno));
+    return Read(to_head);
+  }
+
+ private:
+  absl::Status Receive() {
+    char buf[4096];
+    const ssize_t n = recv(fd_, buf, sizeof(buf), 0);
+    if (n <= 0) {
+      return absl::UnavailableError(
+          absl::StrCat("connection ended (", n < 0 ? strerror(errno) : "EOF",
+                       ") after '", buffered_, "'"));
+    }
+    buffered_.append(buf, static_cast<size_t>(n));
+    return absl::OkStatus();
+  }
+
+  int fd_;
+  std::string buffered_;  // received, not yet returned
+};
+
+constexpr char kGet11[] = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+
+// A successful scrape of RegistryWithCounter() on a kept-alive connection.
+void ExpectKeptAliveScrape(const absl::StatusOr<RawResponse>& response) {
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->status, 200) << response->head;
+  EXPECT_TRUE(response->says_keep_alive()) << response->head;
+  EXPECT_THAT(Samples(response->body, "pdworker_test_events_total"),
+              Contains("pdworker_test_events_total 3"));
+}
+
+TEST(MetricsServerTest, AnswersManyRequestsOverOneHttp11Connection) {
+  absl::StatusOr<std::unique_ptr<MetricsServer>> server =
+      MetricsServer::Start("127.0.0.1:0", RegistryWithCounter());
+  ASSERT_TRUE(server.ok()) << server.status();
+  KeepAliveClient client((*server)->port());
+  ASSERT_GE(client.fd(), 0);
+  for (int i = 0; i < 5; ++i) ExpectKeptAliveScrape(client.Exchange(kGet11));
+
+  // HEAD, a 404 and the index keep the connection as well.
+  absl::StatusOr<RawResponse> head = client.Exchange(
+      "HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n", /*to_head=*/true);
+  ASSERT_TRUE(head.ok()) << head.status();
+  EXPECT_EQ(head->status, 200);
+  EXPECT_TRUE(head->says_keep_alive());
+  EXPECT_EQ(head->body, "");
+  absl::StatusOr<RawResponse> missing =
+      client.Exchange("GET /nope HTTP/1.1\r\nHost: x\r\n\r\n");
+  ASSERT_TRUE(missing.ok()) << missing.status();
+  EXPECT_EQ(missing->status, 404);
+  EXPECT_TRUE(missing->says_keep_alive());
+  ExpectKeptAliveScrape(client.Exchange(kGet11));
+
+  EXPECT_FALSE(ClosedByServer(client.fd(), std::chrono::milliseconds(0)));
+  const MetricsServerStats stats = (*server)->stats();
+  EXPECT_EQ(stats.connections_accepted, 1u);
+  EXPECT_EQ(stats.requests_answered, 8u);
+}
+
+TEST(MetricsServerTest, ClosesWhenTheClientSaysConnectionClose) {
+  absl::StatusOr<std::unique_ptr<MetricsServer>> server =
+      MetricsServer::Start("127.0.0.1:0", RegistryWithCounter());
+  ASSERT_TRUE(server.ok()) << server.status();
+  KeepAliveClient client((*server)->port());
+  ExpectKeptAliveScrape(client.Exchange(kGet11));
+  // Header names and options are case-insensitive; "close" wins in a list.
+  absl::StatusOr<RawResponse> last = client.Exchange(
+      "GET /metrics HTTP/1.1\r\nHost: x\r\nconnection: TE, Close\r\n\r\n");
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ(last->status, 200);
+  EXPECT_TRUE(last->says_close()) << last->head;
+  EXPECT_TRUE(ClosedByServer(client.fd(), std::chrono::seconds(5)));
+}
+
+TEST(MetricsServerTest, Http10ClosesUnlessAskedToKeepAlive) {
+  absl::StatusOr<std::unique_ptr<MetricsServer>> server =
+      MetricsServer::Start("127.0.0.1:0", RegistryWithCounter());
+  ASSERT_TRUE(server.ok()) << server.status();
+
+  KeepAliveClient plain((*server)->port());
+  absl::StatusOr<RawResponse> once =
+      plain.Exchange("GET /metrics HTTP/1.0\r\n\r\n");
+  ASSERT_TRUE(once.ok()) << once.status();
+  EXPECT_EQ(once->status, 200);
+  EXPECT_TRUE(once->says_close()) << once->head;
+  EXPECT_TRUE(ClosedByServer(plain.fd(), std::chrono::seconds(5)));
+
+  KeepAliveClient asking((*server)->port());
+  const std::string keep_alive =
+      "GET /metrics HTTP/1.0\r\nConnection: keep-alive\r\n\r\n";
+  ExpectKeptAliveScrape(asking.Exchange(keep_alive));
+  ExpectKeptAliveScrape(asking.Exchange(keep_alive));
+  EXPECT_EQ((*server)->stats().connections_accepted, 2u);
+}
+
+// Past the idle timeout (short here, the exchange deadline long) a kept-alive
+// connection with no new request is closed.
+TEST(MetricsServerTest, ClosesKeptAliveConnectionsAfterTheIdleTimeout) {
+  MetricsServerOptions options;
+  options.idle_timeout = std::chrono::milliseconds(200);
+  options.connection_timeout = std::chrono::seconds(60);
+  absl::StatusOr<std::unique_ptr<MetricsServer>> server =
+      MetricsServer::Start("127.0.0.1:0", RegistryWithCounter(), options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  KeepAliveClient client((*server)->port());
+  ExpectKeptAliveScrape(client.Exchange(kGet11));
+  EXPECT_TRUE(ClosedByServer(client.fd(), std::chrono::seconds(10)));
+  ExpectScrapeSucceeds((*server)->port());
+}
+
+// A kept-alive connection's next request gets the exchange deadline again:
+// a client that starts one and never finishes is closed (the idle timeout,
+// long here, does not apply once a request has begun).
+TEST(MetricsServerTest, SlowSecondRequestMeetsTheExchangeDeadline) {
+  MetricsServerOptions options;
+  options.idle_timeout = std::chrono::seconds(60);
+  options.connection_timeout = std::chrono::milliseconds(300);
+  absl::StatusOr<std::unique_ptr<MetricsServer>> server =
+      MetricsServer::Start("127.0.0.1:0", RegistryWithCounter(), options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  KeepAliveClient client((*server)->port());
+  ExpectKeptAliveScrape(client.Exchange(kGet11));
+  ASSERT_TRUE(client.Send("GET /metrics HTTP/1.1\r\nHost:"));
+  EXPECT_TRUE(ClosedByServer(client.fd(), std::chrono::seconds(10)));
+}
+
+TEST(MetricsServerTest, ClosesAfterTheRequestBoundPerConnection) {
+  MetricsServerOptions options;
+  options.max_requests_per_connection = 3;
+  absl::StatusOr<std::unique_ptr<MetricsServer>> server =
+      MetricsServer::Start("127.0.0.1:0", RegistryWithCounter(), options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  for (int connection = 0; connection < 2; ++connection) {
+    KeepAliveClient client((*server)->port());
+    ExpectKeptAliveScrape(client.Exchange(kGet11));
+    ExpectKeptAliveScrape(client.Exchange(kGet11));
+    absl::StatusOr<RawResponse> last = client.Exchange(kGet11);
+    ASSERT_TRUE(last.ok()) << last.status();
+    EXPECT_EQ(last->status, 200);
+    EXPECT_TRUE(last->says_close()) << last->head;
+    EXPECT_THAT(Samples(last->body, "pdworker_test_events_total"),
+                Contains("pdworker_test_events_total 3"));
+    EXPECT_TRUE(ClosedByServer(client.fd(), std::chrono::seconds(5)));
+  }
+  EXPECT_EQ((*server)->stats().connections_accepted, 2u);
+  EXPECT_EQ((*server)->stats().requests_answered, 6u);
+}
+
+// Requests sent back to back without waiting are answered in order on the
+// same connection.
+TEST(MetricsServerTest, AnswersPipelinedRequestsInOrder) {
+  absl::StatusOr<std::unique_ptr<MetricsServer>> server =
+      MetricsServer::Start("127.0.0.1:0", RegistryWithCounter());
+  ASSERT_TRUE(server.ok()) << server.status();
+  KeepAliveClient client((*server)->port());
+  ASSERT_TRUE(client.Send(absl::StrCat(
+      kGet11, "HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n",
+      "GET /nope HTTP/1.1\r\n\n",  // bare-LF line ends are accepted too
+      kGet11, "GET / HTTP/1.1\r\nConnection: close\r\n\r\n")));
+  ExpectKeptAliveScrape(client.Read());
+  absl::StatusOr<RawResponse> head = client.Read(/*to_head=*/true);
+  ASSERT_TRUE(head.ok()) << head.status();
+  EXPECT_EQ(head->status, 200);
+  EXPECT_EQ(head->body, "");
+  absl::StatusOr<RawResponse> missing = client.Read();
+  ASSERT_TRUE(missing.ok()) << missing.status();
+  EXPECT_EQ(missing->status, 404);
+  ExpectKeptAliveScrape(client.Read());
+  absl::StatusOr<RawResponse> index = client.Read();
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ(index->status, 200);
+  EXPECT_TRUE(index->says_close());
+  EXPECT_TRUE(ClosedByServer(client.fd(), std::chrono::seconds(5)));
+  EXPECT_EQ((*server)->stats().requests_answered, 5u);
+}
+
+// A request whose body this server does not read, or that it cannot parse,
+// is answered and its connection closed: the stream cannot be framed past
+// it.
+TEST(MetricsServerTest, ClosesAfterRequestsItCannotFrame) {
+  absl::StatusOr<std::unique_ptr<MetricsServer>> server =
+      MetricsServer::Start("127.0.0.1:0", RegistryWithCounter());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const struct {
+    std::string request;
+    int status;
+  } cases[] = {
+      {"GET /metrics HTTP/1.1\r\nContent-Length: 4\r\n\r\nabcd", 200},
+      {"GET /metrics HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+       200},
+      {"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n", 405},
+      {"garbage\r\n\r\n", 400},
+  };
+  for (const auto& c : cases) {
+    KeepAliveClient client((*server)->port());
+    absl::StatusOr<RawResponse> response = client.Exchange(c.request);
+    ASSERT_TRUE(response.ok()) << response.status();
+    EXPECT_EQ(response->status, c.status) << c.request;
+    EXPECT_TRUE(response->says_close()) << c.request;
+    EXPECT_TRUE(ClosedByServer(client.fd(), std::chrono::seconds(5)))
+        << c.request;
+  }
+}
+
+// Kept-alive connections count towards the cap; between requests they are
+// waiting for one, so the longest idle is evicted for a newcomer and the
+// scrape gets through.
+TEST(MetricsServerTest, EvictsTheLongestIdleKeptAliveConnectionAtTheCap) {
+  MetricsServerOptions options;
+  options.max_connections = 4;
+  absl::StatusOr<std::unique_ptr<MetricsServer>> server =
+      MetricsServer::Start("127.0.0.1:0", RegistryWithCounter(), options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::vector<std::unique_ptr<KeepAliveClient>> clients;
+  for (size_t i = 0; i < options.max_connections; ++i) {
+    clients.push_back(std::make_unique<KeepAliveClient>((*server)->port()));
+    ExpectKeptAliveScrape(clients.back()->Exchange(kGet11));
+  }
+  // The second client scrapes again: the first is now the longest idle.
+  ExpectKeptAliveScrape(clients[1]->Exchange(kGet11));
+  ExpectScrapeSucceeds((*server)->port());
+  EXPECT_TRUE(ClosedByServer(clients[0]->fd(), std::chrono::seconds(5)));
+  for (size_t i = 1; i < clients.size(); ++i) {
+    ExpectKeptAliveScrape(clients[i]->Exchange(kGet11));
+  }
+}
+
+// A real keep-alive client: Python's http.client sends every request over
+// one HTTPConnection (it reconnects silently if the server closes, so the
+// script also checks its socket's local port never changes).
+TEST(MetricsServerTest, PythonHttpClientReusesOneConnection) {
+  absl::StatusOr<std::unique_ptr<MetricsServer>> server =
+      MetricsServer::Start("127.0.0.1:0", RegistryWithCounter());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string dir = testing::TestTmpDir();
+  const std::string script = dir + "/keep_alive_client.py";
+  std::ofstream(script) << R"py(import http.client
+import sys
+
+port, count = int(sys.argv[1]), int(sys.argv[2])
+connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+local_ports = set()
+for _ in range(count):
+    connection.request("GET", "/metrics")
+    response = connection.getresponse()
+    body = response.read()
+    assert response.status == 200, response.status
+    assert b"pdworker_test_events_total 3" in body, body
+    assert not response.will_close, response.getheaders()
+    local_ports.add(connection.sock.getsockname()[1])
+assert len(local_ports) == 1, local_ports
+print("ok", count, "requests on port", local_ports.pop())
+)py";
+  constexpr int kRequests = 20;
+  absl::StatusOr<testing::CommandResult> run = testing::RunCommand(
+      {"/usr/bin/python3", script, absl::StrCat((*server)->port()),
+       absl::StrCat(kRequests)},
+      "", dir + "/keep_alive_client.log", absl::Seconds(60));
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->exit_code, 0) << run->output;
+  EXPECT_THAT(run->output, HasSubstr("ok 20 requests"));
+  const MetricsServerStats stats = (*server)->stats();
+  EXPECT_EQ(stats.connections_accepted, 1u);
+  EXPECT_EQ(stats.requests_answered, static_cast<uint64_t>(kRequests));
+}
+
 TEST(MetricsServerTest, RejectsNonPositiveOptions) {
   MetricsServerOptions no_connections;
   no_connections.max_connections = 0;
@@ -442,6 +792,19 @@ TEST(MetricsServerTest, RejectsNonPositiveOptions) {
                 .status()
                 .code(),
             absl::StatusCode::kInvalidArgument);
+  MetricsServerOptions no_idle;
+  no_idle.idle_timeout = std::chrono::milliseconds(0);
+  EXPECT_EQ(MetricsServer::Start("127.0.0.1:0", RegistryWithCounter(), no_idle)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  MetricsServerOptions no_requests;
+  no_requests.max_requests_per_connection = 0;
+  EXPECT_EQ(
+      MetricsServer::Start("127.0.0.1:0", RegistryWithCounter(), no_requests)
+          .status()
+          .code(),
+      absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -252,6 +252,15 @@ TEST(PrometheusScrapeTest, RealPrometheusScrapesTheStatisticsTable) {
   ASSERT_EQ(up->size(), 1u) << up->dump(2);
   EXPECT_EQ((*up)[0]["value"][1], "1");
 
+  // Prometheus keeps its scrape connection alive (scrapes 1 s apart, well
+  // inside the exposer's idle timeout), so the scrapes so far share
+  // connections instead of opening one each.
+  const MetricsServerStats served = (*exporter)->stats();
+  EXPECT_GE(served.requests_answered, 2u);
+  EXPECT_LT(served.connections_accepted, served.requests_answered)
+      << served.connections_accepted << " connections for "
+      << served.requests_answered << " scrapes";
+
   EXPECT_TRUE((*prometheus)->Stop().ok());
 }
 
