@@ -232,6 +232,14 @@ void Engine::AdmitIncomingRequests() {
     if (!imported.has_value()) {
       r->kv_id = absl::StrCat(std::string(1, kEngineSequencePrefix), "request#",
                               next_request_number_++);
+      // What the cache holds for it now, for GetLoads until PlanStep looks
+      // again (the hashes are kept for that lookup).
+      const KvCacheManager& kv = runner_.kv_cache();
+      if (kv.prefix_caching() == PrefixCaching::kOn) {
+        kv.hasher().HashFullBlocks(r->tokens, &r->block_hashes);
+        r->waiting_cached_tokens =
+            kv.Lookup(r->block_hashes, r->total()).num_blocks * kv.block_size();
+      }
       waiting_.push_back(r);
       requests_.emplace(r->call->spec.request_id, std::move(r));
       continue;
@@ -426,6 +434,7 @@ void Engine::PlanStep() {
       kv.hasher().HashFullBlocks(r.tokens, &r.block_hashes);
       const PrefixHit hit = kv.Lookup(r.block_hashes, r.total());
       const int32_t cached = hit.num_blocks * kv.block_size();
+      r.waiting_cached_tokens = cached;
       waiting_views_[i].wanted_tokens -= cached;
       waiting_views_[i].num_computed = cached;
       waiting_views_[i].num_blocks = hit.num_held_blocks;
@@ -728,6 +737,7 @@ void Engine::ApplyStep(InFlightStep& step, const StepResult& result) {
       Entry& e = *p.call;
       e.cached_tokens[p.sequence] += out.cached_tokens;
       if (p.samples) {
+        load_tracker_.RecordGenerated(1, last_step_at_);
         e.outcome.sequences[p.sequence] = out;
         e.outcome.sequences[p.sequence].cached_tokens =
             e.cached_tokens[p.sequence];
@@ -749,7 +759,15 @@ void Engine::ApplyStep(InFlightStep& step, const StepResult& result) {
     // A preempted request's sample is still right: the step computed it
     // before the request's KV was freed.
     --r.num_pending;
+    // Counted before FinishRequest answers: a client that reads GetLoads
+    // after its last token sees it.
+    load_tracker_.RecordGenerated(1, last_step_at_);
     r.tokens.push_back(out.token_id);
+    // Its first token: it started here (a decode leg's first token came
+    // with its KV and is not a start).
+    if (r.num_outputs() == 1) {
+      load_tracker_.RecordStart(r.stop.num_prompt_tokens, r.num_cached_tokens);
+    }
     r.new_tokens.push_back(out.token_id);
     r.new_logprobs.push_back(out.logprob);
     if (r.call->spec.logprobs >= 0) {

@@ -60,6 +60,7 @@
 #include "absl/status/status.h"
 #include "metrics/worker_metrics.h"
 #include "worker/engine/kv_lease_table.h"
+#include "worker/engine/load_tracker.h"
 #include "worker/engine/request.h"
 #include "worker/engine/step_calls.h"
 #include "worker/engine/step_planner.h"
@@ -108,6 +109,17 @@ struct EngineSnapshot {
   absl::Status device_error;
   // When the last step was read back (epoch: none yet).
   std::chrono::steady_clock::time_point last_step_at{};
+  // What GetLoads reports for routers (SchedulerLoad):
+  // Prompt tokens accepted and not computed yet, less those the prefix
+  // cache held for them at their latest lookup (a request not looked up
+  // yet counts in full): waiting requests, the rest of running requests'
+  // prompts, and queued step-level calls' tokens.
+  int64_t waiting_uncached_tokens = 0;
+  // LoadTracker's rates, read when snapshot() is called: cached over prompt
+  // tokens of the last 64 requests that started, and tokens sampled over
+  // the last 2 s (tokens/s).
+  double prefix_cache_hit_rate = 0.0;
+  double generation_tokens_per_second = 0.0;
 };
 
 class Engine {
@@ -267,6 +279,8 @@ class Engine {
 
   mutable std::mutex snapshot_mu_;
   EngineSnapshot snapshot_ ABSL_GUARDED_BY(snapshot_mu_);
+  // Recorded by the engine thread, read by snapshot() (its own lock).
+  LoadTracker load_tracker_;
 
   // Engine thread only.
   std::deque<std::unique_ptr<Entry>> pending_;

@@ -289,18 +289,31 @@ void Engine::PublishSnapshot() {
   // Prompt tokens accepted and not computed yet (pdworker_waiting_prompt_
   // tokens): what a prefill autoscaler scales on.
   int64_t waiting_prompt_tokens = 0;
+  // Of those, the ones the prefix cache does not hold (GetLoads).
+  int64_t waiting_uncached_tokens = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     queued = queued_;
     waiting = requests_waiting_;
-    if (metrics_ != nullptr) {
-      for (const std::unique_ptr<EngineRequest>& r : incoming_requests_) {
-        waiting_prompt_tokens += static_cast<int64_t>(r->spec.prompt.size());
-      }
-      for (const std::unique_ptr<Entry>& e : incoming_) {
-        for (const int32_t left : e->remaining) waiting_prompt_tokens += left;
-      }
+    for (const std::unique_ptr<EngineRequest>& r : incoming_requests_) {
+      waiting_prompt_tokens += static_cast<int64_t>(r->spec.prompt.size());
     }
+    for (const std::unique_ptr<Entry>& e : incoming_) {
+      for (const int32_t left : e->remaining) waiting_prompt_tokens += left;
+    }
+  }
+  // Not looked up yet: all of them.
+  waiting_uncached_tokens = waiting_prompt_tokens;
+  for (const std::shared_ptr<Request>& r : running_) {
+    waiting_uncached_tokens +=
+        std::max(0, r->stop.num_prompt_tokens - r->num_computed);
+  }
+  for (const std::shared_ptr<Request>& r : waiting_) {
+    waiting_uncached_tokens +=
+        std::max(0, r->total() - r->num_computed - r->waiting_cached_tokens);
+  }
+  for (const std::unique_ptr<Entry>& e : pending_) {
+    for (const int32_t left : e->remaining) waiting_uncached_tokens += left;
   }
   {
     std::lock_guard<std::mutex> lock(snapshot_mu_);
@@ -317,6 +330,7 @@ void Engine::PublishSnapshot() {
     snapshot_.device_idle_seconds = device_idle_seconds_;
     snapshot_.device_error = device_error_;
     snapshot_.last_step_at = last_step_at_;
+    snapshot_.waiting_uncached_tokens = waiting_uncached_tokens;
   }
   if (metrics_ == nullptr) return;
   EngineLoad load;

@@ -312,6 +312,10 @@ EngineSnapshot Engine::snapshot() const {
     std::lock_guard<std::mutex> lock(snapshot_mu_);
     s = snapshot_;
   }
+  const LoadTracker::Reading rates =
+      load_tracker_.Read(std::chrono::steady_clock::now());
+  s.prefix_cache_hit_rate = rates.cache_hit_rate;
+  s.generation_tokens_per_second = rates.gen_throughput;
   std::lock_guard<std::mutex> lock(mu_);
   s.queued_calls = queued_;
   return s;

@@ -91,6 +91,9 @@ struct Engine::Request {
   // outputs arrive), and the prompt tokens its first start found cached.
   std::vector<BlockHash> block_hashes;
   int32_t num_cached_tokens = 0;
+  // While it waits: the tokens the prefix cache held for it at its latest
+  // lookup (GetLoads' uncached estimate; the admission looks up again).
+  int32_t waiting_cached_tokens = 0;
   // Outputs sampled by steps in flight, not in `tokens` yet (at most one
   // when a step is planned), and where the latest of them is sampled.
   int32_t num_pending = 0;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <deque>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -570,11 +571,20 @@ grpc::ServerUnaryReactor* VllmEngineService::GetLoads(
         load->set_num_used_tokens(
             static_cast<int32_t>(int64_t{s.kv.used_blocks} * kv_block_size_));
         load->set_max_total_num_tokens(static_cast<int32_t>(kv_total_tokens_));
-        load->set_token_usage(s.kv.total_blocks > 0
-                                  ? static_cast<double>(s.kv.used_blocks) /
-                                        s.kv.total_blocks
-                                  : 0.0);
+        // vLLM's kv_cache_usage: blocks held by sequences, leases and
+        // imports over all blocks (free cached blocks count as free).
+        const double usage =
+            s.kv.total_blocks > 0
+                ? static_cast<double>(s.kv.used_blocks) / s.kv.total_blocks
+                : 0.0;
+        load->set_token_usage(usage);
+        load->set_utilization(usage);  // as SMG's servicers report it
         load->set_max_running_requests(max_num_seqs_);
+        load->set_num_waiting_uncached_tokens(static_cast<int32_t>(
+            std::min<int64_t>(s.waiting_uncached_tokens,
+                              std::numeric_limits<int32_t>::max())));
+        load->set_gen_throughput(s.generation_tokens_per_second);
+        load->set_cache_hit_rate(s.prefix_cache_hit_rate);
         return grpc::Status::OK;
       });
 }
