@@ -210,31 +210,32 @@ std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
         kernel == "skinny_mma")
       << "--linear_kernel: auto, cublas, skinny_gemm or skinny_mma, got "
       << kernel;
-  o.linear_kernel = kernel == "cublas" ? kernels::LinearKernel::kCublas
-                    : kernel == "skinny_gemm"
-                        ? kernels::LinearKernel::kSkinnyGemm
-                    : kernel == "skinny_mma" ? kernels::LinearKernel::kSkinnyMma
-                                             : kernels::LinearKernel::kAuto;
+  o.kernel_options.linear_kernel =
+      kernel == "cublas"        ? kernels::LinearKernel::kCublas
+      : kernel == "skinny_gemm" ? kernels::LinearKernel::kSkinnyGemm
+      : kernel == "skinny_mma"  ? kernels::LinearKernel::kSkinnyMma
+                                : kernels::LinearKernel::kAuto;
   const std::string attention = absl::GetFlag(FLAGS_decode_attention);
   CHECK(attention == "auto" || attention == "cuda_cores" ||
         attention == "tensor_cores")
       << "--decode_attention: auto, cuda_cores or tensor_cores, got "
       << attention;
-  o.decode_attention_kernel =
+  o.kernel_options.decode_attention_kernel =
       attention == "tensor_cores" ? kernels::DecodeAttentionKernel::kTensorCores
       : attention == "cuda_cores" ? kernels::DecodeAttentionKernel::kCudaCores
                                   : kernels::DecodeAttentionKernel::kAuto;
   const std::string pdl = absl::GetFlag(FLAGS_decode_attention_pdl);
   CHECK(pdl == "on" || pdl == "off")
       << "--decode_attention_pdl: on or off, got " << pdl;
-  o.decode_attention_pdl = pdl == "on" ? kernels::DecodeAttentionPdl::kOn
-                                       : kernels::DecodeAttentionPdl::kOff;
+  o.kernel_options.decode_attention_pdl =
+      pdl == "on" ? kernels::DecodeAttentionPdl::kOn
+                  : kernels::DecodeAttentionPdl::kOff;
   const std::string prefill = absl::GetFlag(FLAGS_prefill_attention);
   CHECK(prefill == "auto" || prefill == "tensor_cores" || prefill == "wgmma" ||
         prefill == "cuda_cores")
       << "--prefill_attention: auto, tensor_cores, wgmma or cuda_cores, got "
       << prefill;
-  o.varlen_attention_kernel =
+  o.kernel_options.varlen_attention_kernel =
       prefill == "tensor_cores" ? kernels::VarlenAttentionKernel::kTensorCores
       : prefill == "wgmma"      ? kernels::VarlenAttentionKernel::kWarpgroupMma
       : prefill == "cuda_cores" ? kernels::VarlenAttentionKernel::kCudaCores
@@ -242,26 +243,28 @@ std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
   const std::string fusion = absl::GetFlag(FLAGS_decode_fusion);
   CHECK(fusion == "on" || fusion == "off")
       << "--decode_fusion: on or off, got " << fusion;
-  o.decode_fusion = fusion == "on" ? DecodeFusion::kOn : DecodeFusion::kOff;
+  o.kernel_options.decode_fusion =
+      fusion == "on" ? DecodeFusion::kOn : DecodeFusion::kOff;
   const std::string greedy_head = absl::GetFlag(FLAGS_greedy_head);
   CHECK(greedy_head == "on" || greedy_head == "off")
       << "--greedy_head: on or off, got " << greedy_head;
-  o.greedy_head_fusion =
+  o.kernel_options.greedy_head_fusion =
       greedy_head == "on" ? GreedyHeadFusion::kOn : GreedyHeadFusion::kOff;
   const std::string megakernel = absl::GetFlag(FLAGS_megakernel);
   CHECK(megakernel == "on" || megakernel == "off")
       << "--megakernel: on or off, got " << megakernel;
-  o.decode_megakernel =
+  o.kernel_options.decode_megakernel =
       megakernel == "on" ? DecodeMegakernel::kOn : DecodeMegakernel::kOff;
-  o.megakernel_tuning.ctas_per_sm = absl::GetFlag(FLAGS_megakernel_ctas_per_sm);
+  o.kernel_options.megakernel_tuning.ctas_per_sm =
+      absl::GetFlag(FLAGS_megakernel_ctas_per_sm);
   const std::string reduce = absl::GetFlag(FLAGS_megakernel_reduce);
   CHECK(reduce == "last_split" || reduce == "own_phase")
       << "--megakernel_reduce: last_split or own_phase, got " << reduce;
-  o.megakernel_tuning.reduce = reduce == "last_split"
-                                   ? kernels::MegakernelReduce::kLastSplit
-                                   : kernels::MegakernelReduce::kOwnPhase;
+  o.kernel_options.megakernel_tuning.reduce =
+      reduce == "last_split" ? kernels::MegakernelReduce::kLastSplit
+                             : kernels::MegakernelReduce::kOwnPhase;
   const int64_t prefetch_mib = absl::GetFlag(FLAGS_megakernel_prefetch_mib);
-  o.megakernel_tuning.prefetch_window_bytes =
+  o.kernel_options.megakernel_tuning.prefetch_window_bytes =
       prefetch_mib < 0 ? -1 : prefetch_mib << 20;
   auto runner = ModelRunner::Create(device, dir, o);
   CHECK(runner.ok()) << runner.status();

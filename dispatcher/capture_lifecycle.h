@@ -39,8 +39,9 @@ std::ostream& operator<<(std::ostream& os, CaptureStage stage);
 // with a global flag (validate_cudagraph_capturing_enabled); we make it an
 // object passed explicitly.
 //
-// Distinct from Stream::IsCapturing(), which says whether a stream is
-// recording right now (the device's fact, inside one wrapper's capture).
+// Not whether a stream is recording right now: that is the stream's own fact
+// (Stream::IsCapturing), true only inside one wrapper's capture, within the
+// window.
 //
 // Thread-safe: the stage is an atomic, so the engine thread may dispatch
 // while another thread changes the stage. Release/acquire so that a reader
@@ -75,8 +76,9 @@ class CaptureLifecycle {
   CaptureLifecycle& operator=(const CaptureLifecycle&) = delete;
 
   CaptureStage stage() const { return stage_.load(std::memory_order_acquire); }
-  // Whether a wrapper may capture an unseen key now.
-  bool IsCapturing() const { return stage() == CaptureStage::kCapturing; }
+  // Whether a wrapper may capture an unseen key now: the capture window is
+  // open.
+  bool CaptureAllowed() const { return stage() == CaptureStage::kCapturing; }
 
   // The capture session succeeded: the dispatcher's keys may be replayed.
   void MarkReady() {

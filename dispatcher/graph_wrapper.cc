@@ -66,7 +66,7 @@ absl::Status GraphWrapper::Capture(
     const ForwardContext& context,
     absl::Span<const void* const> input_addresses) {
   if (options_.capture_policy == CapturePolicy::kCapturePhaseOnly &&
-      !capture_lifecycle_->IsCapturing()) {
+      !capture_lifecycle_->CaptureAllowed()) {
     return Annotate(
         absl::FailedPreconditionError(
             "no graph was captured for this key and capture is only allowed "

@@ -11,7 +11,7 @@ namespace {
 TEST(CaptureLifecycleTest, StartsNotCaptured) {
   CaptureLifecycle lifecycle;
   EXPECT_EQ(lifecycle.stage(), CaptureStage::kNotCaptured);
-  EXPECT_FALSE(lifecycle.IsCapturing());
+  EXPECT_FALSE(lifecycle.CaptureAllowed());
 }
 
 TEST(CaptureLifecycleTest, WindowCapturesOnlyWhileOpen) {
@@ -19,11 +19,11 @@ TEST(CaptureLifecycleTest, WindowCapturesOnlyWhileOpen) {
   {
     CaptureLifecycle::CaptureWindow capturing(lifecycle);
     EXPECT_EQ(lifecycle.stage(), CaptureStage::kCapturing);
-    EXPECT_TRUE(lifecycle.IsCapturing());
+    EXPECT_TRUE(lifecycle.CaptureAllowed());
   }
   // Closing does not claim the graphs are ready: the owner decides.
   EXPECT_EQ(lifecycle.stage(), CaptureStage::kNotCaptured);
-  EXPECT_FALSE(lifecycle.IsCapturing());
+  EXPECT_FALSE(lifecycle.CaptureAllowed());
 }
 
 TEST(CaptureLifecycleTest, ReadyAndDisabledOutliveTheWindow) {
@@ -31,7 +31,7 @@ TEST(CaptureLifecycleTest, ReadyAndDisabledOutliveTheWindow) {
   {
     CaptureLifecycle::CaptureWindow capturing(lifecycle);
     lifecycle.MarkReady();
-    EXPECT_FALSE(lifecycle.IsCapturing());
+    EXPECT_FALSE(lifecycle.CaptureAllowed());
   }
   EXPECT_EQ(lifecycle.stage(), CaptureStage::kReady);
   {
@@ -51,7 +51,7 @@ TEST(CaptureLifecycleTest, RecaptureFromAnyStage) {
     }
     {
       CaptureLifecycle::CaptureWindow capturing(lifecycle);
-      EXPECT_TRUE(lifecycle.IsCapturing());
+      EXPECT_TRUE(lifecycle.CaptureAllowed());
     }
     EXPECT_EQ(lifecycle.stage(), CaptureStage::kNotCaptured);
     lifecycle.MarkReady();

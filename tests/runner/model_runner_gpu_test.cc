@@ -310,8 +310,8 @@ TEST_P(RunnerGpuTest, DecodeFusionLeavesEveryLogitBitIdentical) {
         ModelRunnerOptions o =
             SmallOptions(R"({"cudagraph_mode":")" + std::string(mode) +
                          R"(","cudagraph_capture_sizes":[1,2,4,8]})");
-        o.linear_kernel = kernel;
-        o.decode_fusion = fusion;
+        o.kernel_options.linear_kernel = kernel;
+        o.kernel_options.decode_fusion = fusion;
         auto runner = ModelRunner::Create(*cuda_, dir_, o);
         ASSERT_TRUE(runner.ok()) << runner.status();
         ASSERT_TRUE((*runner)->CaptureGraphs().ok());
@@ -363,10 +363,11 @@ TEST_P(RunnerGpuTest, GreedyHeadFusionChangesNoTokenLogprobOrLogit) {
       ModelRunnerOptions o =
           SmallOptions(R"({"cudagraph_mode":")" + std::string(mode) +
                        R"(","cudagraph_capture_sizes":[1,2,4,8]})");
-      o.greedy_head_fusion =
+      o.kernel_options.greedy_head_fusion =
           on ? GreedyHeadFusion::kOn : GreedyHeadFusion::kOff;
       if (config == 2) {
-        o.decode_attention_pdl = kernels::DecodeAttentionPdl::kOff;
+        o.kernel_options.decode_attention_pdl =
+            kernels::DecodeAttentionPdl::kOff;
       }
       auto runner = ModelRunner::Create(*cuda_, dir_, o);
       ASSERT_TRUE(runner.ok()) << runner.status();
@@ -429,10 +430,11 @@ TEST(DecodeMegakernelGpuTest, KeepsEveryBitOfTheKernelByKernelStep) {
     ModelRunnerOptions o =
         SmallOptions(R"({"cudagraph_mode":"FULL_AND_PIECEWISE",)"
                      R"("cudagraph_capture_sizes":[1,2,4,8]})");
-    if (config > 0) o.decode_megakernel = DecodeMegakernel::kOn;
-    if (config >= 2) o.megakernel_tuning.max_ctas = 3;
+    if (config > 0) o.kernel_options.decode_megakernel = DecodeMegakernel::kOn;
+    if (config >= 2) o.kernel_options.megakernel_tuning.max_ctas = 3;
     if (config == 3) {
-      o.megakernel_tuning.reduce = kernels::MegakernelReduce::kOwnPhase;
+      o.kernel_options.megakernel_tuning.reduce =
+          kernels::MegakernelReduce::kOwnPhase;
     }
     auto runner = ModelRunner::Create(**device, *dir, o);
     ASSERT_TRUE(runner.ok()) << runner.status();
@@ -480,8 +482,9 @@ TEST(DecodeMegakernelGpuTest, ModelsItCannotRunAreRefused) {
     auto dir = TinyModelDir(shape);
     ASSERT_TRUE(dir.ok()) << dir.status();
     ModelRunnerOptions o = SmallOptions(R"({"cudagraph_mode":"FULL"})");
-    o.decode_megakernel = DecodeMegakernel::kOn;
-    if (shape == TinyShape::kHeadDim64) o.decode_fusion = DecodeFusion::kOff;
+    o.kernel_options.decode_megakernel = DecodeMegakernel::kOn;
+    if (shape == TinyShape::kHeadDim64)
+      o.kernel_options.decode_fusion = DecodeFusion::kOff;
     auto runner = ModelRunner::Create(**device, *dir, o);
     ASSERT_FALSE(runner.ok());
     EXPECT_EQ(runner.status().code(), absl::StatusCode::kInvalidArgument);

@@ -238,39 +238,41 @@ TEST(ModelRunnerOptionsTest, ForcedLinearKernelIsRefusedOnTheCpuBackend) {
   ASSERT_TRUE(dir.ok()) << dir.status();
   CpuDevice device;
   ModelRunnerOptions options = SmallOptions(R"({"cudagraph_mode":"NONE"})");
-  options.linear_kernel = kernels::LinearKernel::kCublas;
+  options.kernel_options.linear_kernel = kernels::LinearKernel::kCublas;
   auto runner = ModelRunner::Create(device, *dir, options);
   ASSERT_FALSE(runner.ok());
   EXPECT_EQ(runner.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(runner.status().message(),
               ::testing::HasSubstr("linear_kernel must be auto"));
-  options.linear_kernel = kernels::LinearKernel::kAuto;
-  options.decode_attention_kernel =
+  options.kernel_options.linear_kernel = kernels::LinearKernel::kAuto;
+  options.kernel_options.decode_attention_kernel =
       kernels::DecodeAttentionKernel::kTensorCores;
   runner = ModelRunner::Create(device, *dir, options);
   ASSERT_FALSE(runner.ok());
   EXPECT_EQ(runner.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(runner.status().message(),
               ::testing::HasSubstr("decode_attention_kernel must be auto"));
-  options.decode_attention_kernel = kernels::DecodeAttentionKernel::kAuto;
+  options.kernel_options.decode_attention_kernel =
+      kernels::DecodeAttentionKernel::kAuto;
   for (const auto kernel : {kernels::VarlenAttentionKernel::kTensorCores,
                             kernels::VarlenAttentionKernel::kWarpgroupMma,
                             kernels::VarlenAttentionKernel::kCudaCores}) {
-    options.varlen_attention_kernel = kernel;
+    options.kernel_options.varlen_attention_kernel = kernel;
     runner = ModelRunner::Create(device, *dir, options);
     ASSERT_FALSE(runner.ok());
     EXPECT_EQ(runner.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(runner.status().message(),
                 ::testing::HasSubstr("varlen_attention_kernel must be auto"));
   }
-  options.varlen_attention_kernel = kernels::VarlenAttentionKernel::kAuto;
-  options.decode_megakernel = DecodeMegakernel::kOn;
+  options.kernel_options.varlen_attention_kernel =
+      kernels::VarlenAttentionKernel::kAuto;
+  options.kernel_options.decode_megakernel = DecodeMegakernel::kOn;
   runner = ModelRunner::Create(device, *dir, options);
   ASSERT_FALSE(runner.ok());
   EXPECT_EQ(runner.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(runner.status().message(),
               ::testing::HasSubstr("decode_megakernel must be off"));
-  options.decode_megakernel = DecodeMegakernel::kOff;
+  options.kernel_options.decode_megakernel = DecodeMegakernel::kOff;
   EXPECT_TRUE(ModelRunner::Create(device, *dir, options).ok());
 }
 

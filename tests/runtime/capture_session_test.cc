@@ -51,7 +51,7 @@ class CaptureSessionTest : public BackendTest {
       return absl::OkStatus();
     };
     params.forward = [this](const ForwardContext& context) {
-      EXPECT_TRUE(lifecycle_.IsCapturing());
+      EXPECT_TRUE(lifecycle_.CaptureAllowed());
       log_.push_back(absl::StrCat(RuntimeModeName(context.runtime_mode), " ",
                                   context.batch_descriptor.num_tokens));
       return full_->Run(context);
@@ -152,7 +152,7 @@ TEST_P(CaptureSessionTest, ErrorsNameTheStageModeAndKey) {
   EXPECT_THAT(
       std::string(summary.status().message()),
       HasSubstr("preparing inputs for FULL BatchDescriptor(num_tokens=4"));
-  EXPECT_FALSE(lifecycle_.IsCapturing());
+  EXPECT_FALSE(lifecycle_.CaptureAllowed());
   EXPECT_EQ(full_->num_graphs(), 1u) << "the 8-token graph was captured first";
 }
 

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/engine_work.h"
+#include "worker/kernels/logprobs.h"
 
 namespace pdworker {
 namespace {
@@ -104,7 +105,8 @@ absl::Status Engine::ValidateRequest(const RequestSpec& spec) const {
                        " is outside the vocabulary [0, ", vocab_size_, ")"));
     }
   }
-  const int32_t max_logprobs = std::min<int32_t>(20, vocab_size_);
+  const int32_t max_logprobs =
+      std::min<int32_t>(kernels::kMaxTopLogprobs, vocab_size_);
   if (spec.logprobs < -1 || spec.logprobs > max_logprobs) {
     return absl::InvalidArgumentError(
         absl::StrCat("logprobs=", spec.logprobs, " must be in [-1, ",

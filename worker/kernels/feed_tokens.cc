@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 #include "pdw_cuda_config.h"  // PDW_HAVE_CUDA, PDW_HAVE_NCCL
 #include "worker/kernels/kernel_checks.h"
 
@@ -55,13 +56,9 @@ absl::Status FeedSampledTokensOnCuda(Stream& stream,
 
 absl::Status LaunchFeedSampledTokens(Stream& stream,
                                      const FeedSampledTokensParams& p) {
-  if (stream.IsCapturing()) {
-    stream.InvalidateCapture(kOp);
-    return absl::FailedPreconditionError(
-        "feed_sampled_tokens: must not be captured into a graph (num_feeds is "
-        "a host value); feed before the step's capture or replay. The capture "
-        "is now invalid.");
-  }
+  PDW_RETURN_IF_ERROR(stream.RefuseDuringCapture(
+      kOp,
+      "num_feeds is a host value; feed before the step's capture or replay"));
   absl::Status status =
       FirstError({CheckNonNegative(kOp, "num_feeds", p.num_feeds),
                   CheckNonNegative(kOp, "num_sampled", p.num_sampled),

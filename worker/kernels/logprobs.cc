@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 #include "pdw_cuda_config.h"  // PDW_HAVE_CUDA, PDW_HAVE_NCCL
 #include "worker/kernels/kernel_checks.h"
 
@@ -157,19 +158,13 @@ absl::Status GatherLogprobsOnCuda(Stream& stream,
 }
 #endif
 
-// FAILED_PRECONDITION (and the capture invalidated) while capturing.
-absl::Status RefuseCapture(Stream& stream, const char* op) {
-  stream.InvalidateCapture(op);
-  return absl::FailedPreconditionError(absl::StrFormat(
-      "%s: must not be captured into a graph (num_rows is a host value); "
-      "compute logprobs after the step. The capture is now invalid.",
-      op));
-}
+constexpr char kHostRows[] =
+    "num_rows is a host value; compute logprobs after the step";
 
 }  // namespace
 
 absl::Status LaunchTopLogprobs(Stream& stream, const TopLogprobsParams& p) {
-  if (stream.IsCapturing()) return RefuseCapture(stream, kTopOp);
+  PDW_RETURN_IF_ERROR(stream.RefuseDuringCapture(kTopOp, kHostRows));
   absl::Status status =
       FirstError({CheckNonNegative(kTopOp, "num_rows", p.num_rows),
                   CheckNonNegative(kTopOp, "num_logit_rows", p.num_logit_rows),
@@ -238,7 +233,7 @@ absl::Status LaunchTopLogprobs(Stream& stream, const TopLogprobsParams& p) {
 
 absl::Status LaunchGatherLogprobs(Stream& stream,
                                   const GatherLogprobsParams& p) {
-  if (stream.IsCapturing()) return RefuseCapture(stream, kGatherOp);
+  PDW_RETURN_IF_ERROR(stream.RefuseDuringCapture(kGatherOp, kHostRows));
   absl::Status status = FirstError(
       {CheckNonNegative(kGatherOp, "num_rows", p.num_rows),
        CheckNonNegative(kGatherOp, "num_logit_rows", p.num_logit_rows),

@@ -288,12 +288,8 @@ double SamplingUniform(uint64_t seed, int32_t position) {
 }
 
 absl::Status LaunchSampling(Stream& stream, const SamplingParams& p) {
-  if (stream.IsCapturing()) {
-    stream.InvalidateCapture("sampling");
-    return absl::FailedPreconditionError(
-        "sampling: must not be captured into a graph (num_reqs is a host "
-        "value); sample after the step. The capture is now invalid.");
-  }
+  PDW_RETURN_IF_ERROR(stream.RefuseDuringCapture(
+      kOp, "num_reqs is a host value; sample after the step"));
   absl::Status status =
       FirstError({CheckPositive(kOp, "num_reqs", p.num_reqs),
                   CheckPositive(kOp, "vocab_size", p.vocab_size)});

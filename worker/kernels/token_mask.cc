@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 #include "pdw_cuda_config.h"  // PDW_HAVE_CUDA, PDW_HAVE_NCCL
 #include "worker/kernels/kernel_checks.h"
 
@@ -97,13 +98,9 @@ absl::Status MaskBelowMaxOnCuda(Stream& stream, const MaskBelowMaxParams& p) {
 }  // namespace
 
 absl::Status LaunchBanTokens(Stream& stream, const BanTokensParams& p) {
-  if (stream.IsCapturing()) {
-    stream.InvalidateCapture(kBanTokensOp);
-    return absl::FailedPreconditionError(
-        "ban_tokens: must not be captured into a graph (num_bans is a host "
-        "value); ban after the step, before sampling. The capture is now "
-        "invalid.");
-  }
+  PDW_RETURN_IF_ERROR(stream.RefuseDuringCapture(
+      kBanTokensOp,
+      "num_bans is a host value; ban after the step, before sampling"));
   absl::Status status =
       FirstError({CheckNonNegative(kBanTokensOp, "num_bans", p.num_bans),
                   CheckNonNegative(kBanTokensOp, "num_rows", p.num_rows),
@@ -140,13 +137,9 @@ absl::Status LaunchBanTokens(Stream& stream, const BanTokensParams& p) {
 }
 
 absl::Status LaunchMaskBelowMax(Stream& stream, const MaskBelowMaxParams& p) {
-  if (stream.IsCapturing()) {
-    stream.InvalidateCapture(kMaskBelowMaxOp);
-    return absl::FailedPreconditionError(
-        "mask_below_max: must not be captured into a graph (num_rows is a "
-        "host value); mask after the step, before sampling. The capture is "
-        "now invalid.");
-  }
+  PDW_RETURN_IF_ERROR(stream.RefuseDuringCapture(
+      kMaskBelowMaxOp,
+      "num_rows is a host value; mask after the step, before sampling"));
   absl::Status status = FirstError(
       {CheckNonNegative(kMaskBelowMaxOp, "num_rows", p.num_rows),
        CheckNonNegative(kMaskBelowMaxOp, "num_logit_rows", p.num_logit_rows),

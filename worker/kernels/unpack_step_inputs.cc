@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 #include "pdw_cuda_config.h"  // PDW_HAVE_CUDA, PDW_HAVE_NCCL
 #include "worker/kernels/kernel_checks.h"
 
@@ -89,13 +90,10 @@ absl::Status UnpackStepInputsOnCuda(Stream& stream,
 
 absl::Status LaunchUnpackStepInputs(Stream& stream,
                                     const UnpackStepInputsParams& p) {
-  if (stream.IsCapturing()) {
-    stream.InvalidateCapture(kOp);
-    return absl::FailedPreconditionError(
-        "unpack_step_inputs: must not be captured into a graph (the sizes are "
-        "host values); unpack before the step's capture or replay. The "
-        "capture is now invalid.");
-  }
+  PDW_RETURN_IF_ERROR(stream.RefuseDuringCapture(
+      kOp,
+      "the sizes are host values; unpack before the step's capture or "
+      "replay"));
   absl::Status status = FirstError(
       {CheckPositive(kOp, "num_tokens", p.num_tokens),
        CheckNonNegative(kOp, "num_reqs", p.num_reqs),

@@ -49,7 +49,7 @@ size_t HeadTilesBytes(DeviceKind kind) {
 // The megakernel's table and barrier, where it is asked for on CUDA.
 size_t MegakernelBytes(const ModelConfig& c, const LlamaForwardOptions& o,
                        DeviceKind kind) {
-  if (o.decode_megakernel == DecodeMegakernel::kOff) return 0;
+  if (o.kernel_options.decode_megakernel == DecodeMegakernel::kOff) return 0;
   return kernels::DecodeMegakernelBytes(kind,
                                         static_cast<int>(c.num_hidden_layers));
 }
@@ -235,7 +235,7 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
     f->fuses_decode_layers_[n] =
         n <= f->options_.max_num_tokens && f->CanFuseDecodeLayers(n);
   }
-  if (options.decode_megakernel == DecodeMegakernel::kOn) {
+  if (options.kernel_options.decode_megakernel == DecodeMegakernel::kOn) {
     PDW_RETURN_IF_ERROR(f->CreateMegakernel());
   }
   return f;
@@ -280,7 +280,7 @@ absl::Status LlamaForward::CreateMegakernel() {
   params.memory = act_.megakernel;
   params.layers = std::move(layers);
   params.next_weights = weights_.lm_head;  // the head runs right after
-  params.tuning = options_.megakernel_tuning;
+  params.tuning = options_.kernel_options.megakernel_tuning;
   PDW_ASSIGN_OR_RETURN(megakernel_,
                        kernels::DecodeMegakernelPlan::Create(stream_, params));
   return absl::OkStatus();
@@ -308,7 +308,7 @@ absl::Status LlamaForward::RunBody(const ForwardContext& context) {
 }
 
 kernels::LinearKernel LlamaForward::LinearKernelFor(int rows) const {
-  const kernels::LinearKernel k = options_.linear_kernel;
+  const kernels::LinearKernel k = options_.kernel_options.linear_kernel;
   const bool skinny = k == kernels::LinearKernel::kSkinnyGemm ||
                       k == kernels::LinearKernel::kSkinnyMma;
   return skinny && rows > kernels::kLinearSkinnyMaxTokens
@@ -374,7 +374,7 @@ LlamaForward::LayerLinears LlamaForward::Linears(int layer, int num_tokens,
 }
 
 bool LlamaForward::CanFuseDecodeLayers(int num_tokens) const {
-  if (options_.decode_fusion == DecodeFusion::kOff) return false;
+  if (options_.kernel_options.decode_fusion == DecodeFusion::kOff) return false;
   const LayerLinears l = Linears(0, num_tokens, /*fused=*/true);
   for (const kernels::LinearParams* p :
        {&l.qkv, &l.o_proj, &l.gate_up, &l.down}) {
@@ -511,7 +511,8 @@ kernels::LmHeadParams LlamaForward::LmHeadFor(
   head.vocab_size = static_cast<int>(config_.vocab_size);
   head.dtype = weights_.dtype;
   head.linear_kernel = LinearKernelFor(head.num_rows);
-  if (options_.greedy_head_fusion == GreedyHeadFusion::kOff) return head;
+  if (options_.kernel_options.greedy_head_fusion == GreedyHeadFusion::kOff)
+    return head;
   head.greedy_tiles = act_.greedy_tiles;
   if (FusesDecodeLayers(head.num_tokens)) {
     // The last down projection added itself to the residual: the head can
@@ -602,17 +603,17 @@ kernels::PagedAttentionParams LlamaForward::AttentionParams(
   // of the same key to agree bit for bit.
   if (uniform) {
     attn.uniform_query_len = options_.uniform_decode_query_len;
-    attn.decode_pdl = options_.decode_attention_pdl;
+    attn.decode_pdl = options_.kernel_options.decode_attention_pdl;
     const bool tensor_cores_cover =
         (head_dim == 64 || head_dim == 128) &&
         heads / kv_heads * attn.uniform_query_len <= 16;
-    if (options_.decode_attention_kernel !=
+    if (options_.kernel_options.decode_attention_kernel !=
             kernels::DecodeAttentionKernel::kTensorCores ||
         tensor_cores_cover) {
-      attn.decode_kernel = options_.decode_attention_kernel;
+      attn.decode_kernel = options_.kernel_options.decode_attention_kernel;
     }
   } else {
-    attn.varlen_kernel = options_.varlen_attention_kernel;
+    attn.varlen_kernel = options_.kernel_options.varlen_attention_kernel;
   }
   return attn;
 }

@@ -67,14 +67,10 @@ enum class GreedyHeadFusion { kOff, kOn };
 // attention).
 enum class DecodeMegakernel { kOff, kOn };
 
-struct LlamaForwardOptions {
-  int max_num_tokens = 0;  // padded query tokens per step
-  int max_num_seqs = 0;    // requests per step
-  int block_size = 16;     // KV tokens per block
-  int num_blocks = 0;      // KV blocks per layer
-  int max_blocks_per_seq = 0;
-  int uniform_decode_query_len = 1;
-  InputAddressCheck input_address_check = InputAddressCheck::kOff;
+// Which kernels the forward runs: the defaults serve; tests and benchmarks
+// override them to compare. ModelRunnerOptions carries the same struct
+// (ModelRunner::Create refuses choices the device or model cannot run).
+struct ForwardKernelOptions {
   // The GEMM of every projection and the LM head (kernels::LinearKernel;
   // kAuto on the CPU backend). A forced skinny kernel runs the launches of
   // at most kernels::kLinearSkinnyMaxTokens rows (decode steps); larger ones
@@ -107,6 +103,17 @@ struct LlamaForwardOptions {
   // the model does not support.
   kernels::VarlenAttentionKernel varlen_attention_kernel =
       kernels::VarlenAttentionKernel::kAuto;
+};
+
+struct LlamaForwardOptions {
+  int max_num_tokens = 0;  // padded query tokens per step
+  int max_num_seqs = 0;    // requests per step
+  int block_size = 16;     // KV tokens per block
+  int num_blocks = 0;      // KV blocks per layer
+  int max_blocks_per_seq = 0;
+  int uniform_decode_query_len = 1;
+  InputAddressCheck input_address_check = InputAddressCheck::kOff;
+  ForwardKernelOptions kernel_options;
 };
 
 // Static activations, reused by every step and every graph. Element type:
@@ -234,7 +241,8 @@ class LlamaForward {
   bool CanFuseDecodeLayers(int num_tokens) const;
   // The tail of a piece: o_proj and MLP of `layer`.
   absl::Status RunOutputAndMlp(int layer, int num_tokens, bool fused);
-  // options_.linear_kernel for a launch of `rows` rows (see the option).
+  // options_.kernel_options.linear_kernel for a launch of `rows` rows (see the
+  // option).
   kernels::LinearKernel LinearKernelFor(int rows) const;
   // The LM head of a forward of `context`: act_.gathered's rows into
   // act_.logits, and act_.greedy_tiles where it can write them.

@@ -65,13 +65,13 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
                      ", got ", options.block_size));
   }
   if (device.kind() != DeviceKind::kCuda &&
-      options.linear_kernel != kernels::LinearKernel::kAuto) {
+      options.kernel_options.linear_kernel != kernels::LinearKernel::kAuto) {
     return absl::InvalidArgumentError(absl::StrCat(
         "linear_kernel must be auto on the ", DeviceKindName(device.kind()),
         " backend (it has one GEMM)"));
   }
   if (device.kind() != DeviceKind::kCuda &&
-      options.decode_attention_kernel !=
+      options.kernel_options.decode_attention_kernel !=
           kernels::DecodeAttentionKernel::kAuto) {
     return absl::InvalidArgumentError(
         absl::StrCat("decode_attention_kernel must be auto on the ",
@@ -79,7 +79,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
                      " backend (it has one attention routine)"));
   }
   if (device.kind() != DeviceKind::kCuda &&
-      options.decode_megakernel != DecodeMegakernel::kOff) {
+      options.kernel_options.decode_megakernel != DecodeMegakernel::kOff) {
     return absl::InvalidArgumentError(absl::StrCat(
         "decode_megakernel must be off on the ", DeviceKindName(device.kind()),
         " backend (the megakernel is a CUDA kernel)"));
@@ -88,7 +88,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   PDW_ASSIGN_OR_RETURN(r->config_, LoadModelConfig(model_dir));
   const ModelConfig& c = r->config_;
   PDW_RETURN_IF_ERROR(kernels::CheckVarlenAttentionKernel(
-      device.kind(), options.varlen_attention_kernel, c.head_dim,
+      device.kind(), options.kernel_options.varlen_attention_kernel, c.head_dim,
       c.num_attention_heads, c.num_key_value_heads));
   r->max_model_len_ = options.max_model_len > 0
                           ? options.max_model_len
@@ -232,14 +232,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   fo.max_blocks_per_seq = max_blocks;
   fo.uniform_decode_query_len = options.uniform_decode_query_len;
   fo.input_address_check = options.input_address_check;
-  fo.linear_kernel = options.linear_kernel;
-  fo.decode_fusion = options.decode_fusion;
-  fo.greedy_head_fusion = options.greedy_head_fusion;
-  fo.decode_megakernel = options.decode_megakernel;
-  fo.megakernel_tuning = options.megakernel_tuning;
-  fo.decode_attention_kernel = options.decode_attention_kernel;
-  fo.decode_attention_pdl = options.decode_attention_pdl;
-  fo.varlen_attention_kernel = options.varlen_attention_kernel;
+  fo.kernel_options = options.kernel_options;
   PDW_ASSIGN_OR_RETURN(
       r->forward_,
       LlamaForward::Create(c, r->weights_, r->inputs_->buffers(), fo, device,

@@ -60,33 +60,9 @@ struct ModelRunnerOptions {
   int uniform_decode_query_len = 1;  // 1 + speculative tokens
   int num_warmups = 1;               // eager runs before each capture
   InputAddressCheck input_address_check = InputAddressCheck::kOff;
-  // The projections' GEMM (kernels::LinearKernel): kAuto picks per step
-  // shape; kCublas / kSkinnyGemm force one on CUDA (benchmarks). The CPU
-  // backend accepts kAuto only.
-  kernels::LinearKernel linear_kernel = kernels::LinearKernel::kAuto;
-  // Norms, residual adds and RoPE + KV write fused into the projections
-  // where the skinny GEMMs run (LlamaForwardOptions::decode_fusion).
-  DecodeFusion decode_fusion = DecodeFusion::kOn;
-  // A one-row step's LM head folds its logits for the greedy sampler
-  // (LlamaForwardOptions::greedy_head_fusion).
-  GreedyHeadFusion greedy_head_fusion = GreedyHeadFusion::kOn;
-  // One-token uniform decode steps run every layer in one cooperative
-  // kernel (LlamaForwardOptions::decode_megakernel; CUDA only, refused
-  // elsewhere), with its tuning (ctas per SM, L2 prefetch window).
-  DecodeMegakernel decode_megakernel = DecodeMegakernel::kOff;
-  kernels::DecodeMegakernelTuning megakernel_tuning;
-  // The uniform-decode attention's split kernel
-  // (LlamaForwardOptions::decode_attention_kernel); benchmarks compare.
-  kernels::DecodeAttentionKernel decode_attention_kernel =
-      kernels::DecodeAttentionKernel::kAuto;
-  // (LlamaForwardOptions::decode_attention_pdl); benchmarks compare.
-  kernels::DecodeAttentionPdl decode_attention_pdl =
-      kernels::DecodeAttentionPdl::kOn;
-  // The varlen attention kernel (LlamaForwardOptions::varlen_attention_
-  // kernel); benchmarks compare. kWarpgroupMma needs a compute capability
-  // 9.0 device and head_dim 64 or 128 with GQA groups of 1-8.
-  kernels::VarlenAttentionKernel varlen_attention_kernel =
-      kernels::VarlenAttentionKernel::kAuto;
+  // The forward's kernels (ForwardKernelOptions); off CUDA every choice
+  // must be kAuto and the megakernel off.
+  ForwardKernelOptions kernel_options;
   // Automatic prefix caching (KvCacheManager): a sequence a step creates
   // starts with its longest cached prefix, and the step computes only the
   // rest. Hashes are salted with model_fingerprint(). Needs block_size <=

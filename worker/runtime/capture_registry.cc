@@ -9,24 +9,30 @@ namespace pdworker {
 
 void CaptureRegistry::Add(Stream* stream) {
   std::lock_guard<std::mutex> lock(mu_);
-  capturing_.push_back(stream);
+  streams_.push_back(stream);
 }
 
 void CaptureRegistry::Remove(Stream* stream) {
   std::lock_guard<std::mutex> lock(mu_);
-  capturing_.erase(std::remove(capturing_.begin(), capturing_.end(), stream),
-                   capturing_.end());
+  streams_.erase(std::remove(streams_.begin(), streams_.end(), stream),
+                 streams_.end());
 }
 
 bool CaptureRegistry::AnyCapturing() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return !capturing_.empty();
+  return std::any_of(streams_.begin(), streams_.end(),
+                     [](const Stream* s) { return s->IsCapturing(); });
 }
 
 absl::Status CaptureRegistry::RefuseDuringCapture(absl::string_view operation) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (capturing_.empty()) return absl::OkStatus();
-  for (Stream* stream : capturing_) stream->InvalidateCapture(operation);
+  bool refused = false;
+  for (Stream* stream : streams_) {
+    if (!stream->IsCapturing()) continue;
+    stream->InvalidateCapture(operation);
+    refused = true;
+  }
+  if (!refused) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
       operation,
       " is not allowed while a stream of this device is capturing a graph "

@@ -1,4 +1,4 @@
-// CaptureRegistry: which streams of a device are capturing a graph.
+// CaptureRegistry: the streams of a device, for refusals that name none.
 #ifndef PDWORKER_WORKER_RUNTIME_CAPTURE_REGISTRY_H_
 #define PDWORKER_WORKER_RUNTIME_CAPTURE_REGISTRY_H_
 
@@ -16,7 +16,9 @@ class Stream;
 // Device-wide operations (allocation, creating streams/events, arena
 // allocation) do not name a stream, yet CUDA refuses them while a capture is
 // in progress and invalidates that capture. The registry lets the device find
-// the capturing streams and do the same on every backend.
+// its streams and do the same on every backend. Whether a stream captures is
+// its own fact (Stream::IsCapturing); the registry only lists the streams
+// (each adds itself when constructed and removes itself when destroyed).
 class CaptureRegistry {
  public:
   CaptureRegistry() = default;
@@ -25,6 +27,7 @@ class CaptureRegistry {
 
   void Add(Stream* stream) ABSL_LOCKS_EXCLUDED(mu_);
   void Remove(Stream* stream) ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether any of the device's streams is capturing now.
   bool AnyCapturing() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // OK when no stream is capturing. Otherwise invalidates every active
@@ -35,7 +38,7 @@ class CaptureRegistry {
 
  private:
   mutable std::mutex mu_;
-  std::vector<Stream*> capturing_ ABSL_GUARDED_BY(mu_);
+  std::vector<Stream*> streams_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace pdworker

@@ -26,13 +26,17 @@ absl::Status CheckCopyRange(absl::string_view operation, size_t size_bytes,
 
 }  // namespace
 
-Stream::Stream(Device& device) : device_(device) {}
+Stream::Stream(Device& device) : device_(device) {
+  device_.capture_registry().Add(this);
+}
 
-Stream::~Stream() { AbandonCapture(); }
+Stream::~Stream() {
+  AbandonCapture();
+  device_.capture_registry().Remove(this);
+}
 
 void Stream::AbandonCapture() noexcept {
   if (!IsCapturing()) return;
-  device_.capture_registry().Remove(this);
   std::lock_guard<std::mutex> lock(reason_mu_);
   state_.store(CaptureState::kIdle, std::memory_order_release);
   invalid_reason_.clear();
@@ -196,7 +200,6 @@ absl::Status Stream::BeginCapture() {
     invalid_reason_.clear();
     state_.store(CaptureState::kCapturing, std::memory_order_release);
   }
-  device_.capture_registry().Add(this);
   return absl::OkStatus();
 }
 
@@ -205,8 +208,6 @@ absl::StatusOr<std::unique_ptr<CapturedGraph>> Stream::EndCapture() {
     return absl::FailedPreconditionError(
         "EndCapture: the stream is not capturing (no BeginCapture)");
   }
-  // Leave the registry first so device-wide refusals no longer reach us.
-  device_.capture_registry().Remove(this);
   std::string invalid_reason;
   bool invalid = false;
   {

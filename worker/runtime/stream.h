@@ -121,6 +121,13 @@ class Stream : public GraphBackend {
   // capturing or already invalid (the first reason is kept).
   void InvalidateCapture(absl::string_view operation);
 
+  // OK when not capturing. Otherwise invalidates the capture and returns
+  // FAILED_PRECONDITION explaining why `operation` is not allowed during
+  // capture: the stream's own waits and copies, and every op that reads a
+  // host value when it is launched (a graph would bake the value in).
+  absl::Status RefuseDuringCapture(absl::string_view operation,
+                                   absl::string_view why);
+
   // For CapturedGraph implementations, before replaying on this stream:
   // refuses (and invalidates the capture) while this stream is capturing.
   absl::Status CheckReplayAllowed();
@@ -162,10 +169,6 @@ class Stream : public GraphBackend {
   // copy.
   absl::Status CheckHostToDevice(absl::string_view operation, DeviceBuffer dst,
                                  const void* src, size_t size_bytes);
-  // OK when idle; otherwise invalidates the capture and explains why
-  // `operation` is not allowed during capture.
-  absl::Status RefuseDuringCapture(absl::string_view operation,
-                                   absl::string_view why);
 
   Device& device_;
   std::atomic<CaptureState> state_{CaptureState::kIdle};

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "worker/kernels/logprobs.h"
 #include "worker/server/request_validation.h"
 
 namespace pdworker {
@@ -13,8 +14,9 @@ namespace {
 
 namespace vg = ::vllm::grpc::engine;
 
-// Most alternatives per token (vLLM's default max_logprobs).
-constexpr int32_t kMaxLogprobs = 20;
+// Most alternatives per token: what the logprobs kernels compute (vLLM's
+// default max_logprobs).
+constexpr int32_t kMaxLogprobs = kernels::kMaxTopLogprobs;
 
 absl::Status Unsupported(absl::string_view field, absl::string_view what) {
   return absl::UnimplementedError(
