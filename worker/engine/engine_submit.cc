@@ -8,6 +8,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "common/token_ids.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/engine_work.h"
 #include "worker/kernels/logprobs.h"
@@ -16,18 +18,6 @@ namespace pdworker {
 namespace {
 
 constexpr size_t kMaxRequestIdBytes = 256;
-
-absl::Status CheckTokenIds(absl::string_view field,
-                           absl::Span<const int32_t> ids, int32_t vocab_size) {
-  for (size_t i = 0; i < ids.size(); ++i) {
-    if (ids[i] < 0 || ids[i] >= vocab_size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, "[", i, "]=", ids[i],
-                       " is outside the vocabulary [0, ", vocab_size, ")"));
-    }
-  }
-  return absl::OkStatus();
-}
 
 }  // namespace
 
@@ -98,12 +88,9 @@ absl::Status Engine::ValidateRequest(const RequestSpec& spec) const {
           "a request cannot both import its prompt's KV and hold it for "
           "another worker");
     }
-    const int32_t first = spec.imported->first_token_id;
-    if (first < 0 || first >= vocab_size_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("the imported first token ", first,
-                       " is outside the vocabulary [0, ", vocab_size_, ")"));
-    }
+    PDW_RETURN_IF_ERROR(CheckTokenIds(
+        "imported first_token_id",
+        absl::MakeConstSpan(&spec.imported->first_token_id, 1), vocab_size_));
   }
   const int32_t max_logprobs =
       std::min<int32_t>(kernels::kMaxTopLogprobs, vocab_size_);

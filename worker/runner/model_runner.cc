@@ -7,6 +7,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "common/token_ids.h"
 #include "dispatcher/attention_cg_support.h"
 #include "glog/logging.h"
 #include "worker/kernels/feed_tokens.h"
@@ -309,13 +310,9 @@ absl::Status ModelRunner::Validate(absl::Span<const SequenceStep> batch) const {
       return absl::InvalidArgumentError(
           absl::StrCat("sequence '", s.sequence_id, "' has no new tokens"));
     }
-    for (int32_t t : s.token_ids) {
-      if (t < 0 || t >= config_.vocab_size) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "sequence '", s.sequence_id, "': token id ", t,
-            " outside the vocabulary [0, ", config_.vocab_size, ")"));
-      }
-    }
+    PDW_RETURN_IF_ERROR(
+        CheckTokenIds(absl::StrCat("sequence '", s.sequence_id, "': token_ids"),
+                      s.token_ids, config_.vocab_size));
     absl::Status sampling = ValidateSamplingOptions(s.sampling);
     if (!sampling.ok()) {
       return absl::InvalidArgumentError(

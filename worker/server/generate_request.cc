@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/token_ids.h"
 #include "worker/kernels/logprobs.h"
 #include "worker/server/request_validation.h"
 
@@ -86,12 +87,10 @@ absl::StatusOr<GenerateCall> ToGenerateCall(const vg::GenerateRequest& request,
   if (ids.empty()) {
     return absl::InvalidArgumentError("tokenized.input_ids is empty");
   }
-  for (int i = 0; i < ids.size(); ++i) {
-    if (ids[i] >= static_cast<uint32_t>(limits.vocab_size)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tokenized.input_ids[", i, "]=", ids[i],
-          " is outside the vocabulary [0, ", limits.vocab_size, ")"));
-    }
+  if (absl::Status s =
+          CheckTokenIds("tokenized.input_ids", ids, limits.vocab_size);
+      !s.ok()) {
+    return s;
   }
   spec.prompt.assign(ids.begin(), ids.end());
 
@@ -158,13 +157,12 @@ absl::StatusOr<GenerateCall> ToGenerateCall(const vg::GenerateRequest& request,
   }
   spec.stop.min_tokens = static_cast<int32_t>(
       std::min<uint32_t>(p.min_tokens(), std::numeric_limits<int32_t>::max()));
-  for (int i = 0; i < p.stop_token_ids_size(); ++i) {
-    const uint32_t id = p.stop_token_ids(i);
-    if (id >= static_cast<uint32_t>(limits.vocab_size)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "sampling_params.stop_token_ids[", i, "]=", id,
-          " is outside the vocabulary [0, ", limits.vocab_size, ")"));
-    }
+  if (absl::Status s = CheckTokenIds("sampling_params.stop_token_ids",
+                                     p.stop_token_ids(), limits.vocab_size);
+      !s.ok()) {
+    return s;
+  }
+  for (const uint32_t id : p.stop_token_ids()) {
     spec.stop.stop_token_ids.push_back(static_cast<int32_t>(id));
   }
   spec.stop.eos = p.ignore_eos() ? EosHandling::kIgnore : EosHandling::kStop;

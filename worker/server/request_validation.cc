@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/fnv1a.h"
+#include "common/token_ids.h"
 #include "worker/engine/engine.h"
 #include "worker/runner/sampler.h"
 
@@ -115,13 +116,10 @@ absl::StatusOr<ForwardCallSpec> ValidateForwardRequest(
                        " tokens; a sequence holds at most max_model_len=",
                        limits.max_model_len));
     }
-    for (int t = 0; t < in.token_ids_size(); ++t) {
-      const int32_t id = in.token_ids(t);
-      if (id < 0 || id >= limits.vocab_size) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            field, ".token_ids[", t, "]=", id,
-            " is outside the vocabulary [0, ", limits.vocab_size, ")"));
-      }
+    if (absl::Status s = CheckTokenIds(field + ".token_ids", in.token_ids(),
+                                       limits.vocab_size);
+        !s.ok()) {
+      return s;
     }
     absl::StatusOr<SamplingOptions> sampling =
         ToSamplingOptions(field + ".sampling", in.sampling(), in.sequence_id());
