@@ -143,15 +143,23 @@ absl::StatusOr<const TensorInfo*> Checkpoint::FindWithShape(
     const std::string& name, const std::vector<int64_t>& expected_shape) const {
   const TensorInfo* info = Find(name);
   if (info == nullptr) {
-    return absl::NotFoundError(absl::StrCat("checkpoint ", model_dir_,
-                                            " has no tensor \"", name, "\""));
+    return absl::NotFoundError(
+        absl::StrCat(FileOf(name), ": no tensor \"", name, "\""));
   }
   if (info->shape != expected_shape) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "checkpoint ", model_dir_, ": tensor \"", name, "\" has shape ",
+        FileOf(name), ": tensor \"", name, "\" has shape ",
         ShapeString(info->shape), ", expected ", ShapeString(expected_shape)));
   }
   return info;
+}
+
+std::string Checkpoint::FileOf(const std::string& name) const {
+  for (const auto& file : files_) {
+    if (files_.size() == 1 || file->Find(name) != nullptr) return file->path();
+  }
+  // Sharded and not in any shard: the index is what lacks it.
+  return absl::StrCat(model_dir_, "/", kIndexFile);
 }
 
 absl::StatusOr<std::vector<float>> Checkpoint::GetFloat32(

@@ -61,6 +61,9 @@ class Checkpoint {
   explicit Checkpoint(std::string model_dir)
       : model_dir_(std::move(model_dir)) {}
 
+  // For errors: the file that holds `name`, or that should (the single
+  // file, or the index of a sharded checkpoint).
+  std::string FileOf(const std::string& name) const;
   absl::StatusOr<const TensorInfo*> FindWithShape(
       const std::string& name,
       const std::vector<int64_t>& expected_shape) const;

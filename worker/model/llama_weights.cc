@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/kernels/kernel_checks.h"
+#include "worker/runtime/stream_fence.h"
 
 namespace pdworker {
 namespace {
@@ -135,7 +136,7 @@ absl::Status LoadInto(const ModelConfig& c, const Checkpoint& checkpoint,
     PDW_ASSIGN_OR_RETURN(w.lm_head, up.Upload({&head}, "lm_head"));
   }
   // CopyToDevice from pageable memory returns once the source is staged,
-  // so the host vectors may go; the caller synchronizes before first use.
+  // so the host vectors may go; the arena is written until the copies ran.
   return absl::OkStatus();
 }
 
@@ -180,6 +181,9 @@ absl::StatusOr<LlamaWeights> LoadLlamaWeights(const ModelConfig& c,
       device, {LlamaWeightBytes(c, w.dtype), kAlignment, "weights"});
   if (!arena.ok()) return arena.status();
   w.arena = std::move(*arena);
+  // Destroyed before `w`: an error below returns only once the copies
+  // queued into the arena have run, so none writes it after it is freed.
+  StreamFence uploaded(stream);
   switch (w.dtype) {
     case DType::kFloat32:
       PDW_RETURN_IF_ERROR(LoadInto<float>(c, checkpoint, stream, w));
@@ -190,6 +194,7 @@ absl::StatusOr<LlamaWeights> LoadLlamaWeights(const ModelConfig& c,
     case DType::kFloat16:
       return absl::InternalError("LoadLlamaWeights: no fp16 kernels");
   }
+  PDW_RETURN_IF_ERROR(uploaded.Wait());
   return w;
 }
 

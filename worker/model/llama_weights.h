@@ -57,7 +57,8 @@ size_t LlamaDecodeWeightBytes(const ModelConfig& config, DType dtype);
 
 // Reads every tensor (checking names and shapes), fuses and uploads them in
 // the element type the device's kernels use (fp32 on the CPU backend, bf16 on
-// CUDA). Errors name the tensor.
+// CUDA). Errors name the tensor. Returns once the uploads have run, on
+// success and on error alike.
 absl::StatusOr<LlamaWeights> LoadLlamaWeights(const ModelConfig& config,
                                               const Checkpoint& checkpoint,
                                               Device& device, Stream& stream);

@@ -148,6 +148,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   const int max_blocks = spec.MaxBlocksPerSeq();
 
   PDW_ASSIGN_OR_RETURN(r->stream_, device.CreateStream());
+  r->stream_fence_ = StreamFence(*r->stream_);
   PDW_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> checkpoint,
                        Checkpoint::Open(model_dir));
   PDW_ASSIGN_OR_RETURN(r->weights_,
@@ -691,6 +692,10 @@ absl::StatusOr<SequenceKv> ModelRunner::Detach(absl::string_view sequence_id) {
 absl::StatusOr<SequenceKv> ModelRunner::AllocateDetached(
     int32_t num_tokens, absl::Span<const int32_t> token_ids,
     int32_t* cached_tokens) {
+  // Blocks freed while work queued on stream_ still writes them (a failed
+  // step's Undo, an abort, a flushed prefix) are safe to reuse on stream_
+  // (in order), not on the pull's stream, which nothing orders after it.
+  PDW_RETURN_IF_ERROR(stream_fence_.Wait());
   return kv_->AllocateDetached(num_tokens, token_ids, cached_tokens);
 }
 

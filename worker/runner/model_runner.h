@@ -46,6 +46,7 @@
 #include "worker/runtime/event.h"
 #include "worker/runtime/host_memory.h"
 #include "worker/runtime/stream.h"
+#include "worker/runtime/stream_fence.h"
 
 namespace pdworker {
 
@@ -197,6 +198,8 @@ class ModelRunner {
   absl::StatusOr<SequenceKv> Detach(absl::string_view sequence_id);
   // With `token_ids` and prefix caching, cached leading blocks are reused
   // (`*cached_tokens` of them; see KvCacheManager::AllocateDetached).
+  // Waits for this runner's stream first: the blocks are filled on another
+  // stream, which queued work here must not still write.
   absl::StatusOr<SequenceKv> AllocateDetached(
       int32_t num_tokens, absl::Span<const int32_t> token_ids = {},
       int32_t* cached_tokens = nullptr);
@@ -319,6 +322,11 @@ class ModelRunner {
   std::vector<int32_t> sample_positions_;
   std::vector<int32_t> banned_rows_, banned_token_ids_;
   std::vector<int32_t> feed_host_;  // feed_'s layout
+  // Declared after every buffer stream_'s work reads or writes (weights,
+  // arenas, pinned slots, the forward's activations and KV cache), so it is
+  // destroyed first: a runner torn down with work queued (a failed Create,
+  // a step launched and never retired) waits for it before freeing them.
+  StreamFence stream_fence_;
 };
 
 }  // namespace pdworker

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/worker.grpc.pb.h"
+#include "worker/runtime/stream_fence.h"
 #include "worker/transfer/kv_transfer_service.h"
 
 namespace pdworker {
@@ -64,6 +65,9 @@ absl::Status PullKvOverCudaIpc(PeerChannels& channels,
   const auto start = std::chrono::steady_clock::now();
   KvTransferOutcome outcome = KvTransferOutcome::kOk;
   const int32_t n = p.handle->num_tokens();
+  // The copies into the destination blocks (and out of the mapping) have
+  // run on every path out, also when one of them failed to enqueue.
+  StreamFence copied_into_blocks(*p.stream);
   auto finish = [&](absl::Status status) {
     RecordPullStats(stats, start,
                     status.ok() ? p.view->BytesFor(n - p.first_token) : 0,
@@ -129,7 +133,7 @@ absl::Status PullKvOverCudaIpc(PeerChannels& channels,
   absl::Status copied =
       CopyKvTokens(*p.stream, *source, source_seq, *p.view, *p.destination, n,
                    KvCopyMethod::kAuto, p.first_token);
-  if (copied.ok()) copied = p.stream->Synchronize();
+  if (copied.ok()) copied = copied_into_blocks.Wait();
   if (!copied.ok()) outcome = KvTransferOutcome::kInternal;
   return finish(copied);
 }

@@ -16,6 +16,7 @@
 #include "proto/worker.grpc.pb.h"
 #include "worker/engine/kv_lease_table.h"
 #include "worker/rpc/status_mapping.h"
+#include "worker/runtime/stream_fence.h"
 #include "worker/transfer/kv_transfer_service.h"
 
 namespace pdworker {
@@ -211,6 +212,9 @@ absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& p,
                             KvPullStats* stats) {
   const auto start = std::chrono::steady_clock::now();
   const std::string& source = p.handle->source_address();
+  // Layer runs are written into the destination blocks on p.stream; on
+  // every path out, those writes have run before the caller may free them.
+  StreamFence written(*p.stream);
   grpc::ClientContext context;
   context.set_deadline(std::min(p.call_deadline, p.pull_deadline));
   v1::PullKvRequest request = PullRequestFor(p, "grpc");
@@ -283,7 +287,7 @@ absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& p,
   if (result.ok()) {
     // Ordered before the engine's next step reads these blocks.
     result = scattered;
-    if (result.ok()) result = p.stream->Synchronize();
+    if (result.ok()) result = written.Wait();
     if (!result.ok()) outcome = KvTransferOutcome::kInternal;
   }
   RecordPullStats(stats, start, bytes, outcome);

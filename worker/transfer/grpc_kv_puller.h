@@ -66,6 +66,8 @@ struct KvPullParams {
 // be reached, dies or stalls past pull_deadline; DEADLINE_EXCEEDED when
 // call_deadline passed; INTERNAL for a malformed stream. `stats` (may be
 // null) gets the bytes received and the outcome (for metrics) either way.
+// Returns once every write into the destination blocks has run, on success
+// and on error alike (the caller frees the blocks after a failed pull).
 absl::Status PullKvOverGrpc(PeerChannels& channels, const KvPullParams& params,
                             KvPullStats* stats);
 

@@ -18,6 +18,7 @@ absl::StatusOr<std::unique_ptr<KvSpanStaging>> KvSpanStaging::Create(
   std::unique_ptr<KvSpanStaging> staging(new KvSpanStaging());
   staging->device_ = &device;
   PDW_ASSIGN_OR_RETURN(staging->stream_, device.CreateStream());
+  staging->fence_ = StreamFence(*staging->stream_);
   PDW_ASSIGN_OR_RETURN(staging->done_, device.CreateEvent());
   PDW_RETURN_IF_ERROR(staging->Allocate(capacity_bytes));
   return staging;
@@ -25,7 +26,7 @@ absl::StatusOr<std::unique_ptr<KvSpanStaging>> KvSpanStaging::Create(
 
 absl::Status KvSpanStaging::Allocate(size_t capacity_bytes) {
   // Nothing may still read or write the old buffers.
-  PDW_RETURN_IF_ERROR(stream_->Synchronize());
+  PDW_RETURN_IF_ERROR(fence_.Wait());
   packed_ = DeviceMemory();
   host_ = HostMemory();
   capacity_bytes_ = 0;

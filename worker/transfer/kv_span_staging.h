@@ -36,6 +36,7 @@
 #include "worker/runtime/event.h"
 #include "worker/runtime/host_memory.h"
 #include "worker/runtime/stream.h"
+#include "worker/runtime/stream_fence.h"
 
 namespace pdworker {
 
@@ -85,6 +86,8 @@ class KvSpanStaging {
   size_t capacity_bytes_ = 0;
   DeviceMemory packed_;
   HostMemory host_;
+  // Destroyed before the buffers: queued gathers and scatters have run.
+  StreamFence fence_;
 };
 
 // Idle stagings of one size, lent to one pull at a time.

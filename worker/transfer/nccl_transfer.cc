@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "pdw_cuda_config.h"  // PDW_HAVE_CUDA, PDW_HAVE_NCCL
 #include "worker/runtime/stream.h"
+#include "worker/runtime/stream_fence.h"
 
 #if PDW_HAVE_NCCL
 #include <cuda_runtime_api.h>
@@ -38,6 +39,9 @@ absl::Status Transfer(const NcclKvParams& p, NcclRank rank,
   absl::StatusOr<DeviceMemory> staging = p.device->Allocate(bytes);
   if (!staging.ok()) return staging.status();
   void* payload = staging->data();
+  // Destroyed before `staging`: the packing and unpacking queued on the
+  // stream have run on every path out of here.
+  StreamFence moved_through_staging(**stream);
   if (rank == NcclRank::kSource) {
     absl::Status packed = GatherKvSpan(**stream, *p.view, *p.seq, p.first_token,
                                        count, staging->buffer());
@@ -54,7 +58,7 @@ absl::Status Transfer(const NcclKvParams& p, NcclRank rank,
   if (!moved.ok() || rank == NcclRank::kSource) return moved;
   absl::Status unpacked = ScatterKvSpan(**stream, staging->buffer(), *p.view,
                                         *p.seq, p.first_token, count);
-  if (unpacked.ok()) unpacked = (*stream)->Synchronize();
+  if (unpacked.ok()) unpacked = moved_through_staging.Wait();
   return unpacked;
 }
 
