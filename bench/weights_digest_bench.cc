@@ -1,13 +1,14 @@
-// What the weights digest of the model fingerprint costs at load: SHA-256
-// over every tensor byte (WeightsDigest) vs reading the same tensors to
-// float32 (what the CPU backend's load does), in seconds per GB, on the
-// llama_1b shape in bf16 (2.47 GB, written once) or any checkpoint given.
+// What the weights digest of the model fingerprint costs: the SHA-256 tree
+// over every tensor byte (WeightsDigest, on every hardware thread) vs
+// reading the same tensors to float32 (what the CPU backend's load does), in
+// seconds per GB, on the llama_1b shape in bf16 (2.47 GB, written once) or
+// any checkpoint given. bench/load_time_bench times the whole load.
 //
 //   bazel build --config=opt //bench:weights_digest_bench
 //   bazel-bin/bench/weights_digest_bench [--model_dir=DIR] [--reps=N]
 //
 // Runs with the page cache warm (one untimed pass first) and the checkpoint
-// mapped once, as ModelRunner::Create hashes it right after loading.
+// mapped once.
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -91,7 +92,7 @@ int Main() {
   std::printf("weights digest %s\n", digest.c_str());
   std::printf("| what | seconds | s/GB | GB/s |\n| --- | --- | --- | --- |\n");
   std::printf(
-      "| SHA-256 of every tensor (WeightsDigest) | %.3f | %.3f | %.2f |\n",
+      "| SHA-256 tree of every tensor (WeightsDigest) | %.3f | %.3f | %.2f |\n",
       hash_s, hash_s / gb, gb / hash_s);
   std::printf("| every tensor to float32 (CPU load) | %.3f | %.3f | %.2f |\n",
               convert_s, convert_s / gb, gb / convert_s);

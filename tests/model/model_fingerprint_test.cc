@@ -9,8 +9,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/model/command.h"
 #include "tests/model/test_paths.h"
 #include "tools/make_tiny_model/tiny_model.h"
 #include "worker/model/checkpoint.h"
@@ -197,6 +199,97 @@ TEST(ModelFingerprintTest, HeaderFieldsThatCount) {
   half.dtype = DType::kBFloat16;
   EXPECT_NE(digest_of({half, y}, "pt"), reference);
   EXPECT_NE(digest_of({x}, "pt"), reference);  // a tensor fewer
+}
+
+// A checkpoint whose tensors span several digest chunks: "big" is 2 chunks
+// and 1 float (its last leaf 4 bytes), "exact" exactly one chunk, "small"
+// under one. Values depend on `seed` only.
+std::string WriteMultiChunkModel(uint64_t seed) {
+  constexpr size_t kChunkFloats = kWeightsDigestChunkBytes / sizeof(float);
+  auto values = [seed](size_t n, uint64_t salt) {
+    std::vector<float> v(n);
+    uint64_t x = seed * 0x9E3779B97F4A7C15ull + salt;
+    for (float& f : v) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      f = static_cast<float>(static_cast<int32_t>(x >> 40)) * 1e-6f;
+    }
+    return v;
+  };
+  const std::vector<float> big = values(2 * kChunkFloats + 1, 1);
+  const std::vector<float> exact = values(kChunkFloats, 2);
+  const std::vector<float> small = values(5, 3);
+  SafetensorsWriter writer;
+  EXPECT_TRUE(
+      writer
+          .Add("big", DType::kFloat32, {static_cast<int64_t>(big.size())}, big)
+          .ok());
+  EXPECT_TRUE(writer
+                  .Add("exact", DType::kFloat32,
+                       {2, static_cast<int64_t>(kChunkFloats / 2)}, exact)
+                  .ok());
+  EXPECT_TRUE(writer.Add("small", DType::kFloat32, {5}, small).ok());
+  const std::string dir = model_testing::MakeUniqueTempDir("fingerprint_tree");
+  EXPECT_TRUE(writer.WriteToFile(dir + "/model.safetensors").ok());
+  return dir;
+}
+
+std::string DigestWithThreads(const std::string& dir, int threads) {
+  auto checkpoint = Checkpoint::Open(dir);
+  EXPECT_TRUE(checkpoint.ok()) << checkpoint.status();
+  if (!checkpoint.ok()) return "";
+  auto digest = WeightsDigest(**checkpoint, threads);
+  EXPECT_TRUE(digest.ok()) << digest.status();
+  return digest.ok() ? *digest : "";
+}
+
+// The tree does not depend on how many threads hash its leaves.
+TEST(ModelFingerprintTest, SameDigestOnAnyNumberOfThreads) {
+  const std::string dir = WriteMultiChunkModel(7);
+  const std::string reference = DigestWithThreads(dir, 1);
+  EXPECT_TRUE(IsLowerHex(reference, 64)) << reference;
+  for (const int threads : {0, 2, 3, 16}) {
+    EXPECT_EQ(DigestWithThreads(dir, threads), reference) << threads;
+  }
+  EXPECT_NE(DigestWithThreads(WriteMultiChunkModel(8), 2), reference);
+}
+
+// A changed byte in any leaf (first, middle or last chunk of a tensor, on
+// both sides of a chunk boundary) changes the digest.
+TEST(ModelFingerprintTest, ChangedByteInAnyChunkChangesIt) {
+  const std::string dir = WriteMultiChunkModel(7);
+  const std::string path = dir + "/model.safetensors";
+  const std::string reference = DigestWithThreads(dir, 2);
+  const int64_t chunk = static_cast<int64_t>(kWeightsDigestChunkBytes);
+  for (const char* tensor : {"big", "exact", "small"}) {
+    const ByteRange range = TensorBytesInFile(path, tensor);
+    std::vector<int64_t> offsets = {0, range.size - 1};
+    for (int64_t boundary = chunk; boundary < range.size; boundary += chunk) {
+      offsets.push_back(boundary - 1);
+      offsets.push_back(boundary);
+    }
+    for (const int64_t at : offsets) {
+      FlipByte(path, range.begin + at);
+      EXPECT_NE(DigestWithThreads(dir, 2), reference) << tensor << " " << at;
+      FlipByte(path, range.begin + at);
+    }
+  }
+  EXPECT_EQ(DigestWithThreads(dir, 2), reference);
+}
+
+// The digest is the one model_fingerprint.h specifies: an independent
+// implementation of the spec (tools/weights_digest, Python's hashlib) agrees
+// on a multi-chunk checkpoint and on a sharded tiny model.
+TEST(ModelFingerprintTest, MatchesTheSpecsPythonImplementation) {
+  for (const std::string& dir : {WriteMultiChunkModel(7), WriteModel(7, 3)}) {
+    absl::StatusOr<std::string> python = model_testing::RunCommand(absl::StrCat(
+        "/usr/bin/python3 ",
+        model_testing::RunfilePath("tools/weights_digest/weights_digest.py"),
+        " ", dir));
+    ASSERT_TRUE(python.ok()) << python.status();
+    EXPECT_EQ(std::string(absl::StripTrailingAsciiWhitespace(*python)),
+              Digest(dir))
+        << dir;
+  }
 }
 
 TEST(ModelFingerprintTest, CombinesShapeAndWeights) {

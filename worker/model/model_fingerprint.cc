@@ -2,12 +2,18 @@
 
 #include <openssl/evp.h>
 
+#include <algorithm>
+#include <array>
+#include <atomic>
 #include <memory>
+#include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/types/span.h"
 #include "common/dtype.h"
 #include "worker/model/safetensors.h"
 
@@ -54,19 +60,73 @@ class Sha256 {
 
 }  // namespace
 
-absl::StatusOr<std::string> WeightsDigest(const Checkpoint& checkpoint) {
-  Sha256 sha;
-  // TensorNames() is sorted, so the digest does not depend on file order,
-  // sharding or offsets. The name is length-prefixed and the byte count
-  // precedes the bytes, so no two different checkpoints feed the same stream.
-  for (const std::string& name : checkpoint.TensorNames()) {
+absl::StatusOr<std::string> WeightsDigest(const Checkpoint& checkpoint,
+                                          int threads) {
+  // The leaves in root order: every tensor's chunks, tensors by name.
+  const std::vector<std::string> names = checkpoint.TensorNames();
+  std::vector<absl::Span<const uint8_t>> chunks;
+  for (const std::string& name : names) {
+    const absl::Span<const uint8_t> bytes = checkpoint.Find(name)->bytes;
+    for (size_t at = 0; at < bytes.size(); at += kWeightsDigestChunkBytes) {
+      chunks.push_back(bytes.subspan(at, kWeightsDigestChunkBytes));
+    }
+  }
+
+  // Workers take the next chunk until none is left, so a slow thread (a
+  // core shared with the loader) costs no more than its own chunks.
+  using Leaf = std::array<unsigned char, 32>;
+  std::vector<Leaf> leaves(chunks.size());
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  const auto hash_chunks = [&] {
+    for (size_t i = next.fetch_add(1); i < chunks.size();
+         i = next.fetch_add(1)) {
+      unsigned int size = 0;
+      if (EVP_Digest(chunks[i].data(), chunks[i].size(), leaves[i].data(),
+                     &size, EVP_sha256(), nullptr) != 1 ||
+          size != leaves[i].size()) {
+        failed.store(true);
+      }
+    }
+  };
+  if (threads <= 0) {
+    threads = static_cast<int>(std::thread::hardware_concurrency());
+  }
+  threads = static_cast<int>(
+      std::clamp<size_t>(static_cast<size_t>(std::max(threads, 1)), 1,
+                         std::max<size_t>(chunks.size(), 1)));
+  {
+    std::vector<std::thread> helpers;
+    helpers.reserve(threads - 1);
+    for (int t = 1; t < threads; ++t) helpers.emplace_back(hash_chunks);
+    hash_chunks();
+    for (std::thread& helper : helpers) helper.join();
+  }
+  const std::string what =
+      absl::StrCat("the weights of ", checkpoint.model_dir());
+  if (failed.load()) {
+    return absl::InternalError(absl::StrCat("SHA-256 of ", what, " failed"));
+  }
+
+  // The root. The name is length-prefixed and the byte count (which fixes
+  // the number of leaves that follow) precedes the leaves, so no two
+  // different checkpoints feed the same stream.
+  Sha256 root;
+  root.Update(absl::StrCat(kWeightsDigestScheme,
+                           ";chunk=", kWeightsDigestChunkBytes, ";"));
+  size_t leaf = 0;
+  for (const std::string& name : names) {
     const TensorInfo& info = *checkpoint.Find(name);
-    sha.Update(absl::StrCat(
+    root.Update(absl::StrCat(
         name.size(), ":", name, ";", SafetensorsDTypeName(info.dtype), ";",
         absl::StrJoin(info.shape, ","), ";", info.bytes.size(), ";"));
-    sha.Update(info.bytes.data(), info.bytes.size());
+    for (size_t at = 0; at < info.bytes.size();
+         at += kWeightsDigestChunkBytes) {
+      root.Update(leaves[leaf].data(), leaves[leaf].size());
+      ++leaf;
+    }
   }
-  return sha.FinishHex(absl::StrCat("the weights of ", checkpoint.model_dir()));
+  return root.FinishHex(what);
 }
 
 absl::StatusOr<std::string> ModelFingerprint(const ModelConfig& config,

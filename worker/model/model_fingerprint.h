@@ -5,32 +5,42 @@
 // (ModelConfig::Fingerprint() alone calls them equal) yet compute different
 // K/V for the same tokens.
 //
-// What is hashed (SHA-256, OpenSSL EVP):
-//   WeightsDigest: for every tensor of the checkpoint, in name order, the
-//     record "<len(name)>:<name>;<dtype>;<dim>,<dim>,...;<byte length>;"
-//     followed by ALL of the tensor's bytes. Not hashed: file names, sharding,
-//     data offsets, header padding and "__metadata__", so the same weights
-//     saved in another directory, resharded or with tensors in another order
-//     keep their digest; any changed value, name, dtype or shape changes it.
+// What is hashed (SHA-256, OpenSSL EVP): a two-level tree, so the leaves
+// can be hashed on several threads and the digest does not depend on how
+// many.
+//   Leaves: every tensor's bytes cut into chunks of kWeightsDigestChunkBytes
+//     (16 MiB; the last chunk of a tensor shorter, an empty tensor none);
+//     leaf = SHA-256(chunk bytes), 32 bytes.
+//   WeightsDigest = SHA-256 of the stream
+//       "pdworker-weights-v2;chunk=16777216;"
+//     then, for every tensor of the checkpoint in name order, the record
+//       "<len(name)>:<name>;<dtype>;<dim>,<dim>,...;<byte length>;"
+//     followed by its leaves in byte order (ceil(byte length / 16 MiB) of
+//     them). The byte length fixes how many leaves follow, so the stream
+//     parses one way only: any changed byte changes its leaf and so the
+//     root (as collision-resistant as SHA-256). Not hashed: file names,
+//     sharding, data offsets, header padding and "__metadata__", so the
+//     same weights saved in another directory, resharded or with tensors in
+//     another order keep their digest; any changed value, name, dtype or
+//     shape changes it.
 //   ModelFingerprint: "shape=<ModelConfig::CanonicalString()>;weights=<digest>"
 //     (the canonical string covers exactly what ModelConfig::Fingerprint()
 //     does: architecture, sizes, heads, eps, RoPE, vocab, tying, biases).
+// Both sides of a P/D handoff compare ModelFingerprint(), so every worker
+// and tool computing it must use this exact scheme; changing the chunk size
+// or the record is a new scheme name.
 //
 // Every byte, not a sample: a fine-tune may change only a few rows (new
-// special tokens' embeddings), which evenly spaced windows would miss, and a
-// full hash costs well under the budget of one second per GB. Measured with
-// //bench:weights_digest_bench (--config=opt, one core of a shared 2-core AMD
-// EPYC with SHA-NI, OpenSSL 3.0.19, page cache warm, checkpoint mapped once as
-// at load), llama_1b shape in bf16, 2.47 GB in 146 tensors, best of 3, three
-// runs: SHA-256 of every tensor 1.55-1.61 s = 0.63-0.65 s/GB (1.55-1.60 GB/s;
-// `openssl speed -evp sha256` says 1.69 GB/s); converting the same tensors to
-// float32, as the CPU backend's load does, 0.78-1.35 s/GB. BLAKE2b-512 is
-// slower here (0.89 GB/s), and so is common/fnv1a.h's byte-at-a-time loop
-// (0.65-0.83 GB/s over 1 GiB in memory, g++ -O2). So a 16 GB (8B bf16)
-// checkpoint adds ~10 s to a start that reads all of it anyway.
+// special tokens' embeddings), which evenly spaced windows would miss.
+// SHA-256 rather than a faster non-cryptographic hash (xxHash is in Debian)
+// because the digest names a model to another worker: SHA-NI makes it
+// ~1.6 GB/s per core here, and the tree spreads it over the cores. Costs
+// are in bench/RESULTS.md ("Model load time"): //bench:load_time_bench
+// times `cat` of the files against the load and this digest in one run.
 #ifndef PDWORKER_WORKER_MODEL_MODEL_FINGERPRINT_H_
 #define PDWORKER_WORKER_MODEL_MODEL_FINGERPRINT_H_
 
+#include <cstddef>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -40,9 +50,15 @@
 
 namespace pdworker {
 
-// SHA-256 of the checkpoint's tensors as described above: 64 lowercase hex
-// digits. Internal only if OpenSSL fails.
-absl::StatusOr<std::string> WeightsDigest(const Checkpoint& checkpoint);
+inline constexpr char kWeightsDigestScheme[] = "pdworker-weights-v2";
+inline constexpr size_t kWeightsDigestChunkBytes = size_t{16} << 20;
+
+// The tree digest of the checkpoint's tensors described above: 64 lowercase
+// hex digits, the same for any `threads`. Hashes the leaves on `threads`
+// threads (the caller's among them; <= 0: one per hardware thread).
+// Internal only if OpenSSL fails.
+absl::StatusOr<std::string> WeightsDigest(const Checkpoint& checkpoint,
+                                          int threads = 0);
 
 // The worker's fingerprint (WorkerStatus, KV handles, PullKv, the info
 // metric): SHA-256 of the shape and the weights digest, 64 lowercase hex
