@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/config.h"
 #include "absl/strings/str_cat.h"
 #include "dispatcher/compilation_config.h"
 #include "gmock/gmock.h"
@@ -67,13 +68,27 @@ TEST_P(EnginePreemptionTest, AKvCacheForAFractionOfTheLoadCompletesEverything) {
   EXPECT_EQ(s.finished_requests, 8);
 }
 
+// Sanitized builds run this scenario at half the size (the instrumented CPU
+// kernels are several times slower, and CI runs every variant under ASan and
+// TSan): the prompt still takes at least 8 chunked steps beside the decodes,
+// which outlast it.
+#if defined(ABSL_HAVE_ADDRESS_SANITIZER) || defined(ABSL_HAVE_THREAD_SANITIZER)
+constexpr int kSanitizerDivisor = 2;
+#else
+constexpr int kSanitizerDivisor = 1;
+#endif
+
 TEST_P(EnginePreemptionTest, ALongPromptNeverMakesADecodeWait) {
+  constexpr int kDecodes = 16 / kSanitizerDivisor;
+  constexpr int kDecodeTokens = 120 / kSanitizerDivisor;
+  constexpr int kLongPrompt = 2000 / kSanitizerDivisor;
+  constexpr int kStepTokens = 256 / kSanitizerDivisor;
   engine_testing::ModelDirOptions model;
   model.max_position_embeddings = 4096;
   const std::string dir = engine_testing::ModelDir(model);
   ModelRunnerOptions options = engine_testing::SmallOptions(GetParam().mode);
   options.max_num_seqs = 32;
-  options.max_num_batched_tokens = 256;
+  options.max_num_batched_tokens = kStepTokens;
   options.max_model_len = 2100;
   options.kv_cache_bytes = int64_t{4} << 20;
   auto config = ParseCompilationConfig(
@@ -86,23 +101,24 @@ TEST_P(EnginePreemptionTest, ALongPromptNeverMakesADecodeWait) {
   auto t = engine_testing::StartEngine(dir, options, engine_options);
 
   std::vector<std::unique_ptr<PendingGeneration>> decoding;
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < kDecodes; ++i) {
     decoding.push_back(std::make_unique<PendingGeneration>(
-        *t->engine, Spec(absl::StrCat("d", i), Prompt(8, 500 + i), 120)));
+        *t->engine,
+        Spec(absl::StrCat("d", i), Prompt(8, 500 + i), kDecodeTokens)));
   }
   for (const auto& d : decoding) {
     while (d->TokensSoFar() < 2) std::this_thread::yield();
   }
-  const std::vector<int32_t> long_prompt = Prompt(2000, 600);
+  const std::vector<int32_t> long_prompt = Prompt(kLongPrompt, 600);
   PendingGeneration prompt(*t->engine, Spec("long", long_prompt, 4));
   const Generation p = prompt.Wait();
   ASSERT_TRUE(p.status.ok()) << p.status;
 
   int64_t first_step = 0;
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < kDecodes; ++i) {
     const Generation g = decoding[i]->Wait();
     ASSERT_TRUE(g.status.ok()) << g.status;
-    ASSERT_EQ(g.tokens.size(), 120u);
+    ASSERT_EQ(g.tokens.size(), static_cast<size_t>(kDecodeTokens));
     // The first token ends the prefill; every later one comes from the
     // very next step, the long prompt's chunks included.
     for (size_t k = 1; k < g.token_steps.size(); ++k) {
@@ -111,10 +127,11 @@ TEST_P(EnginePreemptionTest, ALongPromptNeverMakesADecodeWait) {
     }
     first_step = std::max(first_step, g.token_steps[0]);
   }
-  // The 2000-token prompt took several steps, all while the others
-  // decoded: 2000 tokens in chunks of at most 256 - 16.
+  // The long prompt took several steps, all while the others decoded: in
+  // chunks of at most kStepTokens - kDecodes tokens.
   ASSERT_FALSE(p.token_steps.empty());
-  EXPECT_GE(p.token_steps[0] - first_step, 2000 / 240);
+  EXPECT_GE(p.token_steps[0] - first_step,
+            kLongPrompt / (kStepTokens - kDecodes));
   const int64_t last_decode = [&] {
     int64_t last = 0;
     for (const auto& d : decoding)
