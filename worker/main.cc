@@ -7,7 +7,8 @@
 // capture CUDA graphs (progress logged), then serve (health SERVING) and
 // print "listening on PORT" on stdout — the line scripts wait for. SIGTERM
 // or SIGINT drains (new calls UNAVAILABLE, in-flight calls complete) and
-// exits 0. Exit codes: 0 drained, 1 startup failed, 2 bad flags.
+// exits 0. Exit codes: 0 drained, 1 startup failed, 2 bad flags (or a
+// --model directory whose config.json or checkpoint cannot be used).
 #include <signal.h>
 
 #include <iostream>
@@ -63,6 +64,25 @@ absl::Status CheckNcclBudget(Device& device, int max_peers) {
   return absl::OkStatus();
 }
 
+// The model directory is the operator's input as much as a flag is: a
+// config.json or checkpoint the worker cannot use (a missing tensor, a wrong
+// shape or dtype, a truncated file) is reported as --model's error, exit 2.
+// The device's own failures (out of memory, CUDA errors) stay startup
+// failures, exit 1.
+absl::Status ModelLoadError(const std::string& model_dir,
+                            const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kDataLoss:
+    case absl::StatusCode::kOutOfRange:
+      return FlagError("model",
+                       absl::StrCat("'", model_dir, "': ", status.message()));
+    default:
+      return status;
+  }
+}
+
 // Loads, captures, serves until SIGTERM/SIGINT (already blocked in every
 // thread by main), then drains.
 absl::Status RunWorker(const WorkerConfig& c, const sigset_t& stop_signals) {
@@ -85,7 +105,7 @@ absl::Status RunWorker(const WorkerConfig& c, const sigset_t& stop_signals) {
             << ")";
   absl::StatusOr<std::unique_ptr<ModelRunner>> runner =
       ModelRunner::Create(**device, c.model_dir, c.runner);
-  if (!runner.ok()) return runner.status();
+  if (!runner.ok()) return ModelLoadError(c.model_dir, runner.status());
   ModelRunner& r = **runner;
   if (absl::Status s = CheckNcclBudget(**device, c.server.nccl_max_peers);
       !s.ok()) {
@@ -191,6 +211,11 @@ int main(int argc, char** argv) {
   }
   const absl::Status status = pdworker::RunWorker(*config, stop_signals);
   if (!status.ok()) {
+    // FlagError's code: a flag, or the model it names, is unusable.
+    if (absl::IsInvalidArgument(status)) {
+      std::cerr << "pdworker: " << status.message() << std::endl;
+      return 2;
+    }
     std::cerr << "pdworker: startup failed: " << status << std::endl;
     return 1;
   }
