@@ -136,6 +136,13 @@ ABSL_FLAG(std::string, kv_lease_ttl, "30s",
 ABSL_FLAG(std::string, kv_pull_timeout, "10s",
           "Decode side: bound on one KV pull; a prefill worker that dies or "
           "hangs mid-pull fails the import with UNAVAILABLE within it.");
+ABSL_FLAG(std::string, kv_import_wait_timeout, "10s",
+          "Decode side: how long a KV import (ImportKv, or a P/D Generate's "
+          "decode leg) may wait for room in a full KV cache (and, for a "
+          "decode leg, for one of the --max_num_seqs running seats) before "
+          "it fails with RESOURCE_EXHAUSTED; also bounded by the caller's "
+          "deadline and, with --kv_lease_renew_margin=0, the lease's expiry. "
+          "0 = fail at once when there is no room.");
 ABSL_FLAG(int, kv_import_threads, 4, "Decode side: concurrent KV pulls.");
 ABSL_FLAG(int, kv_chunk_bytes, 256 << 10,
           "Prefill side: payload of one KV chunk on the gRPC stream transport "
@@ -270,9 +277,9 @@ std::vector<FlagGroup> FlagGroups() {
       {"TLS", {"tls_cert", "tls_key", "tls_client_ca"}},
       {"KV handoff (prefill/decode)",
        {"advertise_address", "kv_lease_ttl", "kv_pull_timeout",
-        "kv_import_threads", "kv_chunk_bytes", "kv_pull_chunks",
-        "kv_lease_renew_margin", "kv_peer_ca", "kv_peer_tls_server_name",
-        "nccl_max_peers"}},
+        "kv_import_wait_timeout", "kv_import_threads", "kv_chunk_bytes",
+        "kv_pull_chunks", "kv_lease_renew_margin", "kv_peer_ca",
+        "kv_peer_tls_server_name", "nccl_max_peers"}},
       {"KV cache events (prefix caching)",
        {"kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic",
         "kv_events_layout", "kv_events_buffer_steps", "kv_events_config"}},
@@ -445,6 +452,9 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
             &c.server.kv_lease_ttl, ZeroDuration::kRefused},
            {"kv_pull_timeout", absl::GetFlag(FLAGS_kv_pull_timeout),
             &c.server.importer.pull_timeout, ZeroDuration::kRefused},
+           {"kv_import_wait_timeout",
+            absl::GetFlag(FLAGS_kv_import_wait_timeout),
+            &c.server.importer.wait_timeout, ZeroDuration::kAllowed},
            {"kv_lease_renew_margin", absl::GetFlag(FLAGS_kv_lease_renew_margin),
             &c.server.importer.renew_margin, ZeroDuration::kAllowed},
            {"grpc_keepalive_time", absl::GetFlag(FLAGS_grpc_keepalive_time),

@@ -152,7 +152,7 @@ PendingRequest Waiting(int32_t wanted, bool admissible = true) {
 // of 4 tokens.
 StepPlan PlanAll(std::vector<Call>& calls, std::vector<PendingRequest>& running,
                  std::vector<PendingRequest>& waiting, StepBudget budget,
-                 int32_t free_blocks) {
+                 int32_t free_blocks, int32_t reserved_seats = 0) {
   std::vector<const PendingCall*> call_views;
   for (Call& c : calls) {
     c.ids.assign(c.id_storage.begin(), c.id_storage.end());
@@ -169,6 +169,7 @@ StepPlan PlanAll(std::vector<Call>& calls, std::vector<PendingRequest>& running,
   input.running = r;
   input.waiting = w;
   input.free_kv_blocks = free_blocks;
+  input.reserved_seats = reserved_seats;
   StepPlanner planner(budget);
   StepPlan plan;
   planner.Plan(input, &plan);
@@ -339,6 +340,17 @@ TEST(StepPlannerRequestsTest, RunningRequestsAreCappedAtMaxNumSeqs) {
   std::vector<PendingRequest> waiting = {Waiting(4), Waiting(4)};
   const StepPlan plan = PlanAll(calls, running, waiting, {3, 64}, 100);
   EXPECT_THAT(plan.admitted, ElementsAre(0));
+}
+
+TEST(StepPlannerRequestsTest, SeatsHeldForImportsCountAsRunning) {
+  std::vector<Call> calls;
+  std::vector<PendingRequest> running = {Decode(8, 2)};
+  std::vector<PendingRequest> waiting = {Waiting(4), Waiting(4)};
+  // max_num_seqs 3: one running, one seat held by a decode leg's import.
+  StepPlan plan = PlanAll(calls, running, waiting, {3, 64}, 100, 1);
+  EXPECT_THAT(plan.admitted, ElementsAre(0));
+  plan = PlanAll(calls, running, waiting, {3, 64}, 100, 2);
+  EXPECT_TRUE(plan.admitted.empty());
 }
 
 TEST(StepPlannerRequestsTest, APrefillChunkNeverPreemptsAScheduledDecode) {

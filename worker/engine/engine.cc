@@ -67,6 +67,7 @@ void Engine::Run() {
     AdmitIncomingRequests();  // new requests join the waiting queue
     RunAborts();              // aborted requests give their KV back
     DropExpiredWork();        // deadline passed or cancelled: never run
+    ServeKvReservations();    // imports take the room they waited for
     bool launched = false;
     if (!Paused()) {
       ExplainExpiredSequences();
@@ -114,11 +115,11 @@ bool Engine::WaitForWork() {
         break;
       }
       if (!incoming_requests_.empty() || !incoming_aborts_.empty() ||
-          !in_flight_.empty()) {
+          !incoming_reservations_.empty() || !in_flight_.empty()) {
         break;
       }
-      const bool has_steps =
-          !pending_.empty() || !running_.empty() || !waiting_.empty();
+      const bool has_steps = !pending_.empty() || !running_.empty() ||
+                             !waiting_.empty() || !reservations_.empty();
       if (has_steps && !paused_ && !stalled_) break;
       // Idle or paused: sleep until new work, or until the earliest queued
       // deadline or idle sweep, so an expired call is answered (and an
@@ -155,6 +156,12 @@ std::optional<std::chrono::nanoseconds> Engine::TimeUntilTimedWork() const {
   for (const auto& [id, request] : requests_) {
     if (request->call->control != nullptr) {
       earliest = std::min(earliest, request->call->control->deadline);
+    }
+  }
+  for (const std::unique_ptr<Reservation>& r : reservations_) {
+    earliest = std::min(earliest, r->call->wait_deadline);
+    if (r->call->control != nullptr) {
+      earliest = std::min(earliest, r->call->control->deadline);
     }
   }
   if (earliest != std::chrono::system_clock::time_point::max()) {
@@ -200,10 +207,12 @@ void Engine::AdmitIncomingRequests() {
         std::lock_guard<std::mutex> lock(mu_);
         --requests_waiting_;
       }
-      // The imported KV is this request's to free.
-      if (imported.has_value() &&
-          runner_.kv_cache().Find(imported->kv_sequence_id) != nullptr) {
-        runner_.Release(imported->kv_sequence_id).IgnoreError();
+      // The imported KV (and its running seat) is this request's to free.
+      if (imported.has_value()) {
+        import_seats_.erase(imported->kv_sequence_id);
+        if (runner_.kv_cache().Find(imported->kv_sequence_id) != nullptr) {
+          runner_.Release(imported->kv_sequence_id).IgnoreError();
+        }
       }
       RequestUpdate update;
       update.num_prompt_tokens = static_cast<int32_t>(call->spec.prompt.size());
@@ -227,6 +236,7 @@ void Engine::AdmitIncomingRequests() {
     }
     r->tokens = call->spec.prompt;
     r->times.arrival = call->arrival;
+    r->ticket = next_ticket_++;
     r->call = std::move(call);
     ++progress_;
     if (!imported.has_value()) {
@@ -244,17 +254,24 @@ void Engine::AdmitIncomingRequests() {
       requests_.emplace(r->call->spec.request_id, std::move(r));
       continue;
     }
-    // A decode leg: the prompt's KV is here already; it runs at once and
-    // its first output is the token the prefill worker sampled.
+    // A decode leg: the prompt's KV is here already and its first output
+    // is the token the prefill worker sampled. It runs at once in the seat
+    // its reservation took; without one (its KV did not come through
+    // ServeKvReservations) it runs when a seat is free, and waits holding
+    // its KV until then.
     const ImportedPrompt& prompt = *r->call->spec.imported;
     r->kv_id = prompt.kv_sequence_id;
     r->num_computed = r->stop.num_prompt_tokens;
-    r->state = Request::State::kRunning;
-    r->times.scheduled = std::chrono::steady_clock::now();
-    running_.push_back(r);
-    {
+    const bool seated = import_seats_.erase(r->kv_id) > 0;
+    if (seated || running_.size() + import_seats_.size() <
+                      static_cast<size_t>(runner_.options().max_num_seqs)) {
+      r->state = Request::State::kRunning;
+      r->times.scheduled = std::chrono::steady_clock::now();
+      running_.push_back(r);
       std::lock_guard<std::mutex> lock(mu_);
       --requests_waiting_;
+    } else {
+      waiting_.push_back(r);
     }
     requests_.emplace(r->call->spec.request_id, r);
     r->tokens.push_back(prompt.first_token_id);
@@ -425,6 +442,13 @@ void Engine::PlanStep() {
   for (size_t i = 0; i < waiting_.size(); ++i) {
     Request& r = *waiting_[i];
     waiting_views_[i] = {WantedTokens(r), 0, 0, r.num_pending == 0};
+    if (const SequenceKv* held = kv.Find(r.kv_id)) {
+      // A decode leg that waits for a seat holding its imported KV.
+      waiting_views_[i].num_computed = r.num_computed;
+      waiting_views_[i].num_blocks = static_cast<int32_t>(held->blocks.size());
+      waiting_ptrs_[i] = &waiting_views_[i];
+      continue;
+    }
     // Its cached prefix: computed tokens it will start with, and the held
     // blocks among them (hits on free cached blocks take free blocks, as
     // new ones would). Only the queue's head can be admitted this step.
@@ -444,7 +468,11 @@ void Engine::PlanStep() {
   PlanInput input;
   input.calls = views_;
   input.running = running_ptrs_;
-  input.waiting = waiting_ptrs_;
+  // Requests that arrived after a waiting KV import are not admitted before
+  // it (as no request is admitted while a call waits for room).
+  input.waiting =
+      absl::MakeConstSpan(waiting_ptrs_).first(AdmissibleBeforeReservations());
+  input.reserved_seats = static_cast<int32_t>(import_seats_.size());
   input.free_kv_blocks = runner_.kv_cache().Stats().free_blocks;
   planner_.Plan(input, &plan_);
 }

@@ -57,6 +57,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "metrics/worker_metrics.h"
 #include "worker/engine/kv_lease_table.h"
@@ -101,6 +102,8 @@ struct EngineSnapshot {
   int64_t waiting_requests = 0;   // submitted or preempted, not running
   int64_t preemptions = 0;        // running requests preempted so far
   int64_t finished_requests = 0;  // ended for any reason
+  // KV imports waiting for room (blocks, or a running seat).
+  int64_t waiting_imports = 0;
   // Device (stream) time over all steps: busy inside steps, idle between
   // one step's end and the next one's start.
   double device_busy_seconds = 0.0;
@@ -155,6 +158,13 @@ class Engine {
   // last update (finish reason abort) and its KV is freed before `done`
   // runs. All or nothing: NOT_FOUND naming an id that is not live.
   void Submit(std::unique_ptr<AbortCall> call);
+  // Queues a KV import's reservation (see KvReservationCall), or refuses it
+  // at once with UNAVAILABLE (stopped).
+  void Submit(std::unique_ptr<KvReservationCall> call);
+  // Frees the blocks of a reservation whose import failed, and its running
+  // seat; blocks until done (between steps), like RunExclusive.
+  absl::Status GiveBackKvReservation(const std::string& sequence_id,
+                                     SequenceKv kv);
 
   // Runs `task` on the engine thread between steps, with no step in flight
   // (e.g. graph capture, KV import), and returns its status; blocks the
@@ -190,6 +200,7 @@ class Engine {
   struct Request;
   struct Piece;
   struct InFlightStep;
+  struct Reservation;
 
   // The loop and its stages, in the order of DESIGN.md's diagram.
   void Run();
@@ -198,6 +209,12 @@ class Engine {
   bool Paused() const;
   void AdmitIncomingRequests();
   void RunAborts();
+  // KV imports' reservations: drops withdrawn ones, grants them in arrival
+  // order while room lasts, ends those whose wait is over.
+  void ServeKvReservations();
+  // How many of the waiting requests arrived before the oldest waiting
+  // reservation (all of them when none waits): only those may be admitted.
+  size_t AdmissibleBeforeReservations() const;
   void PlanStep();
   void RunReleases();
   // Launches the plan; true when a step went to the device.
@@ -266,6 +283,8 @@ class Engine {
   std::deque<std::unique_ptr<EngineRequest>> incoming_requests_
       ABSL_GUARDED_BY(mu_);
   std::deque<std::unique_ptr<AbortCall>> incoming_aborts_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::unique_ptr<KvReservationCall>> incoming_reservations_
+      ABSL_GUARDED_BY(mu_);
   std::vector<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
   // Submitted and not yet finished by the engine (what the queue bound,
   // the snapshot and WorkerServer::Drain count). Stop() answers the rest.
@@ -290,6 +309,14 @@ class Engine {
   std::vector<std::shared_ptr<Request>> running_;
   std::deque<std::shared_ptr<Request>> waiting_;
   int64_t next_request_number_ = 0;  // makes each request's KV id unique
+  // Waiting KV reservations, in arrival order.
+  std::deque<std::unique_ptr<Reservation>> reservations_;
+  // Sequence ids of imports (ImportedAs::kRunningRequest) holding a running
+  // seat: running_.size() + their number <= max_num_seqs.
+  absl::flat_hash_set<std::string> import_seats_;
+  // Arrival order of requests and reservations on the engine thread (a
+  // preempted request keeps its number).
+  uint64_t next_ticket_ = 0;
   // Counts changes of state (launches, retires, completions, admissions,
   // releases); an iteration that changed nothing leaves the engine stalled:
   // it sleeps until woken instead of planning the same nothing again.

@@ -270,6 +270,19 @@ void Engine::FailAll(const absl::Status& status) {
   for (std::unique_ptr<AbortCall>& call : aborts) {
     call->done(absl::UnavailableError("the worker stopped"));
   }
+  std::deque<std::unique_ptr<KvReservationCall>> reservations;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    reservations.swap(incoming_reservations_);
+  }
+  for (std::unique_ptr<Reservation>& r : reservations_) {
+    reservations.push_back(std::move(r->call));
+  }
+  reservations_.clear();
+  for (std::unique_ptr<KvReservationCall>& call : reservations) {
+    call->done(absl::UnavailableError(
+        "the worker stopped before the import found room"));
+  }
   for (const std::unique_ptr<Entry>& e : pending_) {
     if (!e->final_status.has_value()) e->final_status = status;
   }
@@ -323,6 +336,7 @@ void Engine::PublishSnapshot() {
     snapshot_.dropped_cancelled = dropped_cancelled_;
     snapshot_.sequences_expired = sequences_expired_;
     snapshot_.running_requests = static_cast<int64_t>(running_.size());
+    snapshot_.waiting_imports = static_cast<int64_t>(reservations_.size());
     snapshot_.waiting_requests = waiting;
     snapshot_.preemptions = preemptions_;
     snapshot_.finished_requests = finished_requests_;

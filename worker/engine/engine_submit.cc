@@ -167,10 +167,12 @@ void Engine::Submit(std::unique_ptr<EngineRequest> request) {
     work_cv_.notify_one();
     return;
   }
-  // An imported prompt's KV belongs to the refused request: free it on the
-  // engine thread (when the engine has stopped, nothing needs it).
+  // An imported prompt's KV and running seat belong to the refused request:
+  // free them on the engine thread (when the engine has stopped, nothing
+  // needs them).
   if (request->spec.imported.has_value()) {
-    Post([id = request->spec.imported->kv_sequence_id](ModelRunner& r) {
+    Post([this, id = request->spec.imported->kv_sequence_id](ModelRunner& r) {
+      import_seats_.erase(id);
       if (r.kv_cache().Find(id) != nullptr) r.Release(id).IgnoreError();
     }).IgnoreError();
   }

@@ -83,6 +83,7 @@ struct Engine::Request {
   StopRule stop;
   std::string kv_id;  // its sequence in the KV cache (kEngineSequencePrefix)
   State state = State::kWaiting;
+  uint64_t ticket = 0;  // arrival order among requests and KV reservations
   // Prompt, then the outputs the host has read back.
   std::vector<int32_t> tokens;
   // Tokens whose KV is computed or being computed by a step in flight.
@@ -122,6 +123,15 @@ struct Engine::Request {
     update.step = step;
     return update;
   }
+};
+
+// A KV import's reservation waiting for room.
+struct Engine::Reservation {
+  std::unique_ptr<KvReservationCall> call;
+  uint64_t ticket = 0;  // arrival order among requests and reservations
+  // Prefix caching: the hashes of the import's full blocks, computed once.
+  std::vector<BlockHash> block_hashes;
+  bool hashed = false;
 };
 
 // One row of a step: a call's sequence or a request.

@@ -77,6 +77,50 @@ struct ReleaseCall {
   std::function<void(const absl::StatusOr<ReleaseOutcome>&)> done;
 };
 
+// What an imported sequence becomes once its KV is in.
+enum class ImportedAs {
+  // A step-level sequence (ImportKv): a router steps it with Forward calls.
+  kStepSequence,
+  // The prompt of an engine-owned request that runs at once (a P/D decode
+  // leg): its reservation also takes one of the max_num_seqs running seats,
+  // held until the request joins the running requests, so that they never
+  // exceed the cap.
+  kRunningRequest,
+};
+
+// Detached KV blocks reserved for an import.
+struct KvReservation {
+  SequenceKv kv;  // blocks for the sequence's num_tokens tokens
+  // Leading tokens whose blocks came from our prefix cache: their K/V is
+  // already right, only the rest needs pulling.
+  int32_t cached_tokens = 0;
+};
+
+// Blocks for a sequence whose KV another worker computed (a KV import).
+// Waits in the engine's queue for room as a request's admission does, in
+// arrival order with the waiting requests (neither overtakes the other),
+// rather than failing because the cache is full for now.
+struct KvReservationCall {
+  std::string sequence_id;  // not live when reserved, else ALREADY_EXISTS
+  int32_t num_tokens = 0;
+  // num_tokens ids, or none: with prefix caching the leading blocks our
+  // cache holds for these ids are reused.
+  std::vector<int32_t> token_ids;
+  ImportedAs imported_as = ImportedAs::kStepSequence;
+  // The client's deadline and cancellation (may be null): a waiting
+  // reservation ends DEADLINE_EXCEEDED / CANCELLED, having reserved
+  // nothing.
+  std::shared_ptr<CallControl> control;
+  // The end of the wait for room: RESOURCE_EXHAUSTED after it (at once when
+  // it has passed and there is no room now).
+  std::chrono::system_clock::time_point wait_deadline =
+      std::chrono::system_clock::time_point::max();
+  // Called exactly once, from the engine thread (or from Submit when
+  // refused). Must not block. The blocks are the caller's from then on:
+  // Engine::GiveBackKvReservation or ModelRunner::Attach.
+  std::function<void(absl::StatusOr<KvReservation>)> done;
+};
+
 }  // namespace pdworker
 
 #endif  // PDWORKER_WORKER_ENGINE_STEP_CALLS_H_

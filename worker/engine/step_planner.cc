@@ -86,7 +86,7 @@ void StepPlanner::Plan(const PlanInput& in, StepPlan* plan) {
 
   // 4. Admissions, in queue order, unless room was short this step.
   if (plan->preempted.empty() && !plan->call_deferred) {
-    int running_after = 0;
+    int running_after = in.reserved_seats;
     for (int r = 0; r < num_running; ++r) running_after += gone_[r] ? 0 : 1;
     for (int w = 0; w < static_cast<int>(in.waiting.size()); ++w) {
       const PendingRequest& req = *in.waiting[w];

@@ -32,7 +32,8 @@
 //  4. Waiting requests are admitted in queue order while seats, tokens and
 //     KV blocks last (a long prompt is admitted with a first chunk); the
 //     first one that does not fit stops admission, so none overtakes an
-//     older one. Nothing is admitted in a step that preempted.
+//     older one. Nothing is admitted in a step that preempted. Seats held
+//     for KV imports (PlanInput::reserved_seats) count as running.
 #ifndef PDWORKER_WORKER_ENGINE_STEP_PLANNER_H_
 #define PDWORKER_WORKER_ENGINE_STEP_PLANNER_H_
 
@@ -96,6 +97,10 @@ struct PlanInput {
   absl::Span<const PendingRequest* const> running;  // admission order
   absl::Span<const PendingRequest* const> waiting;  // queue order
   int32_t free_kv_blocks = 0;
+  // Running seats held for requests about to run that are in no list yet
+  // (KV imports of decode legs): admissions keep running requests plus
+  // these within max_num_seqs.
+  int32_t reserved_seats = 0;
 };
 
 enum class PieceSource {

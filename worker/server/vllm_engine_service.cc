@@ -173,6 +173,10 @@ class GenerateReactor final : public MessageWriter {
     import.sequence_id = imported.kv_sequence_id;
     import.handle = params->handle;
     import.deadline = deadline;
+    // A client that goes away while the import waits for room withdraws
+    // it; the request runs at once, so it waits for a running seat too.
+    import.control = control_;
+    import.imported_as = ImportedAs::kRunningRequest;
     call->spec.imported = std::move(imported);
     // Called once: inline when refused, else from an importer thread.
     context.importer->Import(

@@ -149,6 +149,29 @@ class ReleaseReactor final
   const std::shared_ptr<CallControl> control_;
 };
 
+// One ImportKv RPC: a client that cancels withdraws the import while it
+// waits for KV room (a pull already running finishes).
+class ImportKvReactor final
+    : public UnaryCall<v1::ImportKvRequest, v1::ImportKvResponse> {
+ public:
+  ImportKvReactor(Engine& engine, const grpc::ByteBuffer* raw_request,
+                  grpc::ByteBuffer* raw_response)
+      : UnaryCall(raw_request, raw_response),
+        engine_(engine),
+        control_(std::make_shared<CallControl>()) {}
+
+  const std::shared_ptr<CallControl>& control() const { return control_; }
+
+  void OnCancel() override {
+    control_->cancelled.store(true, std::memory_order_release);
+    engine_.NotifyCancelled();
+  }
+
+ private:
+  Engine& engine_;
+  const std::shared_ptr<CallControl> control_;
+};
+
 v1::KvHandle HandleTemplate(const ModelRunner& runner,
                             const HandoffParts& handoff) {
   v1::KvHandle h;
@@ -379,8 +402,7 @@ grpc::ServerUnaryReactor* WorkerService::GetGraphStats(
 grpc::ServerUnaryReactor* WorkerService::ImportKv(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
     grpc::ByteBuffer* raw_response) {
-  using ImportCall = UnaryCall<v1::ImportKvRequest, v1::ImportKvResponse>;
-  auto* call = new ImportCall(raw_request, raw_response);
+  auto* call = new ImportKvReactor(engine_, raw_request, raw_response);
   if (!call->parse_status().ok()) {
     call->Reply(call->parse_status());
     return call;
@@ -416,6 +438,8 @@ grpc::ServerUnaryReactor* WorkerService::ImportKv(
   import.sequence_id = request.sequence_id();
   import.handle = request.handle();
   import.deadline = context->deadline();
+  import.control = call->control();
+  import.control->deadline = import.deadline;
   handoff_.importer->Import(
       std::move(import), [call](const absl::StatusOr<KvImportResult>& result) {
         if (result.ok()) {

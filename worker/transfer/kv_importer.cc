@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <utility>
@@ -98,7 +99,8 @@ void KvImporter::Import(KvImportRequest request, Done done) {
           std::chrono::system_clock::time_point(std::chrono::microseconds(
               request.handle.lease_expiry_unix_micros()))};
       ++in_flight_;
-      queue_.push_back(Job{std::move(request), std::move(done)});
+      queue_.push_back(Job{std::move(request), std::move(done),
+                           std::chrono::system_clock::now()});
     }
   }
   if (refused.ok()) {
@@ -124,7 +126,7 @@ void KvImporter::Work() {
       job = std::move(queue_.front());
       queue_.pop_front();
     }
-    absl::StatusOr<KvImportResult> result = RunJob(job.request);
+    absl::StatusOr<KvImportResult> result = RunJob(job);
     {
       std::lock_guard<std::mutex> lock(mu_);
       importing_.erase(job.request.sequence_id);
@@ -138,8 +140,56 @@ void KvImporter::Work() {
   }
 }
 
-absl::StatusOr<KvImportResult> KvImporter::RunJob(
-    const KvImportRequest& request) {
+absl::StatusOr<KvReservation> KvImporter::Reserve(
+    const Job& job, absl::Span<const int32_t> token_ids) {
+  const KvImportRequest& request = job.request;
+  auto call = std::make_unique<KvReservationCall>();
+  call->sequence_id = request.sequence_id;
+  call->num_tokens = request.handle.num_tokens();
+  call->token_ids.assign(token_ids.begin(), token_ids.end());
+  call->imported_as = request.imported_as;
+  call->control = request.control;
+  if (call->control == nullptr) {
+    call->control = std::make_shared<CallControl>();
+    call->control->deadline = request.deadline;
+  }
+  // A lease nobody renews is gone at its expiry: waiting past it is for
+  // nothing.
+  call->wait_deadline = job.arrival + options_.wait_timeout;
+  const auto lease_expiry = std::chrono::system_clock::time_point(
+      std::chrono::microseconds(request.handle.lease_expiry_unix_micros()));
+  const bool lease_bounds_wait =
+      options_.renew_margin.count() == 0 &&
+      request.handle.lease_expiry_unix_micros() > 0 &&
+      lease_expiry < call->wait_deadline;
+  if (lease_bounds_wait) call->wait_deadline = lease_expiry;
+  // Shared with the callback, which may still be returning from set_value
+  // when this thread wakes up.
+  auto promise =
+      std::make_shared<std::promise<absl::StatusOr<KvReservation>>>();
+  std::future<absl::StatusOr<KvReservation>> reserved = promise->get_future();
+  call->done = [promise](absl::StatusOr<KvReservation> result) {
+    promise->set_value(std::move(result));
+  };
+  engine_.Submit(std::move(call));
+  absl::StatusOr<KvReservation> result = reserved.get();
+  if (absl::IsResourceExhausted(result.status())) {
+    if (lease_bounds_wait) {
+      return absl::NotFoundError(
+          absl::StrCat("lease ", request.handle.lease_id(), " on ",
+                       request.handle.source_address(),
+                       " expired while the import waited for KV room (",
+                       result.status().message(), ")"));
+    }
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "KV cache full: ", result.status().message(),
+        " (--kv_import_wait_timeout=", options_.wait_timeout.count(), "ms)"));
+  }
+  return result;
+}
+
+absl::StatusOr<KvImportResult> KvImporter::RunJob(const Job& job) {
+  const KvImportRequest& request = job.request;
   const auto start = std::chrono::steady_clock::now();
   if (std::chrono::system_clock::now() >= request.deadline) {
     return absl::DeadlineExceededError(
@@ -164,21 +214,11 @@ absl::StatusOr<KvImportResult> KvImporter::RunJob(
                                     request.handle.prompt_token_ids_size());
   }
 
-  // 1. Reserve, between steps; `cached` leading tokens need no pull.
-  SequenceKv kv;
-  int32_t cached = 0;
-  absl::Status reserved = engine_.RunExclusive([&](ModelRunner& runner) {
-    if (runner.kv_cache().Find(id) != nullptr) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("sequence '", id, "' already exists"));
-    }
-    absl::StatusOr<SequenceKv> blocks =
-        runner.AllocateDetached(num_tokens, token_ids, &cached);
-    if (!blocks.ok()) return blocks.status();
-    kv = std::move(*blocks);
-    return absl::OkStatus();
-  });
-  if (!reserved.ok()) return reserved;
+  // 1. Reserve, waiting for room; `cached` leading tokens need no pull.
+  absl::StatusOr<KvReservation> reserved = Reserve(job, token_ids);
+  if (!reserved.ok()) return reserved.status();
+  SequenceKv kv = std::move(reserved->kv);
+  const int32_t cached = reserved->cached_tokens;
   // AllocateDetached leaves the last token uncached; a violation would
   // make the pull empty (and the source refuse first_token).
   CHECK_LT(cached, num_tokens);
@@ -208,18 +248,17 @@ absl::StatusOr<KvImportResult> KvImporter::RunJob(
     pulled = Pull(params, &transport, &pull);
   }
 
-  // 3. Install (or give back), between steps.
-  absl::Status installed = engine_.RunExclusive([&](ModelRunner& runner) {
-    if (!pulled.ok()) {
-      runner.FreeDetached(kv);
-      return pulled;
-    }
-    // With the ids, the pulled full blocks become cached too.
-    absl::Status attached = runner.Attach(id, kv, token_ids);
-    if (!attached.ok()) runner.FreeDetached(kv);
-    return attached;
-  });
+  // 3. Install (or give back the blocks and the seat), between steps.
+  absl::Status installed = pulled;
+  if (pulled.ok()) {
+    installed = engine_.RunExclusive([&](ModelRunner& runner) {
+      // With the ids, the pulled full blocks become cached too.
+      return runner.Attach(id, kv, token_ids);
+    });
+  }
   if (!installed.ok()) {
+    // Attach changes nothing when it fails: the blocks are still ours.
+    engine_.GiveBackKvReservation(id, std::move(kv)).IgnoreError();
     LOG(WARNING) << "KV import of '" << id << "' from "
                  << request.handle.source_address() << " failed: " << installed;
     return installed;

@@ -1,8 +1,11 @@
 // KvImporter: the decode side of the KV handoff (Worker.ImportKv).
 //
 //   ImportKv ─▶ queue ─▶ importer thread:
-//       1. reserve detached blocks        (engine task, between steps):
-//          with prefix caching and the handle's prompt_token_ids, the
+//       1. reserve detached blocks        (the engine's queue: waits for
+//          room like an admission, bounded by wait_timeout, the lease's
+//          expiry when nobody renews it, and the client's deadline or
+//          cancellation); a decode leg also takes a running seat there.
+//          With prefix caching and the handle's prompt_token_ids, the
 //          leading blocks this worker has cached are reused, not pulled
 //       2. pull the rest of the KV        (this thread; steps go on)
 //       3. attach them as the sequence    (engine task, between steps),
@@ -53,6 +56,10 @@ struct KvImporterOptions {
   int num_threads = 4;    // concurrent pulls
   int max_pending = 256;  // queued imports; beyond: RESOURCE_EXHAUSTED
   std::chrono::milliseconds pull_timeout{10000};  // bound on one pull
+  // How long an import may wait for KV room (blocks, and a running seat for
+  // a decode leg) from its arrival, before RESOURCE_EXHAUSTED; 0 = fail at
+  // once when there is no room.
+  std::chrono::milliseconds wait_timeout{10000};
   // Renew the source's lease when it would expire within this while the
   // import is queued or running; 0 = never renew. Keep it below the
   // sources' TTL (30 s by default).
@@ -80,6 +87,10 @@ struct KvImportRequest {
   v1::KvHandle handle;      // validated: see ValidateKvHandle
   std::chrono::system_clock::time_point deadline =
       std::chrono::system_clock::time_point::max();
+  // The client's cancellation, and `deadline` again (may be null): while the
+  // import waits for room they withdraw it.
+  std::shared_ptr<CallControl> control;
+  ImportedAs imported_as = ImportedAs::kStepSequence;
 };
 
 class KvImporter {
@@ -111,10 +122,15 @@ class KvImporter {
   struct Job {
     KvImportRequest request;
     Done done;
+    std::chrono::system_clock::time_point arrival;  // when Import queued it
   };
 
   void Work();
-  absl::StatusOr<KvImportResult> RunJob(const KvImportRequest& request);
+  absl::StatusOr<KvImportResult> RunJob(const Job& job);
+  // Step 1 of RunJob: waits in the engine's queue until the blocks (and
+  // seat) are reserved or the wait ends.
+  absl::StatusOr<KvReservation> Reserve(const Job& job,
+                                        absl::Span<const int32_t> token_ids);
   // Step 2 of RunJob: the best transport the handle allows (CUDA IPC on the
   // same host between CUDA workers, else NCCL when both have it; either
   // falls back to the gRPC stream when it could not start), recording
