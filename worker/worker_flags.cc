@@ -141,7 +141,8 @@ ABSL_FLAG(std::string, kv_import_wait_timeout, "10s",
           "decode leg) may wait for room in a full KV cache (and, for a "
           "decode leg, for one of the --max_num_seqs running seats) before "
           "it fails with RESOURCE_EXHAUSTED; also bounded by the caller's "
-          "deadline and, with --kv_lease_renew_margin=0, the lease's expiry. "
+          "deadline and the lease's end (its expiry with "
+          "--kv_lease_renew_margin=0). "
           "0 = fail at once when there is no room.");
 ABSL_FLAG(int, kv_import_threads, 4, "Decode side: concurrent KV pulls.");
 ABSL_FLAG(int, kv_chunk_bytes, 256 << 10,

@@ -341,6 +341,51 @@ TEST(KvImportPressureTest, UnrenewedLeaseExpiryEndsTheWait) {
   ExpectNothingHeld(*prefill, "prefill");
 }
 
+// (b) With renewal on, the lease's end still ends the wait: a lease its
+// router releases (or that expires) while the import waits for room is
+// reported gone by the next RenewKv, and the import ends NOT_FOUND then
+// rather than at --kv_import_wait_timeout, having reserved nothing.
+TEST(KvImportPressureTest, ALeaseGoneWhileWaitingEndsTheWait) {
+  auto prefill = StartPrefill(std::chrono::milliseconds(600));
+  DecodeParams p;
+  p.renew_margin = std::chrono::milliseconds(500);
+  p.wait_timeout = std::chrono::seconds(30);
+  auto decode = StartDecode(p);
+  ASSERT_TRUE(prefill && decode);
+  FillWithSequences(*decode);
+  ASSERT_FALSE(HasFatalFailure());
+  const KvCacheStats before = Snapshot(*decode).kv;
+  const auto [first, handle] = Prefill(*prefill, "dropped", Prompt(8, 8), {});
+  ASSERT_GE(first, 0);
+
+  ImportCall import(*decode, "dropped", handle);
+  ASSERT_TRUE(WaitsForRoom(*decode, import))
+      << "the import ended at once: " << import.Wait().error_message();
+  {
+    grpc::ClientContext context;
+    server_testing::SetGenerousDeadline(&context);
+    v1::ReleaseKvRequest request;
+    request.set_lease_id(handle.lease_id());
+    v1::ReleaseKvResponse response;
+    const grpc::Status released = v1::KvTransfer::NewStub(prefill->channel)
+                                      ->ReleaseKv(&context, request, &response);
+    ASSERT_TRUE(released.ok()) << released.error_message();
+  }
+  const Clock::time_point released_at = Clock::now();
+  const grpc::Status status = import.Wait();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND)
+      << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("expired or was released"));
+  EXPECT_LT(Clock::now() - released_at, std::chrono::seconds(10));
+  const EngineSnapshot after = Snapshot(*decode);
+  EXPECT_EQ(after.kv.used_blocks, before.used_blocks);
+  EXPECT_EQ(after.waiting_imports, 0);
+  Release(*decode, "fill60");
+  Release(*decode, "fill36");
+  ExpectNothingHeld(*decode, "decode");
+  ExpectNothingHeld(*prefill, "prefill");
+}
+
 // (c) With max_num_seqs (2) requests running, P/D decode legs wait for a
 // running seat: the running requests never exceed the cap, and all of them
 // finish with every token.

@@ -6,6 +6,7 @@
 // reason to fail it while its wait lasts. Engine-thread code except Submit
 // and GiveBackKvReservation.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -76,7 +77,13 @@ void Engine::ServeKvReservations() {
   auto now = std::chrono::system_clock::now();
   for (auto it = reservations_.begin(); it != reservations_.end();) {
     const CallControl* control = (*it)->call->control.get();
-    if (control != nullptr && now >= control->deadline) {
+    const std::atomic<bool>* gone = (*it)->call->source_gone.get();
+    if (gone != nullptr && gone->load(std::memory_order_acquire)) {
+      it = end(it, absl::NotFoundError(
+                       "the import's source is gone (its lease expired or was "
+                       "released) while it waited for KV room; nothing was "
+                       "reserved"));
+    } else if (control != nullptr && now >= control->deadline) {
       it = end(it, absl::DeadlineExceededError(
                        "the import's deadline passed while it waited for KV "
                        "room; nothing was reserved"));

@@ -111,6 +111,10 @@ struct KvReservationCall {
   // reservation ends DEADLINE_EXCEEDED / CANCELLED, having reserved
   // nothing.
   std::shared_ptr<CallControl> control;
+  // Set (may be null) once what the import would pull is known to be gone
+  // (its source says the lease expired or was released): a waiting
+  // reservation ends NOT_FOUND. Tell the engine with NotifyCancelled().
+  std::shared_ptr<const std::atomic<bool>> source_gone;
   // The end of the wait for room: RESOURCE_EXHAUSTED after it (at once when
   // it has passed and there is no room now).
   std::chrono::system_clock::time_point wait_deadline =

@@ -149,6 +149,11 @@ absl::StatusOr<KvReservation> KvImporter::Reserve(
   call->token_ids.assign(token_ids.begin(), token_ids.end());
   call->imported_as = request.imported_as;
   call->control = request.control;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = renewing_.find(request.sequence_id);
+    if (it != renewing_.end()) call->source_gone = it->second.lost;
+  }
   if (call->control == nullptr) {
     call->control = std::make_shared<CallControl>();
     call->control->deadline = request.deadline;
@@ -173,6 +178,13 @@ absl::StatusOr<KvReservation> KvImporter::Reserve(
   };
   engine_.Submit(std::move(call));
   absl::StatusOr<KvReservation> result = reserved.get();
+  if (absl::IsNotFound(result.status())) {
+    return absl::NotFoundError(absl::StrCat(
+        "lease ", request.handle.lease_id(), " on ",
+        request.handle.source_address(),
+        " expired or was released while the import waited for KV room; "
+        "nothing was reserved or pulled"));
+  }
   if (absl::IsResourceExhausted(result.status())) {
     if (lease_bounds_wait) {
       return absl::NotFoundError(
@@ -389,6 +401,7 @@ void KvImporter::RenewLeases() {
                            call->response.lease_expiry_unix_micros());
     }
     lock.lock();
+    bool lost_any = false;
     for (size_t i = 0; i < due.size(); ++i) {
       auto it = renewing_.find(due[i].first);
       // Finished meanwhile, or queued again under the same id for another
@@ -407,11 +420,17 @@ void KvImporter::RenewLeases() {
         // Expired, released, already pulled, or a source without RenewKv:
         // the pull will report what happened.
         it->second.gone = true;
+        if (status.error_code() == grpc::StatusCode::NOT_FOUND) {
+          it->second.lost->store(true, std::memory_order_release);
+          lost_any = true;
+        }
         VLOG(1) << "RenewKv of lease " << due[i].second.lease_id << " on "
                 << due[i].second.source_address
                 << " stopped: " << status.error_message();
       }  // else: transient; the next tick tries again
     }
+    // Imports waiting for room on a lost lease stop waiting now.
+    if (lost_any) engine_.NotifyCancelled();
   }
 }
 

@@ -24,6 +24,7 @@
 #ifndef PDWORKER_WORKER_TRANSFER_KV_IMPORTER_H_
 #define PDWORKER_WORKER_TRANSFER_KV_IMPORTER_H_
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -150,6 +151,10 @@ class KvImporter {
     std::string lease_id;
     std::chrono::system_clock::time_point expiry;
     bool gone = false;  // the source said it cannot renew: stop asking
+    // Set when the source said the lease is gone (NOT_FOUND: expired or
+    // released): an import still waiting for room stops waiting.
+    std::shared_ptr<std::atomic<bool>> lost =
+        std::make_shared<std::atomic<bool>>(false);
   };
 
   Engine& engine_;
