@@ -11,6 +11,7 @@
 // --model directory whose config.json or checkpoint cannot be used).
 #include <signal.h>
 
+#include <cstdlib>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -84,7 +85,8 @@ absl::Status ModelLoadError(const std::string& model_dir,
 }
 
 // Loads, captures, serves until SIGTERM/SIGINT (already blocked in every
-// thread by main), then drains.
+// thread by main), then drains and exits 0. Returns only when startup
+// fails.
 absl::Status RunWorker(const WorkerConfig& c, const sigset_t& stop_signals) {
   DeviceOptions device_options;
   device_options.cpu.stream_execution = c.cpu_stream;
@@ -171,8 +173,15 @@ absl::Status RunWorker(const WorkerConfig& c, const sigset_t& stop_signals) {
     return absl::InternalError("sigwait failed");
   }
   LOG(INFO) << "signal " << signal_number << ": draining";
-  (*server)->Drain();
-  return absl::OkStatus();
+  // gRPC's server shutdown would end calls still arriving with CANCELLED
+  // (WorkerServer::DrainEnd): the process ends with the server up instead,
+  // and the exit closes its connections (their clients see UNAVAILABLE).
+  // Nothing is left to tear down in order: the engine has stopped, and the
+  // device, sockets and threads go with the process.
+  (*server)->Drain(WorkerServer::DrainEnd::kLeaveServerToProcessExit);
+  std::cout.flush();
+  google::FlushLogFiles(google::GLOG_INFO);
+  std::_Exit(0);
 }
 
 }  // namespace

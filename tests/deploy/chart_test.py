@@ -162,8 +162,8 @@ def pod_labels(deployment):
 
 def check_drain_budget(test, deployment, values):
     """terminationGracePeriodSeconds covers the preStop delay, the drain and
-    a pull accepted just before it (+5 s: --drain_linger 3 s and gRPC's 1 s
-    shutdown grace): SIGKILL must not come first."""
+    a pull accepted just before it (+5 s: --drain_linger 3 s and the
+    worker's last 1 s for calls in flight): SIGKILL must not come first."""
     flags = flag_values(container(deployment)["args"])
     grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     delay = values["preStop"]["delaySeconds"] if values["preStop"]["enabled"] else 0

@@ -291,7 +291,7 @@ void WorkerServer::BeginDrain() {
   SetHealth(false);
 }
 
-void WorkerServer::Drain() {
+void WorkerServer::Drain(DrainEnd end) {
   BeginDrain();
   // What still holds the worker: requests in flight (live sequences, calls,
   // imports) and prompts prefilled for decode workers (leases).
@@ -326,25 +326,43 @@ void WorkerServer::Drain() {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   // Calls still on their way (a router that has not yet noticed the drain)
-  // get UNAVAILABLE from us, not CANCELLED from gRPC's shutdown.
+  // get UNAVAILABLE from us, not CANCELLED from gRPC's shutdown (nor a
+  // closed connection).
   const auto now = [] { return std::chrono::steady_clock::now(); };
   const auto linger_end = now() + drain_linger_;
   while (now() < linger_end && now() - arrivals_->last() < kDrainQuietPeriod) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  if (now() - arrivals_->last() < kDrainQuietPeriod) {
-    LOG(WARNING) << "calls still arriving after a " << drain_linger_.count()
-                 << " ms linger (--drain_linger): shutting down anyway; "
-                    "calls that arrive now may end CANCELLED. Routers should "
-                    "stop sending once health reports NOT_SERVING";
+  const bool still_arriving = now() - arrivals_->last() < kDrainQuietPeriod;
+  if (end == DrainEnd::kLeaveServerToProcessExit) {
+    LOG_IF(WARNING, still_arriving)
+        << "calls still arriving after a " << drain_linger_.count()
+        << " ms linger (--drain_linger): stopping anyway; they end "
+           "UNAVAILABLE. Routers should stop sending once health reports "
+           "NOT_SERVING";
+    StopBehindServer();
+    // From here every call is answered at once (UNAVAILABLE): wait only for
+    // the ones that may carry real work's answer.
+    arrivals_->Cut();
+    if (!arrivals_->WaitForCallsBeforeCut(std::chrono::seconds(1))) {
+      LOG(WARNING) << "calls still open a second after the engine stopped: "
+                      "their clients see UNAVAILABLE";
+    }
+    LOG(INFO) << "drained";
+    return;
   }
+  LOG_IF(WARNING, still_arriving)
+      << "calls still arriving after a " << drain_linger_.count()
+      << " ms linger (--drain_linger): shutting down anyway; calls that "
+         "arrive now may end CANCELLED. Routers should stop sending once "
+         "health reports NOT_SERVING";
   Shutdown();
   LOG(INFO) << "drained";
 }
 
-void WorkerServer::Shutdown() {
-  if (shut_down_) return;
-  shut_down_ = true;
+void WorkerServer::StopBehindServer() {
+  if (stopped_behind_server_) return;
+  stopped_behind_server_ = true;
   // Engine first: whatever is still queued fails with UNAVAILABLE, so no
   // reactor waits on it while the server shuts down.
   engine_->Stop();
@@ -356,6 +374,12 @@ void WorkerServer::Shutdown() {
   if (kv_events_ != nullptr && kv_events_->stream() != nullptr) {
     kv_events_->stream()->Shutdown();
   }
+}
+
+void WorkerServer::Shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  StopBehindServer();
   // Our calls are all finished; the grace is for the others (e.g. health
   // Watch streams), which are then cancelled.
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));

@@ -152,6 +152,25 @@ class WorkerServer {
   // GetGraphStats keep answering (serving=false) so routers can watch the
   // drain. Non-blocking.
   void BeginDrain();
+  // How Drain() ends.
+  enum class DrainEnd {
+    // Stop listening: gRPC's server shutdown (GOAWAY; other RPCs get a
+    // one-second grace, then are cancelled). gRPC ends a call that reaches
+    // the server while it shuts down with CANCELLED (it fails calls that
+    // arrive after its shutdown began, before its GOAWAY has reached their
+    // clients); the linger before it only makes that unlikely.
+    kShutDownServer,
+    // For a process that exits right after Drain() returns, without
+    // destroying the server: everything behind the gRPC server stops, the
+    // server keeps answering every call at once (UNAVAILABLE), and Drain()
+    // returns once the calls that arrived before the engine stopped have
+    // ended (at most a second). The process exit then closes every
+    // connection, and a client whose call was on its way sees UNAVAILABLE
+    // (the connection closed), never CANCELLED. Destroying the server
+    // later still shuts it down.
+    kLeaveServerToProcessExit,
+  };
+
   // BeginDrain, then wait (at most `drain_timeout`) until the worker holds
   // nothing: no live sequence (routers finish and release them, as vLLM and
   // SGLang let in-flight requests finish on SIGTERM), no queued call, no
@@ -159,8 +178,8 @@ class WorkerServer {
   // wait for accepted imports (each bounded by the pull timeout), linger
   // while calls still arrive (they get UNAVAILABLE; at most
   // `drain_linger`), stop the engine (calls still queued get UNAVAILABLE)
-  // and stop listening (other RPCs get a one-second grace).
-  void Drain();
+  // and end as `end` says.
+  void Drain(DrainEnd end = DrainEnd::kShutDownServer);
 
   Engine& engine() { return *engine_; }
   KvLeaseTable& leases() { return *leases_; }
@@ -170,16 +189,21 @@ class WorkerServer {
  private:
   WorkerServer() = default;
   void SetHealth(bool serving);
+  // Stops the engine, NCCL transfers and KV event streams; the gRPC server
+  // keeps answering (UNAVAILABLE). Idempotent.
+  void StopBehindServer();
+  // StopBehindServer, then gRPC's server shutdown. Idempotent.
   void Shutdown();
 
   WorkerMetrics* metrics_ = nullptr;
   int port_ = 0;
+  bool stopped_behind_server_ = false;
   bool shut_down_ = false;
   std::string advertise_address_;
   std::chrono::milliseconds drain_timeout_{0};
   std::chrono::milliseconds drain_linger_{0};
   // Owned by server_ (its interceptor factory); valid while server_ is.
-  const CallArrivals* arrivals_ = nullptr;
+  CallArrivals* arrivals_ = nullptr;
   // Destroyed in reverse: the gRPC server (whose reactors call into the
   // rest) goes first; the importer joins its pulls; the lease table hands
   // its blocks to the (stopped) engine last.
