@@ -8,14 +8,26 @@ failed or a test target left no XML (which Bazel only does if it never ran).
 A target that crashed before writing its own XML still gets a Bazel-written
 XML with an <error>, which counts as one failed case.
 """
+import glob
 import os
 import sys
 import xml.etree.ElementTree as ET
 
 
-def xml_path(label: str) -> str:
+def xml_paths(label: str):
+    """The target's test.xml, or one per shard (shard_K_of_N/test.xml) when
+    the target sets shard_count; [] when it never ran."""
     pkg, _, name = label.lstrip("/").partition(":")
-    return os.path.join("bazel-testlogs", pkg, name, "test.xml")
+    base = os.path.join("bazel-testlogs", pkg, name)
+    single = os.path.join(base, "test.xml")
+    if os.path.exists(single):
+        return [single]
+    shards = sorted(glob.glob(os.path.join(base, "shard_*_of_*", "test.xml")))
+    if not shards:
+        return []
+    expected = int(shards[0].split(os.sep)[-2].rsplit("_", 1)[1])
+    # A shard that never ran leaves a hole: report the target as missing.
+    return shards if len(shards) == expected else []
 
 
 def count(path: str):
@@ -37,15 +49,18 @@ def main(labels):
     totals = [0, 0, 0]
     missing = []
     for label in labels:
-        path = xml_path(label)
-        if not os.path.exists(path):
+        paths = xml_paths(label)
+        if not paths:
             missing.append(label)
             continue
-        try:
-            result = count(path)
-        except ET.ParseError as err:
-            print(f"unreadable {path}: {err}", file=sys.stderr)
-            result = (0, 1, 0)
+        result = (0, 0, 0)
+        for path in paths:
+            try:
+                one = count(path)
+            except ET.ParseError as err:
+                print(f"unreadable {path}: {err}", file=sys.stderr)
+                one = (0, 1, 0)
+            result = tuple(a + b for a, b in zip(result, one))
         for i, v in enumerate(result):
             totals[i] += v
         if result[1]:
