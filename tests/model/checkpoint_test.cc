@@ -18,6 +18,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/model/test_paths.h"
 #include "tools/make_tiny_model/tiny_model.h"
+#include "worker/model/float16.h"
 #include "worker/model/model_config.h"
 #include "worker/model/safetensors_writer.h"
 
@@ -194,16 +195,12 @@ TEST(CheckpointTest, LowerPrecisionCheckpointsHoldRoundedValues) {
     std::memcpy(&bits, &(*b)[i], 4);
     ASSERT_EQ(bits & 0xffffu, 0u) << "bf16 values have 8 significant bits";
   }
-  // GetBFloat16 of the bf16 checkpoint is its stored bits; of the f32 one,
-  // the same values rounded.
-  auto bits_from_bf16 = bf16->GetBFloat16("model.embed_tokens.weight", shape);
-  auto bits_from_f32 = f32->GetBFloat16("model.embed_tokens.weight", shape);
-  ASSERT_TRUE(bits_from_bf16.ok() && bits_from_f32.ok());
-  EXPECT_EQ(*bits_from_bf16, *bits_from_f32);
+  // The bf16 checkpoint stores the f32 one's values rounded to nearest
+  // even (what UploadTensor makes of an f32 tensor for a bf16 device).
   for (size_t i = 0; i < b->size(); ++i) {
     uint32_t bits;
     std::memcpy(&bits, &(*b)[i], 4);
-    ASSERT_EQ((*bits_from_bf16)[i], bits >> 16);
+    ASSERT_EQ(FloatToBFloat16Bits((*exact)[i]), bits >> 16) << i;
   }
 }
 

@@ -1,13 +1,14 @@
 #!/usr/bin/python3
 """Prints the weights digest a pdworker publishes for a checkpoint.
 
-An independent implementation (standard library only) of the tree digest
+An independent implementation (standard library and python3-xxhash) of the tree digest
 that worker/model/model_fingerprint.h specifies, so a checkpoint's digest
 can be checked without starting a worker, and so the C++ hashing is tested
 against the written spec (tests/model/model_fingerprint_test.cc):
 
-  leaves: each tensor's bytes in 16 MiB chunks, leaf = SHA-256(chunk)
-  digest: SHA-256("pdworker-weights-v2;chunk=16777216;" + for every tensor
+  leaves: each tensor's bytes in 16 MiB chunks, leaf = XXH3-128(chunk),
+          16 bytes big-endian (xxhash's canonical digest())
+  digest: SHA-256("pdworker-weights-v3;chunk=16777216;" + for every tensor
           in name order: "<len(name)>:<name>;<dtype>;<dims>;<bytes>;" + its
           leaves)
 
@@ -23,7 +24,9 @@ import os
 import struct
 import sys
 
-SCHEME = "pdworker-weights-v2"
+import xxhash
+
+SCHEME = "pdworker-weights-v3"
 CHUNK_BYTES = 16 << 20
 
 
@@ -62,10 +65,9 @@ def weights_digest(model_dir, threads):
     chunks = [data[at:at + CHUNK_BYTES]
               for _, _, _, data in entries
               for at in range(0, len(data), CHUNK_BYTES)]
-    # hashlib releases the GIL on large buffers, so threads hash in parallel.
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         leaves = iter(list(pool.map(
-            lambda chunk: hashlib.sha256(chunk).digest(), chunks)))
+            lambda chunk: xxhash.xxh3_128(chunk).digest(), chunks)))
     root = hashlib.sha256(f"{SCHEME};chunk={CHUNK_BYTES};".encode())
     for name, dtype, shape, data in entries:
         encoded = name.encode()

@@ -172,22 +172,4 @@ absl::StatusOr<std::vector<float>> Checkpoint::GetFloat32(
   return values;
 }
 
-absl::StatusOr<std::vector<uint16_t>> Checkpoint::GetBFloat16(
-    const std::string& name, const std::vector<int64_t>& expected_shape) const {
-  auto info = FindWithShape(name, expected_shape);
-  if (!info.ok()) return info.status();
-  const int64_t count = (*info)->NumElements();
-  std::vector<uint16_t> bits(static_cast<size_t>(count));
-  if ((*info)->dtype == DType::kBFloat16) {
-    if (count > 0) {
-      std::memcpy(bits.data(), (*info)->bytes.data(), (*info)->bytes.size());
-    }
-    return bits;
-  }
-  std::vector<float> values(static_cast<size_t>(count));
-  ConvertToFloat32((*info)->dtype, (*info)->bytes.data(), count, values.data());
-  for (int64_t i = 0; i < count; ++i) bits[i] = FloatToBFloat16Bits(values[i]);
-  return bits;
-}
-
 }  // namespace pdworker

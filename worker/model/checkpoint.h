@@ -43,17 +43,17 @@ class Checkpoint {
   // Number of safetensors files backing the checkpoint (1 unless sharded).
   size_t num_files() const { return files_.size(); }
 
+  // The tensor, after checking its shape equals `expected_shape`: NotFound
+  // naming the file (or index) for a missing tensor, InvalidArgument naming
+  // file, tensor and both shapes on a mismatch.
+  absl::StatusOr<const TensorInfo*> FindWithShape(
+      const std::string& name,
+      const std::vector<int64_t>& expected_shape) const;
+
   // The tensor converted to float32 (row-major), after checking its shape
   // equals `expected_shape`: NotFound for a missing tensor, InvalidArgument
   // naming both shapes on a mismatch.
   absl::StatusOr<std::vector<float>> GetFloat32(
-      const std::string& name,
-      const std::vector<int64_t>& expected_shape) const;
-
-  // The tensor as bfloat16 bits (row-major; exact for bf16 checkpoints,
-  // round-to-nearest-even from f32/f16), for the CUDA backend's weights.
-  // Same errors as GetFloat32.
-  absl::StatusOr<std::vector<uint16_t>> GetBFloat16(
       const std::string& name,
       const std::vector<int64_t>& expected_shape) const;
 
@@ -64,9 +64,6 @@ class Checkpoint {
   // For errors: the file that holds `name`, or that should (the single
   // file, or the index of a sharded checkpoint).
   std::string FileOf(const std::string& name) const;
-  absl::StatusOr<const TensorInfo*> FindWithShape(
-      const std::string& name,
-      const std::vector<int64_t>& expected_shape) const;
 
   std::string model_dir_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;

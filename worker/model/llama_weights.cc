@@ -1,142 +1,126 @@
 #include "worker/model/llama_weights.h"
 
 #include <cstdint>
+#include <initializer_list>
+#include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/kernels/kernel_checks.h"
+#include "worker/model/weight_upload.h"
 #include "worker/runtime/stream_fence.h"
+#include "worker/runtime/upload_ring.h"
 
 namespace pdworker {
 namespace {
 
 constexpr size_t kAlignment = 256;
+// Pinned staging for the upload: 3 blocks, so the host converts one chunk
+// while the stream copies another (the third absorbs a copy slower than its
+// conversion). 2 MiB blocks stay in cache between the conversion and the
+// copy: on the CPU backend the load took 1.17 s with them against 1.59 s
+// with 16 MiB ones (bench/RESULTS.md, "Model load time"); a GPU's DMA of
+// 2 MiB from pinned memory is not measured yet.
+constexpr size_t kStagingBlockBytes = size_t{2} << 20;
+constexpr int kStagingBlocks = 3;
 
 size_t Aligned(size_t bytes) {
   return (bytes + kAlignment - 1) / kAlignment * kAlignment;
 }
 
-// Host element type of each device dtype: fp32 values, or bf16 bits.
-template <typename T>
-absl::StatusOr<std::vector<T>> GetTensor(const Checkpoint& checkpoint,
-                                         const std::string& name,
-                                         const std::vector<int64_t>& shape);
-template <>
-absl::StatusOr<std::vector<float>> GetTensor<float>(
-    const Checkpoint& checkpoint, const std::string& name,
-    const std::vector<int64_t>& shape) {
-  return checkpoint.GetFloat32(name, shape);
-}
-template <>
-absl::StatusOr<std::vector<uint16_t>> GetTensor<uint16_t>(
-    const Checkpoint& checkpoint, const std::string& name,
-    const std::vector<int64_t>& shape) {
-  return checkpoint.GetBFloat16(name, shape);
-}
+// Loads one buffer of the weights arena: `parts` (name, expected shape),
+// checked, converted to w.dtype and uploaded back to back (the fusions:
+// q|k|v rows, gate|up rows).
+struct WeightsLoad {
+  const Checkpoint& checkpoint;
+  Stream& stream;
+  UploadRing& ring;
+  LlamaWeights& w;
 
-// Uploads host tensors (concatenated in order) into one new arena buffer.
-template <typename T>
-class Uploader {
- public:
-  Uploader(Arena& arena, Stream& stream) : arena_(arena), stream_(stream) {}
-
-  absl::StatusOr<DeviceBuffer> Upload(
-      const std::vector<const std::vector<T>*>& parts,
+  absl::StatusOr<DeviceBuffer> Buffer(
+      std::initializer_list<std::pair<std::string, std::vector<int64_t>>> parts,
       absl::string_view label) {
-    size_t elements = 0;
-    for (const auto* p : parts) elements += p->size();
-    absl::StatusOr<DeviceBuffer> buf =
-        arena_.Allocate(elements * sizeof(T), label);
-    if (!buf.ok()) return buf.status();
-    size_t offset = 0;
-    for (const auto* p : parts) {
-      const size_t bytes = p->size() * sizeof(T);
-      if (bytes == 0) continue;
-      absl::Status s =
-          stream_.CopyToDevice(buf->Slice(offset, bytes), p->data(), bytes);
-      if (!s.ok()) return s;
-      offset += bytes;
+    std::vector<const TensorInfo*> tensors;
+    size_t bytes = 0;
+    for (const auto& [name, shape] : parts) {
+      PDW_ASSIGN_OR_RETURN(const TensorInfo* t,
+                           checkpoint.FindWithShape(name, shape));
+      tensors.push_back(t);
+      bytes += DeviceBytesOf(*t, w.dtype);
     }
-    return *buf;
+    PDW_ASSIGN_OR_RETURN(DeviceBuffer buf, w.arena->Allocate(bytes, label));
+    size_t offset = 0;
+    for (const TensorInfo* t : tensors) {
+      const size_t size = DeviceBytesOf(*t, w.dtype);
+      if (size == 0) continue;
+      PDW_RETURN_IF_ERROR(
+          UploadTensor(*t, w.dtype, ring, stream, buf.Slice(offset, size)));
+      offset += size;
+    }
+    return buf;
   }
-
- private:
-  Arena& arena_;
-  Stream& stream_;
 };
 
-// Loads, fuses and uploads every tensor with host element type T (float for
-// fp32, uint16_t bf16 bits for bf16) into `w`, whose arena is allocated.
-template <typename T>
-absl::Status LoadInto(const ModelConfig& c, const Checkpoint& checkpoint,
-                      Stream& stream, LlamaWeights& w) {
-  Uploader<T> up(*w.arena, stream);
+absl::Status LoadInto(const ModelConfig& c, WeightsLoad& load) {
+  LlamaWeights& w = load.w;
   const int64_t h = c.hidden_size, inter = c.intermediate_size;
-  // Loads one tensor (shape-checked) into host memory.
-  auto get = [&](const std::string& name, const std::vector<int64_t>& shape,
-                 std::vector<T>* out) -> absl::Status {
-    absl::StatusOr<std::vector<T>> t = GetTensor<T>(checkpoint, name, shape);
-    if (!t.ok()) return t.status();
-    *out = std::move(*t);
-    return absl::OkStatus();
-  };
-  std::vector<T> embed;
-  PDW_RETURN_IF_ERROR(
-      get("model.embed_tokens.weight", {c.vocab_size, h}, &embed));
-  PDW_ASSIGN_OR_RETURN(w.embed_tokens, up.Upload({&embed}, "embed_tokens"));
-  // The table can be a few hundred MB; do not keep a host copy around.
-  std::vector<T>().swap(embed);
-
+  PDW_ASSIGN_OR_RETURN(
+      w.embed_tokens,
+      load.Buffer({{"model.embed_tokens.weight", {c.vocab_size, h}}},
+                  "embed_tokens"));
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
     LlamaLayerWeights L;
-    std::vector<T> a, b, d;
-    PDW_RETURN_IF_ERROR(get(p + "input_layernorm.weight", {h}, &a));
-    PDW_ASSIGN_OR_RETURN(L.input_norm, up.Upload({&a}, "input_norm"));
-    PDW_RETURN_IF_ERROR(
-        get(p + "self_attn.q_proj.weight", {c.q_size(), h}, &a));
-    PDW_RETURN_IF_ERROR(
-        get(p + "self_attn.k_proj.weight", {c.kv_size(), h}, &b));
-    PDW_RETURN_IF_ERROR(
-        get(p + "self_attn.v_proj.weight", {c.kv_size(), h}, &d));
-    PDW_ASSIGN_OR_RETURN(L.qkv, up.Upload({&a, &b, &d}, "qkv"));
+    PDW_ASSIGN_OR_RETURN(
+        L.input_norm,
+        load.Buffer({{p + "input_layernorm.weight", {h}}}, "input_norm"));
+    PDW_ASSIGN_OR_RETURN(
+        L.qkv, load.Buffer({{p + "self_attn.q_proj.weight", {c.q_size(), h}},
+                            {p + "self_attn.k_proj.weight", {c.kv_size(), h}},
+                            {p + "self_attn.v_proj.weight", {c.kv_size(), h}}},
+                           "qkv"));
     if (c.qkv_bias) {
-      PDW_RETURN_IF_ERROR(get(p + "self_attn.q_proj.bias", {c.q_size()}, &a));
-      PDW_RETURN_IF_ERROR(get(p + "self_attn.k_proj.bias", {c.kv_size()}, &b));
-      PDW_RETURN_IF_ERROR(get(p + "self_attn.v_proj.bias", {c.kv_size()}, &d));
-      PDW_ASSIGN_OR_RETURN(L.qkv_bias, up.Upload({&a, &b, &d}, "qkv_bias"));
+      PDW_ASSIGN_OR_RETURN(
+          L.qkv_bias,
+          load.Buffer({{p + "self_attn.q_proj.bias", {c.q_size()}},
+                       {p + "self_attn.k_proj.bias", {c.kv_size()}},
+                       {p + "self_attn.v_proj.bias", {c.kv_size()}}},
+                      "qkv_bias"));
     }
-    PDW_RETURN_IF_ERROR(
-        get(p + "self_attn.o_proj.weight", {h, c.q_size()}, &a));
-    PDW_ASSIGN_OR_RETURN(L.o_proj, up.Upload({&a}, "o_proj"));
+    PDW_ASSIGN_OR_RETURN(
+        L.o_proj,
+        load.Buffer({{p + "self_attn.o_proj.weight", {h, c.q_size()}}},
+                    "o_proj"));
     if (c.o_proj_bias) {
-      PDW_RETURN_IF_ERROR(get(p + "self_attn.o_proj.bias", {h}, &a));
-      PDW_ASSIGN_OR_RETURN(L.o_bias, up.Upload({&a}, "o_bias"));
+      PDW_ASSIGN_OR_RETURN(
+          L.o_bias,
+          load.Buffer({{p + "self_attn.o_proj.bias", {h}}}, "o_bias"));
     }
-    PDW_RETURN_IF_ERROR(get(p + "post_attention_layernorm.weight", {h}, &a));
-    PDW_ASSIGN_OR_RETURN(L.post_norm, up.Upload({&a}, "post_norm"));
-    PDW_RETURN_IF_ERROR(get(p + "mlp.gate_proj.weight", {inter, h}, &a));
-    PDW_RETURN_IF_ERROR(get(p + "mlp.up_proj.weight", {inter, h}, &b));
-    PDW_ASSIGN_OR_RETURN(L.gate_up, up.Upload({&a, &b}, "gate_up"));
-    PDW_RETURN_IF_ERROR(get(p + "mlp.down_proj.weight", {h, inter}, &a));
-    PDW_ASSIGN_OR_RETURN(L.down, up.Upload({&a}, "down"));
+    PDW_ASSIGN_OR_RETURN(
+        L.post_norm, load.Buffer({{p + "post_attention_layernorm.weight", {h}}},
+                                 "post_norm"));
+    PDW_ASSIGN_OR_RETURN(L.gate_up,
+                         load.Buffer({{p + "mlp.gate_proj.weight", {inter, h}},
+                                      {p + "mlp.up_proj.weight", {inter, h}}},
+                                     "gate_up"));
+    PDW_ASSIGN_OR_RETURN(
+        L.down,
+        load.Buffer({{p + "mlp.down_proj.weight", {h, inter}}}, "down"));
     w.layers.push_back(L);
   }
-  std::vector<T> norm;
-  PDW_RETURN_IF_ERROR(get("model.norm.weight", {h}, &norm));
-  PDW_ASSIGN_OR_RETURN(w.final_norm, up.Upload({&norm}, "final_norm"));
+  PDW_ASSIGN_OR_RETURN(w.final_norm,
+                       load.Buffer({{"model.norm.weight", {h}}}, "final_norm"));
   if (c.tie_word_embeddings) {
     w.lm_head = w.embed_tokens;
   } else {
-    std::vector<T> head;
-    PDW_RETURN_IF_ERROR(get("lm_head.weight", {c.vocab_size, h}, &head));
-    PDW_ASSIGN_OR_RETURN(w.lm_head, up.Upload({&head}, "lm_head"));
+    PDW_ASSIGN_OR_RETURN(
+        w.lm_head,
+        load.Buffer({{"lm_head.weight", {c.vocab_size, h}}}, "lm_head"));
   }
-  // CopyToDevice from pageable memory returns once the source is staged,
-  // so the host vectors may go; the arena is written until the copies ran.
   return absl::OkStatus();
 }
 
@@ -181,19 +165,19 @@ absl::StatusOr<LlamaWeights> LoadLlamaWeights(const ModelConfig& c,
       device, {LlamaWeightBytes(c, w.dtype), kAlignment, "weights"});
   if (!arena.ok()) return arena.status();
   w.arena = std::move(*arena);
-  // Destroyed before `w`: an error below returns only once the copies
-  // queued into the arena have run, so none writes it after it is freed.
-  StreamFence uploaded(stream);
-  switch (w.dtype) {
-    case DType::kFloat32:
-      PDW_RETURN_IF_ERROR(LoadInto<float>(c, checkpoint, stream, w));
-      break;
-    case DType::kBFloat16:
-      PDW_RETURN_IF_ERROR(LoadInto<uint16_t>(c, checkpoint, stream, w));
-      break;
-    case DType::kFloat16:
-      return absl::InternalError("LoadLlamaWeights: no fp16 kernels");
+  if (w.dtype != DType::kFloat32 && w.dtype != DType::kBFloat16) {
+    return absl::InternalError(
+        absl::StrCat("LoadLlamaWeights: no ", DTypeName(w.dtype), " kernels"));
   }
+  PDW_ASSIGN_OR_RETURN(
+      std::unique_ptr<UploadRing> ring,
+      UploadRing::Create(device, kStagingBlockBytes, kStagingBlocks));
+  // Destroyed before `ring` and `w`: an error below returns only once the
+  // copies queued out of the ring's blocks into the arena have run, so none
+  // reads freed staging or writes a freed arena.
+  StreamFence uploaded(stream);
+  WeightsLoad load{checkpoint, stream, *ring, w};
+  PDW_RETURN_IF_ERROR(LoadInto(c, load));
   PDW_RETURN_IF_ERROR(uploaded.Wait());
   return w;
 }

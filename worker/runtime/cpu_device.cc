@@ -1,5 +1,6 @@
 #include "worker/runtime/cpu_device.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -14,6 +15,11 @@ namespace {
 
 // Same alignment cudaMalloc guarantees, so layouts match across backends.
 constexpr size_t kAllocationAlignment = 256;
+// From this size on, allocations start on a 2 MiB boundary and ask for
+// transparent huge pages (MADV_HUGEPAGE; the kernel's default is often
+// "madvise"): a 5 GB weights arena then takes ~2,400 page faults to
+// populate instead of ~1.2 million.
+constexpr size_t kHugePageBytes = size_t{2} << 20;
 // A cache line: what Device::AllocateHost promises.
 constexpr size_t kHostAllocationAlignment = 64;
 
@@ -57,13 +63,17 @@ absl::StatusOr<void*> CpuDevice::DoAllocate(size_t size_bytes) {
     }
   } while (!used_bytes_.compare_exchange_weak(used, used + size_bytes,
                                               std::memory_order_relaxed));
-  const size_t rounded = RoundUp(size_bytes, kAllocationAlignment);
-  void* data = std::aligned_alloc(kAllocationAlignment, rounded);
+  const size_t alignment =
+      size_bytes >= kHugePageBytes ? kHugePageBytes : kAllocationAlignment;
+  const size_t rounded = RoundUp(size_bytes, alignment);
+  void* data = std::aligned_alloc(alignment, rounded);
   if (data == nullptr) {
     used_bytes_.fetch_sub(size_bytes, std::memory_order_relaxed);
     return absl::ResourceExhaustedError(absl::StrFormat(
         "cpu device: host allocation of %d bytes failed", size_bytes));
   }
+  // Advice only: a kernel without THP leaves the pages small.
+  if (alignment == kHugePageBytes) madvise(data, rounded, MADV_HUGEPAGE);
   if (memory_init_ == CpuMemoryInit::kPoison) std::memset(data, 0xFF, rounded);
   return data;
 }
