@@ -132,6 +132,10 @@ void WorkerMetrics::RegisterRequestFamilies(
   requests_waiting_ =
       gauge("pdworker_requests_waiting",
             "Engine-owned requests submitted or preempted and not running.");
+  kv_imports_waiting_ =
+      gauge("pdworker_kv_imports_waiting",
+            "KV imports (ImportKv, P/D decode legs) waiting for room in a "
+            "full KV cache or for a running seat.");
   step_level_sequences_ =
       gauge("pdworker_step_level_sequences",
             "Step-level (Forward) sequences holding KV on this worker.");
@@ -236,6 +240,7 @@ void WorkerMetrics::SetEngineLoad(const EngineLoad& load) {
   SetQueueDepth(load.queued_calls);
   requests_running_->Set(static_cast<double>(load.running_requests));
   requests_waiting_->Set(static_cast<double>(load.waiting_requests));
+  kv_imports_waiting_->Set(static_cast<double>(load.kv_imports_waiting));
   step_level_sequences_->Set(static_cast<double>(load.step_level_sequences));
   waiting_prompt_tokens_->Set(static_cast<double>(load.waiting_prompt_tokens));
   kv_used_tokens_->Set(static_cast<double>(load.used_tokens));
@@ -247,8 +252,9 @@ void WorkerMetrics::SetEngineLoad(const EngineLoad& load) {
   if (vllm_running_ != nullptr) {
     vllm_running_->Set(
         static_cast<double>(load.running_requests + load.step_level_sequences));
-    vllm_waiting_->Set(
-        static_cast<double>(load.waiting_requests + load.queued_calls));
+    // vLLM counts a request waiting for its remote KV as waiting too.
+    vllm_waiting_->Set(static_cast<double>(
+        load.waiting_requests + load.queued_calls + load.kv_imports_waiting));
     const int64_t total = load.used_blocks + load.free_blocks;
     const double usage =
         total > 0 ? static_cast<double>(load.used_blocks) / total : 0.0;

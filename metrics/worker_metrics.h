@@ -103,6 +103,9 @@ absl::string_view RequestEndName(RequestEnd end);
 struct EngineLoad {
   int64_t running_requests = 0;  // engine-owned, in the running batch
   int64_t waiting_requests = 0;  // submitted or preempted, not running
+  // KV imports (ImportKv, P/D decode legs) waiting for room in a full KV
+  // cache or for a running seat (--kv_import_wait_timeout).
+  int64_t kv_imports_waiting = 0;
   // Step-level (Forward) sequences holding KV.
   int64_t step_level_sequences = 0;
   // Forward and Release calls queued or running.
@@ -281,6 +284,7 @@ class WorkerMetrics {
   int64_t preemptions_seen_ = 0;
   prometheus::Gauge* requests_running_ = nullptr;
   prometheus::Gauge* requests_waiting_ = nullptr;
+  prometheus::Gauge* kv_imports_waiting_ = nullptr;
   prometheus::Gauge* step_level_sequences_ = nullptr;
   prometheus::Gauge* waiting_prompt_tokens_ = nullptr;
   prometheus::Gauge* kv_used_tokens_ = nullptr;

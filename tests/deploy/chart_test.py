@@ -325,6 +325,15 @@ class ManifestChecks:
                 self.assertRegex(flags[name], r"^([0-9]+(ms|s|m|h))+$", f"{role} --{name}")
                 self.assertRegex(flags[name], r"[1-9]", f"{role} --{name} must be > 0")
 
+    def test_kv_import_wait_timeout_comes_from_the_values(self):
+        for role, dep in self.deployments.items():
+            flags = flag_values(container(dep)["args"])
+            self.assertEqual(flags["kv_import_wait_timeout"],
+                             self.values["worker"]["kvImportWaitTimeout"], role)
+            # A duration the worker's absl::ParseDuration takes; 0s = no wait.
+            self.assertRegex(flags["kv_import_wait_timeout"], r"^([0-9]+(ms|s|m|h))+$",
+                             f"{role} --kv_import_wait_timeout")
+
     def test_sequence_idle_timeout_comes_from_the_values(self):
         for role, dep in self.deployments.items():
             flags = flag_values(container(dep)["args"])

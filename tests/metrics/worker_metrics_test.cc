@@ -600,6 +600,7 @@ EngineLoad Load() {
   EngineLoad load;
   load.running_requests = 3;
   load.waiting_requests = 2;
+  load.kv_imports_waiting = 6;
   load.step_level_sequences = 4;
   load.queued_calls = 5;
   load.waiting_prompt_tokens = 700;
@@ -625,6 +626,7 @@ TEST(WorkerMetricsTest, EngineLoadSetsTheGaugesAndAdvancesPreemptions) {
   for (const auto& [name, value] : std::vector<std::pair<std::string, int>>{
            {"pdworker_requests_running", 3},
            {"pdworker_requests_waiting", 2},
+           {"pdworker_kv_imports_waiting", 6},
            {"pdworker_step_level_sequences", 4},
            {"pdworker_executor_queue_depth", 5},
            {"pdworker_waiting_prompt_tokens", 700},
@@ -654,13 +656,13 @@ TEST(WorkerMetricsTest, VllmAliasesCarryTheSameValues) {
   metrics.SetEngineLoad(Load());
   const std::string text = Text(metrics);
   // Running: 3 requests + 4 step-level sequences; waiting: 2 requests + 5
-  // queued calls; usage 30 / 40.
+  // queued calls + 6 KV imports; usage 30 / 40.
   EXPECT_THAT(Samples(text, "vllm:num_requests_running"),
               UnorderedElementsAre("vllm:num_requests_running{engine=\"0\","
                                    "model_name=\"tiny\"} 7"));
   EXPECT_THAT(Samples(text, "vllm:num_requests_waiting"),
               UnorderedElementsAre("vllm:num_requests_waiting{engine=\"0\","
-                                   "model_name=\"tiny\"} 7"));
+                                   "model_name=\"tiny\"} 13"));
   EXPECT_THAT(Samples(text, "vllm:kv_cache_usage_perc"),
               UnorderedElementsAre("vllm:kv_cache_usage_perc{engine=\"0\","
                                    "model_name=\"tiny\"} 0.75"));

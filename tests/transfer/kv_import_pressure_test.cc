@@ -305,6 +305,42 @@ TEST(KvImportPressureTest, WaitPastTheTimeoutFailsAndLeavesNothing) {
   ExpectNothingHeld(*prefill, "prefill");
 }
 
+// (b) A drain ends the wait: SIGTERM's BeginDrain answers an import still
+// waiting for room UNAVAILABLE at once (routers fail over on it), having
+// reserved nothing; the prefill worker's lease stays for another decode
+// worker to pull.
+TEST(KvImportPressureTest, ADrainEndsTheWaitUnavailable) {
+  auto prefill = StartPrefill();
+  auto decode = StartDecode({});  // a 60 s wait, unless something ends it
+  ASSERT_TRUE(prefill && decode);
+  const auto [first, handle] = Prefill(*prefill, "drained", Prompt(8, 5), {});
+  ASSERT_GE(first, 0);
+  FillWithSequences(*decode);
+  ASSERT_FALSE(HasFatalFailure());
+  const KvCacheStats before = Snapshot(*decode).kv;
+
+  ImportCall import(*decode, "drained", handle);
+  ASSERT_TRUE(WaitsForRoom(*decode, import))
+      << "the import ended at once: " << import.Wait().error_message();
+  const Clock::time_point drain = Clock::now();
+  decode->server->BeginDrain();
+  const grpc::Status status = import.Wait();
+  EXPECT_LT(Clock::now() - drain, std::chrono::seconds(10));
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("draining"));
+  const EngineSnapshot after = Snapshot(*decode);
+  EXPECT_EQ(after.kv.used_blocks, before.used_blocks);
+  EXPECT_EQ(after.kv.num_sequences, 2);
+  EXPECT_EQ(after.waiting_imports, 0);
+  EXPECT_EQ(decode->Status().kv_imports(), 0);
+  EXPECT_EQ(prefill->server->leases().size(), 1u);
+  // The draining worker still serves its own sequences to the end.
+  Release(*decode, "fill60");
+  Release(*decode, "fill36");
+  ExpectNothingHeld(*decode, "decode");
+}
+
 // (b) The other bound: a lease nobody renews (--kv_lease_renew_margin=0)
 // expires at its TTL; the import waiting for room ends NOT_FOUND then,
 // rather than waiting for a lease that is gone, and the prefill worker

@@ -350,6 +350,7 @@ void Engine::PublishSnapshot() {
   EngineLoad load;
   load.running_requests = static_cast<int64_t>(running_.size());
   load.waiting_requests = waiting;
+  load.kv_imports_waiting = static_cast<int64_t>(reservations_.size());
   load.queued_calls = queued;
   int64_t request_sequences = 0;
   for (const std::shared_ptr<Request>& r : running_) {

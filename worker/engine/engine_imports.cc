@@ -49,8 +49,10 @@ size_t Engine::AdmissibleBeforeReservations() const {
 }
 
 void Engine::ServeKvReservations() {
+  bool draining = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    draining = draining_;
     while (!incoming_reservations_.empty()) {
       auto r = std::make_unique<Reservation>();
       r->call = std::move(incoming_reservations_.front());
@@ -72,6 +74,20 @@ void Engine::ServeKvReservations() {
     call->done(status);
     return next;
   };
+
+  // 0. A draining worker takes no new sequence: an import still waiting
+  // for room reserved nothing, so it ends now and its router imports on
+  // another decode worker (the prefill worker's lease is untouched) instead
+  // of waiting out --kv_import_wait_timeout here.
+  if (draining) {
+    for (auto it = reservations_.begin(); it != reservations_.end();) {
+      it = end(it, absl::UnavailableError(
+                       "the worker is draining (shutting down) and takes no "
+                       "new sequences: import the KV on another worker; "
+                       "nothing was reserved"));
+    }
+    return;
+  }
 
   // 1. Withdrawn by the client while waiting.
   auto now = std::chrono::system_clock::now();

@@ -271,8 +271,12 @@ void Engine::NotifyCancelled() {
 }
 
 void Engine::BeginDrain() {
-  std::lock_guard<std::mutex> lock(mu_);
-  draining_ = true;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    draining_ = true;
+  }
+  // Imports waiting for room end at once (ServeKvReservations).
+  work_cv_.notify_one();
 }
 
 void Engine::Pause() {
