@@ -16,18 +16,19 @@ import xml.etree.ElementTree as ET
 
 def xml_paths(label: str):
     """The target's test.xml, or one per shard (shard_K_of_N/test.xml) when
-    the target sets shard_count; [] when it never ran."""
+    it sets shard_count; [] when it never ran. Bazel leaves the other kind
+    behind when shard_count changes, so the newer kind is this run's."""
     pkg, _, name = label.lstrip("/").partition(":")
     base = os.path.join("bazel-testlogs", pkg, name)
     single = os.path.join(base, "test.xml")
-    if os.path.exists(single):
-        return [single]
     shards = sorted(glob.glob(os.path.join(base, "shard_*_of_*", "test.xml")))
-    if not shards:
-        return []
-    expected = int(shards[0].split(os.sep)[-2].rsplit("_", 1)[1])
-    # A shard that never ran leaves a hole: report the target as missing.
-    return shards if len(shards) == expected else []
+    if shards and (not os.path.exists(single) or
+                   min(map(os.path.getmtime, shards)) >=
+                   os.path.getmtime(single)):
+        expected = int(shards[0].split(os.sep)[-2].rsplit("_", 1)[1])
+        # A shard that never ran leaves a hole: the target counts as missing.
+        return shards if len(shards) == expected else []
+    return [single] if os.path.exists(single) else []
 
 
 def count(path: str):
