@@ -277,8 +277,8 @@ TEST(ModelFingerprintTest, ChangedByteInAnyChunkChangesIt) {
 }
 
 // The digest is the one model_fingerprint.h specifies: an independent
-// implementation of the spec (tools/weights_digest: Python's hashlib and xxhash) agrees
-// on a multi-chunk checkpoint and on a sharded tiny model.
+// implementation of the spec (tools/weights_digest: Python's hashlib and
+// xxhash) agrees on a multi-chunk checkpoint and on a sharded tiny model.
 TEST(ModelFingerprintTest, MatchesTheSpecsPythonImplementation) {
   for (const std::string& dir : {WriteMultiChunkModel(7), WriteModel(7, 3)}) {
     absl::StatusOr<std::string> python = model_testing::RunCommand(absl::StrCat(
