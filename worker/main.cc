@@ -39,8 +39,9 @@ namespace {
 
 // With the NCCL transport offered, the communicators it keeps (created on
 // demand while serving) must find their device memory free: the KV pool is
-// sized by --kv_cache_bytes, not from free memory, so this checks, once the
-// weights and the pool are allocated, that --nccl_max_peers of them fit.
+// sized by --kv_cache_bytes or --gpu_memory_utilization, not from what NCCL
+// will need, so this checks, once the weights and the pool are allocated,
+// that --nccl_max_peers of them fit.
 absl::Status CheckNcclBudget(Device& device, int max_peers) {
   if (max_peers == 0 || !NcclTransportAvailable(device)) {
     return absl::OkStatus();
@@ -55,9 +56,9 @@ absl::Status CheckNcclBudget(Device& device, int max_peers) {
                      " MiB of device memory (", kNcclCommDeviceBytes >> 20,
                      " MiB each) but ", memory->free_bytes >> 20,
                      " MiB are free on ", device.name(),
-                     " after the model and --kv_cache_bytes: lower "
-                     "--kv_cache_bytes or --nccl_max_peers (0 = no NCCL "
-                     "transport)"));
+                     " after the model and its KV cache: lower "
+                     "--gpu_memory_utilization or --kv_cache_bytes, or "
+                     "--nccl_max_peers (0 = no NCCL transport)"));
   }
   LOG(INFO) << "NCCL KV transport: up to " << max_peers << " communicators, "
             << (needed >> 20) << " MiB of the " << (memory->free_bytes >> 20)

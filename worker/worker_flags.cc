@@ -58,8 +58,16 @@ ABSL_FLAG(int, max_num_batched_tokens, 2048,
           "Most tokens in one step; longer prompts are chunked.");
 ABSL_FLAG(int, max_model_len, 0,
           "Most tokens per sequence; 0 = the model's max_position_embeddings.");
-ABSL_FLAG(int64_t, kv_cache_bytes, int64_t{256} << 20,
-          "KV cache budget in bytes; must hold one max_model_len sequence.");
+ABSL_FLAG(int64_t, kv_cache_bytes, 0,
+          "KV cache bytes; must hold one max_model_len sequence. 0 = what "
+          "--gpu_memory_utilization leaves once the weights, step buffers, "
+          "activations (and on CUDA a graph reserve) are counted.");
+ABSL_FLAG(double, gpu_memory_utilization, 0.9,
+          "Fraction of the device's memory the worker may use in all (vLLM's "
+          "flag): the KV cache gets what the rest leaves. On CUDA the total "
+          "is the GPU's memory and what other processes hold counts as used; "
+          "on the CPU backend it is the host memory available at startup. "
+          "Ignored when --kv_cache_bytes is set.");
 ABSL_FLAG(int, block_size, 16, "KV cache tokens per block.");
 ABSL_FLAG(bool, enable_prefix_caching, true,
           "Automatic prefix caching: full KV blocks are kept after their "
@@ -269,8 +277,9 @@ std::vector<FlagGroup> FlagGroups() {
         "compilation_config"}},
       {"Scheduling and KV cache",
        {"max_num_seqs", "max_num_batched_tokens", "max_model_len",
-        "kv_cache_bytes", "block_size", "enable_prefix_caching", "max_queue",
-        "max_waiting_requests", "async_scheduling", "sequence_idle_timeout"}},
+        "kv_cache_bytes", "gpu_memory_utilization", "block_size",
+        "enable_prefix_caching", "max_queue", "max_waiting_requests",
+        "async_scheduling", "sequence_idle_timeout"}},
       {"gRPC server and lifecycle",
        {"host", "port", "max_message_bytes", "grpc_keepalive_time",
         "grpc_keepalive_timeout", "grpc_min_client_ping_interval",
@@ -337,6 +346,7 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
   r.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
   r.max_model_len = absl::GetFlag(FLAGS_max_model_len);
   r.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+  r.gpu_memory_utilization = absl::GetFlag(FLAGS_gpu_memory_utilization);
   r.block_size = absl::GetFlag(FLAGS_block_size);
   r.prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching)
                          ? PrefixCaching::kOn
@@ -344,11 +354,21 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
   for (const auto& [flag, value] : std::vector<std::pair<const char*, int64_t>>{
            {"max_num_seqs", r.max_num_seqs},
            {"max_num_batched_tokens", r.max_num_batched_tokens},
-           {"kv_cache_bytes", r.kv_cache_bytes},
            {"block_size", r.block_size},
            {"max_queue", absl::GetFlag(FLAGS_max_queue)},
            {"max_message_bytes", absl::GetFlag(FLAGS_max_message_bytes)}}) {
     if (absl::Status s = CheckPositive(flag, value); !s.ok()) return s;
+  }
+  if (r.kv_cache_bytes < 0) {
+    return FlagError("kv_cache_bytes",
+                     absl::StrCat("must be >= 0 (0 = from "
+                                  "--gpu_memory_utilization), got ",
+                                  r.kv_cache_bytes));
+  }
+  if (!(r.gpu_memory_utilization > 0.0 && r.gpu_memory_utilization <= 1.0)) {
+    return FlagError(
+        "gpu_memory_utilization",
+        absl::StrCat("must be in (0, 1], got ", r.gpu_memory_utilization));
   }
   if (r.max_model_len < 0) {
     return FlagError("max_model_len",

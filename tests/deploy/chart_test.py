@@ -325,6 +325,17 @@ class ManifestChecks:
                 self.assertRegex(flags[name], r"^([0-9]+(ms|s|m|h))+$", f"{role} --{name}")
                 self.assertRegex(flags[name], r"[1-9]", f"{role} --{name} must be > 0")
 
+    def test_memory_flags_come_from_the_values(self):
+        for role, dep in self.deployments.items():
+            flags = flag_values(container(dep)["args"])
+            # A decimal the worker's absl double flag parses, in (0, 1].
+            self.assertEqual(float(flags["gpu_memory_utilization"]),
+                             float(self.values["worker"]["gpuMemoryUtilization"]), role)
+            self.assertRegex(flags["gpu_memory_utilization"], r"^(0?\.[0-9]+|1(\.0+)?)$", role)
+            # 0 (the default): the KV cache is sized from the fraction.
+            self.assertEqual(int(flags["kv_cache_bytes"]),
+                             self.values["roles"][role]["kvCacheBytes"], role)
+
     def test_kv_import_wait_timeout_comes_from_the_values(self):
         for role, dep in self.deployments.items():
             flags = flag_values(container(dep)["args"])

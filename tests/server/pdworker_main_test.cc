@@ -215,6 +215,32 @@ TEST(PdworkerMainTest, ServesMutualTls) {
   EXPECT_EQ(*code, 0) << (*worker)->Output();
 }
 
+// No memory flags: the KV cache gets what --gpu_memory_utilization of the
+// host's available memory leaves (a small fraction here, to keep the test
+// light), and the startup log says where the memory went.
+TEST(PdworkerMainTest, SizesTheKvCacheFromTheMemoryFraction) {
+  auto worker = Subprocess::Start(
+      WorkerArgs({"--kv_cache_bytes=0", "--gpu_memory_utilization=0.02"}),
+      TmpPath("fraction.log"));
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  const int port = WaitUntilListening(**worker);
+  ASSERT_GT(port, 0) << (*worker)->Output();
+  (*worker)->Signal(SIGINT);
+  auto code = (*worker)->Wait(absl::Seconds(60));
+  ASSERT_TRUE(code.ok());
+  EXPECT_EQ(*code, 0);
+  const std::string output = (*worker)->Output();
+  EXPECT_THAT(output, HasSubstr("memory (--gpu_memory_utilization=0.02)"));
+  EXPECT_THAT(output, HasSubstr("weights and buffers"));
+  EXPECT_THAT(output, HasSubstr("max concurrency"));
+  // Far more than the 64 KiB the other tests give it (2% of the host's
+  // available memory is tens of MiB at least).
+  const std::string marker = " KV blocks of 4 tokens (";
+  const size_t at = output.find(marker);
+  ASSERT_NE(at, std::string::npos) << output;
+  EXPECT_GT(std::stoll(output.substr(at + marker.size())), int64_t{1} << 20);
+}
+
 TEST(PdworkerMainTest, BadConfigurationFailsAtStartupNamingTheFlag) {
   struct Case {
     std::vector<std::string> flags;
@@ -226,6 +252,13 @@ TEST(PdworkerMainTest, BadConfigurationFailsAtStartupNamingTheFlag) {
        "--compilation_config"},
       {{"--compilation_config={\"cudagraph_mod\":\"FULL\"}"}, "cudagraph_mod"},
       {{"--kv_cache_bytes=1000"}, "kv_cache_bytes=1000"},
+      {{"--kv_cache_bytes=-1"}, "--kv_cache_bytes"},
+      {{"--gpu_memory_utilization=1.5"}, "--gpu_memory_utilization"},
+      {{"--gpu_memory_utilization=0"}, "--gpu_memory_utilization"},
+      // No explicit KV size and a fraction of the host that the weights
+      // and buffers alone exceed.
+      {{"--kv_cache_bytes=0", "--gpu_memory_utilization=0.0000001"},
+       "no memory is left for the KV cache"},
       {{"--model=/nonexistent/model"}, "--model"},
       {{"--device=tpu"}, "unknown device 'tpu'"},
       {{"--max_num_seqs=0"}, "--max_num_seqs"},

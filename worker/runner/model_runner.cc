@@ -143,9 +143,13 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   spec.dtype_bytes =
       static_cast<int>(DTypeSize(kernels::ModelDTypeFor(device.kind())));
   spec.max_model_len = r->max_model_len_;
-  PDW_ASSIGN_OR_RETURN(int64_t num_blocks,
-                       NumBlocksForBudget(spec, options.kv_cache_bytes));
-  if (num_blocks > (int64_t{1} << 30)) num_blocks = int64_t{1} << 30;
+  // An explicit --kv_cache_bytes too small for one sequence fails before
+  // the weights load; a budget from the memory left is known only after.
+  int64_t num_blocks = 0;
+  if (options.kv_cache_bytes != 0) {
+    PDW_ASSIGN_OR_RETURN(num_blocks,
+                         NumBlocksForBudget(spec, options.kv_cache_bytes));
+  }
   const int max_blocks = spec.MaxBlocksPerSeq();
 
   PDW_ASSIGN_OR_RETURN(r->stream_, device.CreateStream());
@@ -238,11 +242,38 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   fo.max_num_tokens = options.max_num_batched_tokens;
   fo.max_num_seqs = options.max_num_seqs;
   fo.block_size = options.block_size;
-  fo.num_blocks = static_cast<int>(num_blocks);
   fo.max_blocks_per_seq = max_blocks;
   fo.uniform_decode_query_len = options.uniform_decode_query_len;
   fo.input_address_check = options.input_address_check;
   fo.kernel_options = options.kernel_options;
+  PDW_ASSIGN_OR_RETURN(const MemoryStats memory, device.GetMemoryStats());
+  const int64_t activation_bytes =
+      static_cast<int64_t>(LlamaForward::ActivationBytes(c, fo, device.kind()));
+  if (options.kv_cache_bytes == 0) {
+    PDW_ASSIGN_OR_RETURN(
+        const KvCacheBudget budget,
+        ComputeKvCacheBudget(
+            {device.kind(), options.gpu_memory_utilization, memory,
+             device.kind() == DeviceKind::kCpu ? HostMemAvailableBytes() : -1,
+             activation_bytes}));
+    absl::StatusOr<int64_t> blocks =
+        NumBlocksForBudget(spec, budget.kv_cache_bytes);
+    if (!blocks.ok()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the KV cache cannot hold one sequence of max_model_len=",
+          spec.max_model_len, " (",
+          spec.MaxBlocksPerSeq() * spec.BytesPerBlock(),
+          " bytes): ", budget.ToString(options.gpu_memory_utilization),
+          "; lower --max_model_len, raise --gpu_memory_utilization, or set "
+          "--kv_cache_bytes"));
+    }
+    num_blocks = *blocks;
+    LOG(INFO) << "memory (--gpu_memory_utilization="
+              << options.gpu_memory_utilization
+              << "): " << budget.ToString(options.gpu_memory_utilization);
+  }
+  if (num_blocks > (int64_t{1} << 30)) num_blocks = int64_t{1} << 30;
+  fo.num_blocks = static_cast<int>(num_blocks);
   PDW_ASSIGN_OR_RETURN(
       r->forward_,
       LlamaForward::Create(c, r->weights_, r->inputs_->buffers(), fo, device,
@@ -262,10 +293,14 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   r->feed_host_.reserve(2 * options.max_num_seqs);
   LOG(INFO) << "model runner: " << c.num_hidden_layers << " layers, hidden "
             << c.hidden_size << ", vocab " << c.vocab_size << "; mode "
-            << r->plan_.mode << " -> " << resolved.mode << "; " << num_blocks
+            << r->plan_.mode << " -> " << resolved.mode << "; weights "
+            << r->weights_.arena->capacity_bytes() << " bytes, step buffers "
+            << r->step_arena_->capacity_bytes() << " bytes, activations "
+            << r->forward_->activation_bytes() << " bytes, " << num_blocks
             << " KV blocks of " << options.block_size << " tokens ("
-            << r->forward_->kv_cache_bytes() << " bytes), "
-            << "activations " << r->forward_->activation_bytes() << " bytes";
+            << r->forward_->kv_cache_bytes() << " bytes); max concurrency "
+            << static_cast<double>(num_blocks) / max_blocks
+            << "x at max_model_len=" << r->max_model_len_;
   return r;
 }
 
@@ -286,6 +321,7 @@ absl::StatusOr<CaptureSummary> ModelRunner::CaptureGraphs() {
   p.forward = [this](const ForwardContext& ctx) { return forward_->Run(ctx); };
   // The session holds the lifecycle at kCapturing while it runs; the
   // dispatcher keeps real steps eager until every graph exists.
+  const absl::StatusOr<MemoryStats> before = device_.GetMemoryStats();
   absl::StatusOr<CaptureSummary> summary = RunCaptureSession(p);
   if (!summary.ok()) {
     capture_lifecycle_.Disable();
@@ -293,6 +329,22 @@ absl::StatusOr<CaptureSummary> ModelRunner::CaptureGraphs() {
   }
   PDW_RETURN_IF_ERROR(stream_->Synchronize());
   capture_lifecycle_.MarkReady();
+  // What the graphs took (device-wide on CUDA; our allocations on the CPU),
+  // against the reserve a --gpu_memory_utilization budget kept for them.
+  const absl::StatusOr<MemoryStats> after = device_.GetMemoryStats();
+  if (before.ok() && after.ok()) {
+    const int64_t graphs = static_cast<int64_t>(after->used_bytes) -
+                           static_cast<int64_t>(before->used_bytes);
+    const int64_t reserve =
+        device_.kind() == DeviceKind::kCuda ? kCudaGraphReserveBytes : 0;
+    LOG(INFO) << "graphs: " << NumCapturedGraphs() << " captured, " << graphs
+              << " bytes of device memory";
+    if (options_.kv_cache_bytes == 0 && graphs > reserve) {
+      LOG(WARNING) << "the graphs took " << graphs << " bytes, more than the "
+                   << reserve << " bytes --gpu_memory_utilization kept for "
+                   << "them: the worker uses more than that fraction";
+    }
+  }
   return summary;
 }
 

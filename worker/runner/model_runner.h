@@ -37,6 +37,7 @@
 #include "worker/model/llama_forward.h"
 #include "worker/model/llama_weights.h"
 #include "worker/model/model_config.h"
+#include "worker/runner/kv_cache_budget.h"
 #include "worker/runner/kv_cache_view.h"
 #include "worker/runner/sampler.h"
 #include "worker/runner/step_inputs.h"
@@ -55,7 +56,10 @@ struct ModelRunnerOptions {
   CompilationConfig compilation;      // overrides the role's graph defaults
   int max_num_seqs = 64;              // requests per step
   int max_num_batched_tokens = 2048;  // query tokens per step
+  // The KV cache's bytes; 0: what --gpu_memory_utilization leaves once the
+  // weights, step buffers and activations are counted (kv_cache_budget.h).
   int64_t kv_cache_bytes = int64_t{64} << 20;
+  double gpu_memory_utilization = kDefaultGpuMemoryUtilization;
   int block_size = 16;    // KV tokens per block
   int max_model_len = 0;  // tokens per sequence; 0: max_position_embeddings
   int uniform_decode_query_len = 1;  // 1 + speculative tokens
