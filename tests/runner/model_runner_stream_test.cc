@@ -6,6 +6,7 @@
 #include <chrono>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "tests/runner/model_runner_test_util.h"
@@ -54,6 +55,64 @@ TEST(ModelRunnerStreamTest, DetachedBlocksWaitForQueuedWork) {
   ASSERT_TRUE(kv.ok()) << kv.status();
   EXPECT_FALSE(held.load());
   runner->FreeDetached(*kv);
+}
+
+// An abort while the sequence's step is still queued (the engine releases
+// a cancelled request's KV at once): the freed blocks go to the next
+// sequence, whose step is queued behind the aborted one on the same
+// in-order stream, so the aborted step's K/V writes land first and are
+// overwritten; the new sequence computes exactly what it computes alone.
+TEST(ModelRunnerStreamTest, AbortWhileItsStepIsQueuedLeavesReusedBlocksIntact) {
+  const std::vector<int32_t> aborted_prompt = {5, 9, 2, 7, 1, 3, 8, 6, 4, 2};
+  const std::vector<int32_t> prompt = {11, 3, 17, 2, 9, 30, 4, 21, 8, 1};
+  // Alone: the prefill's token and two decode steps after it.
+  std::vector<int32_t> expected;
+  {
+    CpuDevice device(ThreadedStreams());
+    std::unique_ptr<ModelRunner> runner = ThreadedRunner(device);
+    ASSERT_NE(runner, nullptr);
+    auto first = runner->Execute(
+        {MakeSequenceStep("b", prompt, SequenceCreation::kMustBeNew)});
+    ASSERT_TRUE(first.ok()) << first.status();
+    expected.push_back(first->sequences[0].token_id);
+    for (int i = 0; i < 2; ++i) {
+      auto next = runner->Execute({MakeSequenceStep(
+          "b", {expected.back()}, SequenceCreation::kMustExist)});
+      ASSERT_TRUE(next.ok()) << next.status();
+      expected.push_back(next->sequences[0].token_id);
+    }
+  }
+
+  CpuDevice device(ThreadedStreams());
+  std::unique_ptr<ModelRunner> runner = ThreadedRunner(device);
+  ASSERT_NE(runner, nullptr);
+  testing::Gate gate;
+  ASSERT_TRUE(runner->stream()
+                  .Launch("hold", [&](const OpContext&) { gate.Wait(); })
+                  .ok());
+  auto aborted = runner->Launch(
+      {MakeSequenceStep("a", aborted_prompt, SequenceCreation::kMustBeNew)});
+  ASSERT_TRUE(aborted.ok()) << aborted.status();
+  const std::vector<int32_t> aborted_blocks =
+      runner->kv_cache().Find("a")->blocks;
+  ASSERT_TRUE(runner->Release("a").ok());
+  auto reused = runner->Launch(
+      {MakeSequenceStep("b", prompt, SequenceCreation::kMustBeNew)});
+  ASSERT_TRUE(reused.ok()) << reused.status();
+  // The cache hands the aborted sequence's blocks to the new one.
+  EXPECT_EQ(runner->kv_cache().Find("b")->blocks, aborted_blocks);
+  gate.Open();
+  ASSERT_TRUE(runner->Retire(*aborted).ok());
+  auto first = runner->Retire(*reused);
+  ASSERT_TRUE(first.ok()) << first.status();
+  std::vector<int32_t> got = {first->sequences[0].token_id};
+  for (int i = 0; i < 2; ++i) {
+    auto next = runner->Execute(
+        {MakeSequenceStep("b", {got.back()}, SequenceCreation::kMustExist)});
+    ASSERT_TRUE(next.ok()) << next.status();
+    got.push_back(next->sequences[0].token_id);
+  }
+  EXPECT_EQ(got, expected);
 }
 
 // A runner destroyed with work queued (a step launched and never retired,
