@@ -202,6 +202,19 @@ void FillWithSequences(TestWorker& decode) {
   ASSERT_EQ(Snapshot(decode).kv.free_blocks, 0);
 }
 
+// After an import that ended while waiting for room in a cache filled by
+// FillWithSequences: the decode worker holds what it held `before` (the two
+// fill sequences) and no import; the prefill worker still holds the lease.
+void ExpectImportReservedNothing(TestWorker& decode, TestWorker& prefill,
+                                 const KvCacheStats& before) {
+  const EngineSnapshot after = Snapshot(decode);
+  EXPECT_EQ(after.kv.used_blocks, before.used_blocks);
+  EXPECT_EQ(after.kv.num_sequences, 2);
+  EXPECT_EQ(after.waiting_imports, 0);
+  EXPECT_EQ(decode.Status().kv_imports(), 0);
+  EXPECT_EQ(prefill.server->leases().size(), 1u);
+}
+
 void Release(TestWorker& decode, const std::string& id) {
   grpc::ClientContext context;
   server_testing::SetGenerousDeadline(&context);
@@ -288,12 +301,7 @@ TEST(KvImportPressureTest, WaitPastTheTimeoutFailsAndLeavesNothing) {
       << status.error_message();
   EXPECT_THAT(status.error_message(), HasSubstr("--kv_import_wait_timeout"));
   EXPECT_GE(waited, std::chrono::milliseconds(250));
-  const EngineSnapshot after = Snapshot(*decode);
-  EXPECT_EQ(after.kv.used_blocks, before.used_blocks);
-  EXPECT_EQ(after.kv.num_sequences, 2);
-  EXPECT_EQ(after.waiting_imports, 0);
-  EXPECT_EQ(decode->Status().kv_imports(), 0);
-  EXPECT_EQ(prefill->server->leases().size(), 1u);
+  ExpectImportReservedNothing(*decode, *prefill, before);
 
   // The lease was never pulled: with room, the same handle imports.
   Release(*decode, "fill36");
@@ -329,12 +337,7 @@ TEST(KvImportPressureTest, ADrainEndsTheWaitUnavailable) {
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE)
       << status.error_message();
   EXPECT_THAT(status.error_message(), HasSubstr("draining"));
-  const EngineSnapshot after = Snapshot(*decode);
-  EXPECT_EQ(after.kv.used_blocks, before.used_blocks);
-  EXPECT_EQ(after.kv.num_sequences, 2);
-  EXPECT_EQ(after.waiting_imports, 0);
-  EXPECT_EQ(decode->Status().kv_imports(), 0);
-  EXPECT_EQ(prefill->server->leases().size(), 1u);
+  ExpectImportReservedNothing(*decode, *prefill, before);
   // The draining worker still serves its own sequences to the end.
   Release(*decode, "fill60");
   Release(*decode, "fill36");

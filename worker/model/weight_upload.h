@@ -5,10 +5,8 @@
 // a chunk from the mapping straight into the ring's next pinned block and
 // queues its DMA, so the stream copies chunk i while the host converts
 // chunk i+1 (UploadRing::Next waits only when every block is still being
-// copied). The path this replaced made five passes over the weights (a
-// zeroed float vector per tensor, the conversion into it, the pageable
-// copy's host staging, the copy, the frees); bench/load_time_bench times
-// the load against `cat` of the files.
+// copied). One pass over the weights, no per-tensor host buffer;
+// bench/load_time_bench times the load against `cat` of the files.
 #ifndef PDWORKER_WORKER_MODEL_WEIGHT_UPLOAD_H_
 #define PDWORKER_WORKER_MODEL_WEIGHT_UPLOAD_H_
 

@@ -246,10 +246,10 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   fo.uniform_decode_query_len = options.uniform_decode_query_len;
   fo.input_address_check = options.input_address_check;
   fo.kernel_options = options.kernel_options;
-  PDW_ASSIGN_OR_RETURN(const MemoryStats memory, device.GetMemoryStats());
-  const int64_t activation_bytes =
-      static_cast<int64_t>(LlamaForward::ActivationBytes(c, fo, device.kind()));
   if (options.kv_cache_bytes == 0) {
+    PDW_ASSIGN_OR_RETURN(const MemoryStats memory, device.GetMemoryStats());
+    const int64_t activation_bytes = static_cast<int64_t>(
+        LlamaForward::ActivationBytes(c, fo, device.kind()));
     PDW_ASSIGN_OR_RETURN(
         const KvCacheBudget budget,
         ComputeKvCacheBudget(
