@@ -31,12 +31,27 @@ def xml_paths(label: str):
     return [single] if os.path.exists(single) else []
 
 
-def count(path: str):
+def first_line(case) -> str:
+    """The first lines of a failed case's message (gtest writes the file:line
+    and the expectation there), so a log's tail names what broke."""
+    for tag in ("failure", "error"):
+        node = case.find(tag)
+        if node is not None:
+            text = node.get("message") or node.text or ""
+            return " | ".join(text.strip().splitlines()[:3])[:400]
+    return ""
+
+
+def count(path: str, label: str = ""):
     passed = failed = skipped = 0
     root = ET.parse(path).getroot()
     for case in root.iter("testcase"):
         if case.find("failure") is not None or case.find("error") is not None:
             failed += 1
+            name = ".".join(filter(None, (case.get("classname"),
+                                          case.get("name"))))
+            print(f"FAILED case {label} {name}: {first_line(case)}",
+                  file=sys.stderr)
         elif (case.find("skipped") is not None
               or case.get("result") == "skipped"
               or case.get("status") == "notrun"):
@@ -57,7 +72,7 @@ def main(labels):
         result = (0, 0, 0)
         for path in paths:
             try:
-                one = count(path)
+                one = count(path, label)
             except ET.ParseError as err:
                 print(f"unreadable {path}: {err}", file=sys.stderr)
                 one = (0, 1, 0)
