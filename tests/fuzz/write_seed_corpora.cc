@@ -92,7 +92,16 @@ void WriteModelConfig() {
   "num_attention_heads": 4, "num_key_value_heads": 4, "rms_norm_eps": 1e-05,
   "vocab_size": 100, "max_position_embeddings": 256, "sliding_window": 128,
   "dtype": "float16"})";
+  const std::string qwen3 = R"({
+  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+  "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+  "rms_norm_eps": 1e-06, "rope_theta": 1000000, "vocab_size": 300,
+  "max_position_embeddings": 1024, "attention_bias": false,
+  "use_sliding_window": false, "sliding_window": null,
+  "max_window_layers": 2, "quantization_config": null})";
   Write("model_config_fuzz", "llama3", Byte(0) + llama);
+  Write("model_config_fuzz", "qwen3", Byte(0) + qwen3);
   Write("model_config_fuzz", "qwen2", Byte(0) + qwen);
   Write("model_config_fuzz", "mistral", Byte(0) + mistral);
   Write("model_config_fuzz", "generation_list",

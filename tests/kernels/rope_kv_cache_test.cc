@@ -319,6 +319,74 @@ TEST_F(RopeKvCacheTest, GraphReplayReadsPositionsAndSlotsAtRunTime) {
   EXPECT_TRUE(BitIdentical(Read<float>(p_.value_cache), v_cache_replay));
 }
 
+// Qwen3's q/k norm: each head of q and k is RMS-normalized and scaled by
+// its weight before the rotation, and the cache gets the normalized,
+// rotated k. The reference normalizes in double, then rotates as above.
+TEST_F(RopeKvCacheTest, QkNormNormalizesEachHeadBeforeTheRotation) {
+  const int d = shape_.head_dim;
+  const std::vector<float> q_weight = RandomFloats(d, 46);
+  const std::vector<float> k_weight = RandomFloats(d, 47);
+  constexpr double kEps = 1e-6;
+  auto normalize = [&](std::vector<float> x, const std::vector<float>& w) {
+    for (size_t head = 0; head < x.size() / d; ++head) {
+      double sum_squares = 0;
+      for (int i = 0; i < d; ++i) {
+        sum_squares += double{x[head * d + i]} * x[head * d + i];
+      }
+      const double inv_rms = 1.0 / std::sqrt(sum_squares / d + kEps);
+      for (int i = 0; i < d; ++i) {
+        x[head * d + i] = static_cast<float>(x[head * d + i] * inv_rms * w[i]);
+      }
+    }
+    return x;
+  };
+  const std::vector<double> q_ref =
+      ReferenceRope(normalize(q_, q_weight), shape_.num_tokens,
+                    shape_.num_heads, d, kPositionsA, inv_freq_);
+  const std::vector<double> k_ref =
+      ReferenceRope(normalize(k_, k_weight), shape_.num_tokens,
+                    shape_.num_kv_heads, d, kPositionsA, inv_freq_);
+
+  RopeKvCacheParams p = p_;
+  p.q_norm_weight = Upload(q_weight);
+  p.k_norm_weight = Upload(k_weight);
+  p.qk_norm_epsilon = static_cast<float>(kEps);
+  WriteStep(kPositionsA, kSlotsA);
+  ASSERT_TRUE(LaunchRopeKvCache(stream(), p).ok());
+  // Normalized values are O(1) (not < 1): a few more ulps than above.
+  EXPECT_LE(MaxAbsDiff(Read<float>(p.query), q_ref), 1e-5);
+  EXPECT_LE(MaxAbsDiff(Read<float>(p.key), k_ref), 1e-5);
+  const std::vector<float> key_cache = Read<float>(p.key_cache);
+  const int w = shape_.kv_width();
+  for (int t = 0; t < shape_.num_tokens; ++t) {
+    if (kSlotsA[t] < 0) continue;
+    for (int i = 0; i < w; ++i) {
+      EXPECT_NEAR(key_cache[kSlotsA[t] * w + i], k_ref[t * w + i], 1e-5);
+    }
+  }
+  // Without the norm the same step gives other values: the test can fail.
+  WriteStep(kPositionsA, kSlotsA);
+  ASSERT_TRUE(LaunchRopeKvCache(stream(), p_).ok());
+  EXPECT_GT(MaxAbsDiff(Read<float>(p_.query), q_ref), 1e-2);
+}
+
+TEST_F(RopeKvCacheTest, QkNormWeightsComeTogetherWithTheirShape) {
+  RopeKvCacheParams bad = p_;
+  bad.q_norm_weight = AllocElements<float>(shape_.head_dim);
+  bad.qk_norm_epsilon = 1e-6f;
+  EXPECT_THAT(LaunchRopeKvCache(stream(), bad),
+              IsInvalidArgumentMentioning("k_norm_weight"));
+  bad.k_norm_weight = AllocElements<float>(shape_.head_dim - 1);
+  EXPECT_THAT(LaunchRopeKvCache(stream(), bad),
+              IsInvalidArgumentMentioning("'k_norm_weight'"));
+  bad.k_norm_weight = AllocElements<float>(shape_.head_dim);
+  bad.qk_norm_epsilon = 0;
+  EXPECT_THAT(LaunchRopeKvCache(stream(), bad),
+              IsInvalidArgumentMentioning("qk_norm_epsilon"));
+  bad.qk_norm_epsilon = 1e-6f;
+  EXPECT_TRUE(LaunchRopeKvCache(stream(), bad).ok());
+}
+
 TEST_F(RopeKvCacheTest, RejectsBadBuffers) {
   ASSERT_TRUE(LaunchRopeKvCache(stream(), p_).ok());
   auto expect_rejected = [&](RopeKvCacheParams bad, const char* name) {

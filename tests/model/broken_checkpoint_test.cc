@@ -14,6 +14,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -155,12 +156,16 @@ std::string BrokenFile(std::vector<Tensor> tensors, const std::string& target,
 struct Case {
   std::string tensor;
   Defect defect;
+  TinyShape shape = TinyShape::kGqa;
 };
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
   std::string tensor = absl::StrReplaceAll(
       info.param.tensor, {{"model.", ""}, {".weight", ""}, {".", "_"}});
-  return absl::StrCat(tensor, "_", DefectName(info.param.defect));
+  return absl::StrCat(info.param.shape == TinyShape::kGqa
+                          ? ""
+                          : absl::StrCat(TinyShapeName(info.param.shape), "_"),
+                      tensor, "_", DefectName(info.param.defect));
 }
 
 // Every kind of weight the Llama loader reads, for the gqa tiny shape (2
@@ -189,36 +194,42 @@ std::vector<std::string> Tensors() {
 
 std::vector<Case> Cases() {
   std::vector<Case> cases;
+  const Defect defects[] = {Defect::kMissing,        Defect::kWrongShape,
+                            Defect::kWrongDtype,     Defect::kTruncated,
+                            Defect::kOffsetsPastEnd, Defect::kOffsetsReversed};
   for (const std::string& tensor : Tensors()) {
-    for (Defect d : {Defect::kMissing, Defect::kWrongShape, Defect::kWrongDtype,
-                     Defect::kTruncated, Defect::kOffsetsPastEnd,
-                     Defect::kOffsetsReversed}) {
-      cases.push_back({tensor, d});
-    }
+    for (Defect d : defects) cases.push_back({tensor, d});
+  }
+  // The tensors a family adds to the layer: Qwen3's q/k norms.
+  for (const char* tensor : {"model.layers.0.self_attn.q_norm.weight",
+                             "model.layers.1.self_attn.k_norm.weight"}) {
+    for (Defect d : defects) cases.push_back({tensor, d, TinyShape::kQwen3});
   }
   return cases;
 }
 
-// The tiny model, written once per test binary.
-const std::string& BaseModelDir() {
-  static const std::string* dir = [] {
-    auto* path = new std::string(TmpDir() + "/base_model");
+// The tiny model of `shape`, written once per test binary.
+std::string BaseModelDir(TinyShape shape) {
+  const std::string path =
+      absl::StrCat(TmpDir(), "/base_model_", TinyShapeName(shape));
+  static std::set<TinyShape>* written = new std::set<TinyShape>();
+  if (written->insert(shape).second) {
     TinyModelOptions options;
-    options.shape = TinyShape::kGqa;
-    const absl::Status written = WriteTinyModel(options, *path);
-    EXPECT_TRUE(written.ok()) << written;
-    return path;
-  }();
-  return *dir;
+    options.shape = shape;
+    const absl::Status status = WriteTinyModel(options, path);
+    EXPECT_TRUE(status.ok()) << status;
+  }
+  return path;
 }
 
-// A model directory: the base config.json and `safetensors` as
+// A model directory: the base config.json of `shape` and `safetensors` as
 // model.safetensors.
-std::string ModelDir(const std::string& name, const std::string& safetensors) {
+std::string ModelDir(const std::string& name, const std::string& safetensors,
+                     TinyShape shape = TinyShape::kGqa) {
   const std::string dir = absl::StrCat(TmpDir(), "/", name);
   EXPECT_EQ(mkdir(dir.c_str(), 0755), 0) << dir;
   EXPECT_TRUE(WriteStringToFile(dir + "/config.json",
-                                ReadFile(BaseModelDir() + "/config.json"))
+                                ReadFile(BaseModelDir(shape) + "/config.json"))
                   .ok());
   EXPECT_TRUE(WriteStringToFile(dir + "/model.safetensors", safetensors).ok());
   return dir;
@@ -240,18 +251,22 @@ std::unique_ptr<Subprocess> StartWorker(const std::string& model_dir,
 // drains on SIGTERM. Otherwise the cases below would pass on any harness
 // bug.
 TEST(BrokenCheckpointTest, RewrittenCheckpointServes) {
-  const std::vector<Tensor> tensors =
-      ReadTensors(BaseModelDir() + "/model.safetensors");
-  const std::string dir =
-      ModelDir("intact", BrokenFile(tensors, "lm_head.weight", Defect::kNone));
-  std::unique_ptr<Subprocess> worker = StartWorker(dir, "intact");
-  ASSERT_NE(worker, nullptr);
-  auto listening = worker->WaitForOutput("listening on", absl::Seconds(120));
-  ASSERT_TRUE(listening.ok()) << listening.status() << worker->Output();
-  worker->Signal(SIGTERM);
-  auto code = worker->Wait(absl::Seconds(60));
-  ASSERT_TRUE(code.ok()) << code.status();
-  EXPECT_EQ(*code, 0) << worker->Output();
+  for (const TinyShape shape : {TinyShape::kGqa, TinyShape::kQwen3}) {
+    SCOPED_TRACE(TinyShapeName(shape));
+    const std::string name = absl::StrCat("intact_", TinyShapeName(shape));
+    const std::vector<Tensor> tensors =
+        ReadTensors(BaseModelDir(shape) + "/model.safetensors");
+    const std::string dir = ModelDir(
+        name, BrokenFile(tensors, tensors.front().name, Defect::kNone), shape);
+    std::unique_ptr<Subprocess> worker = StartWorker(dir, name);
+    ASSERT_NE(worker, nullptr);
+    auto listening = worker->WaitForOutput("listening on", absl::Seconds(120));
+    ASSERT_TRUE(listening.ok()) << listening.status() << worker->Output();
+    worker->Signal(SIGTERM);
+    auto code = worker->Wait(absl::Seconds(60));
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 0) << worker->Output();
+  }
 }
 
 class BrokenCheckpointTest : public ::testing::TestWithParam<Case> {};
@@ -260,9 +275,9 @@ TEST_P(BrokenCheckpointTest, ExitsTwoNamingFileAndTensor) {
   const Case& c = GetParam();
   const std::string name = CaseName({c, 0});
   const std::vector<Tensor> tensors =
-      ReadTensors(BaseModelDir() + "/model.safetensors");
+      ReadTensors(BaseModelDir(c.shape) + "/model.safetensors");
   const std::string dir =
-      ModelDir(name, BrokenFile(tensors, c.tensor, c.defect));
+      ModelDir(name, BrokenFile(tensors, c.tensor, c.defect), c.shape);
   std::unique_ptr<Subprocess> worker = StartWorker(dir, name);
   ASSERT_NE(worker, nullptr);
   auto code = worker->Wait(absl::Seconds(120));

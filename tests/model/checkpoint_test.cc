@@ -70,10 +70,14 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> ExpectedTensors(
     expected.push_back({p + "self_attn.k_proj.weight", {kv, c.hidden_size}});
     expected.push_back({p + "self_attn.v_proj.weight", {kv, c.hidden_size}});
     expected.push_back({p + "self_attn.o_proj.weight", {c.hidden_size, q}});
-    if (c.qkv_bias) {
+    if (c.layer.qkv_bias) {
       expected.push_back({p + "self_attn.q_proj.bias", {q}});
       expected.push_back({p + "self_attn.k_proj.bias", {kv}});
       expected.push_back({p + "self_attn.v_proj.bias", {kv}});
+    }
+    if (c.layer.qk_norm == QkNorm::kPerHeadRms) {
+      expected.push_back({p + "self_attn.q_norm.weight", {c.head_dim}});
+      expected.push_back({p + "self_attn.k_norm.weight", {c.head_dim}});
     }
     expected.push_back(
         {p + "mlp.gate_proj.weight", {c.intermediate_size, c.hidden_size}});

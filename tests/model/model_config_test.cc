@@ -135,8 +135,8 @@ TEST(ModelConfigTest, ParsesLlama31) {
   EXPECT_EQ(c.vocab_size, 128256);
   EXPECT_EQ(c.max_position_embeddings, 131072);
   EXPECT_FALSE(c.tie_word_embeddings);
-  EXPECT_FALSE(c.qkv_bias);
-  EXPECT_FALSE(c.o_proj_bias);
+  EXPECT_FALSE(c.layer.qkv_bias);
+  EXPECT_FALSE(c.layer.o_proj_bias);
   EXPECT_EQ(c.torch_dtype, DType::kBFloat16);
   EXPECT_EQ(c.bos_token_id, 128000);
   EXPECT_EQ(c.eos_token_ids, (std::vector<int64_t>{128001, 128008, 128009}));
@@ -148,8 +148,8 @@ TEST(ModelConfigTest, ParsesQwen2WithImpliedQkvBias) {
   EXPECT_EQ(c.architecture, Architecture::kQwen2);
   EXPECT_EQ(c.head_dim, 64);
   EXPECT_EQ(c.num_key_value_heads, 2);
-  EXPECT_TRUE(c.qkv_bias);
-  EXPECT_FALSE(c.o_proj_bias);
+  EXPECT_TRUE(c.layer.qkv_bias);
+  EXPECT_FALSE(c.layer.o_proj_bias);
   EXPECT_TRUE(c.tie_word_embeddings);
   EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kNone);
   EXPECT_DOUBLE_EQ(c.rope_theta, 1e6);
@@ -162,7 +162,7 @@ TEST(ModelConfigTest, ParsesMistralWithSlidingWindow) {
   const ModelConfig c = ParseOrDie(kMistralConfig);
   EXPECT_EQ(c.architecture, Architecture::kMistral);
   EXPECT_EQ(c.sliding_window, 4096);
-  EXPECT_FALSE(c.qkv_bias);
+  EXPECT_FALSE(c.layer.qkv_bias);
   EXPECT_EQ(c.head_dim, 128);
 }
 
@@ -187,8 +187,8 @@ TEST(ModelConfigTest, ParsesEveryTinyShape) {
         break;
       case TinyShape::kQkvBias:
         EXPECT_EQ(c.architecture, Architecture::kQwen2);
-        EXPECT_TRUE(c.qkv_bias);
-        EXPECT_FALSE(c.o_proj_bias);
+        EXPECT_TRUE(c.layer.qkv_bias);
+        EXPECT_FALSE(c.layer.o_proj_bias);
         break;
       case TinyShape::kHeadDim:
         EXPECT_EQ(c.head_dim, 32);
@@ -199,6 +199,13 @@ TEST(ModelConfigTest, ParsesEveryTinyShape) {
         EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kLlama3);
         EXPECT_LT(c.rope_scaling.original_max_position_embeddings,
                   c.max_position_embeddings);
+        break;
+      case TinyShape::kQwen3:
+        EXPECT_EQ(c.architecture, Architecture::kQwen3);
+        EXPECT_EQ(c.layer.qk_norm, QkNorm::kPerHeadRms);
+        EXPECT_FALSE(c.layer.qkv_bias);
+        EXPECT_EQ(c.head_dim, 32);
+        EXPECT_FALSE(c.sliding_window.has_value());
         break;
       case TinyShape::kSmall:
       case TinyShape::kLlama1B:
@@ -312,7 +319,7 @@ TEST(ModelConfigTest, BenchmarkShapesParseByNameWithTheirDimensions) {
     EXPECT_EQ(c.head_dim, w.head_dim);
     EXPECT_EQ(c.vocab_size, w.vocab);
     EXPECT_TRUE(c.tie_word_embeddings);
-    EXPECT_FALSE(c.qkv_bias);
+    EXPECT_FALSE(c.layer.qkv_bias);
     EXPECT_DOUBLE_EQ(c.rope_theta, w.rope_theta);
     EXPECT_DOUBLE_EQ(c.rms_norm_eps, w.eps);
     EXPECT_EQ(c.max_position_embeddings, w.max_positions);
@@ -331,7 +338,7 @@ TEST(ModelConfigTest, HeadDim64ShapeParsesByName) {
   options.dtype = DType::kBFloat16;
   const ModelConfig c = ParseOrDie(TinyModelConfigJson(options));
   EXPECT_EQ(c.architecture, Architecture::kQwen2);
-  EXPECT_TRUE(c.qkv_bias);
+  EXPECT_TRUE(c.layer.qkv_bias);
   EXPECT_EQ(c.head_dim, 64);
   EXPECT_EQ(c.num_attention_heads, 3);
   EXPECT_EQ(c.num_key_value_heads, 1);
@@ -383,7 +390,7 @@ TEST(ModelConfigTest, DefaultsMatchTransformers) {
   EXPECT_DOUBLE_EQ(c.rope_theta, 10000.0);
   EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kNone);
   EXPECT_FALSE(c.tie_word_embeddings);
-  EXPECT_FALSE(c.qkv_bias);
+  EXPECT_FALSE(c.layer.qkv_bias);
   EXPECT_EQ(c.torch_dtype, DType::kFloat32);
 
   // Explicit nulls mean "unset", and "dtype" is the newer name of torch_dtype.
@@ -395,8 +402,8 @@ TEST(ModelConfigTest, DefaultsMatchTransformers) {
   EXPECT_EQ(d.head_dim, 8);
   EXPECT_EQ(d.torch_dtype, DType::kFloat16);
   // Llama's attention_bias covers o_proj too.
-  EXPECT_TRUE(d.qkv_bias);
-  EXPECT_TRUE(d.o_proj_bias);
+  EXPECT_TRUE(d.layer.qkv_bias);
+  EXPECT_TRUE(d.layer.o_proj_bias);
 
   // Older configs spell rope_scaling's type "type"; "default" means none.
   j["rope_scaling"] = {{"type", "default"}};

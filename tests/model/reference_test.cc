@@ -284,6 +284,16 @@ Vector RmsNorm(const Vector& x, const std::vector<float>& weight, double eps) {
   return y;
 }
 
+// Qwen3's q/k norm: RmsNorm over each of `heads` heads of `d` values.
+void NormalizeEachHead(Vector& x, int64_t heads, int64_t d,
+                       const std::vector<float>& weight, double eps) {
+  for (int64_t head = 0; head < heads; ++head) {
+    const Vector one(x.begin() + head * d, x.begin() + (head + 1) * d);
+    const Vector normalized = RmsNorm(one, weight, eps);
+    std::copy(normalized.begin(), normalized.end(), x.begin() + head * d);
+  }
+}
+
 std::vector<float> Get(const Checkpoint& checkpoint, const std::string& name,
                        const std::vector<int64_t>& shape) {
   auto values = checkpoint.GetFloat32(name, shape);
@@ -369,11 +379,19 @@ std::vector<Vector> HandWrittenLogits(const ModelConfig& c, const Checkpoint& w,
           RmsNorm(h[pos], Get(w, p + "input_layernorm.weight", {hidden}),
                   c.rms_norm_eps);
       q[pos] = Projection(w, p + "self_attn.q_proj", heads * d, hidden,
-                          c.qkv_bias, x);
+                          c.layer.qkv_bias, x);
       k[pos] = Projection(w, p + "self_attn.k_proj", kv_heads * d, hidden,
-                          c.qkv_bias, x);
+                          c.layer.qkv_bias, x);
       v[pos] = Projection(w, p + "self_attn.v_proj", kv_heads * d, hidden,
-                          c.qkv_bias, x);
+                          c.layer.qkv_bias, x);
+      if (c.layer.qk_norm == QkNorm::kPerHeadRms) {
+        NormalizeEachHead(q[pos], heads, d,
+                          Get(w, p + "self_attn.q_norm.weight", {d}),
+                          c.rms_norm_eps);
+        NormalizeEachHead(k[pos], kv_heads, d,
+                          Get(w, p + "self_attn.k_norm.weight", {d}),
+                          c.rms_norm_eps);
+      }
       Rotate(q[pos], heads, d, inv_freq, static_cast<int64_t>(pos));
       Rotate(k[pos], kv_heads, d, inv_freq, static_cast<int64_t>(pos));
     }
@@ -401,7 +419,7 @@ std::vector<Vector> HandWrittenLogits(const ModelConfig& c, const Checkpoint& w,
         }
       }
       const Vector o = Projection(w, p + "self_attn.o_proj", hidden, heads * d,
-                                  c.o_proj_bias, attention);
+                                  c.layer.o_proj_bias, attention);
       for (int64_t i = 0; i < hidden; ++i) h[pos][i] += o[i];
     }
     const int64_t inter = c.intermediate_size;
@@ -464,7 +482,7 @@ TEST_P(ReferenceShapeTest, MatchesAPlainLoopsForward) {
 
 INSTANTIATE_TEST_SUITE_P(EveryShape, ReferenceShapeTest,
                          ::testing::Values("gqa", "tied", "qkv_bias",
-                                           "head_dim", "llama3_rope"),
+                                           "head_dim", "llama3_rope", "qwen3"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });

@@ -2,7 +2,8 @@
 """Independent reference forward pass for Llama-family checkpoints.
 
 Written from the Hugging Face transformers modelling code's *semantics*
-(LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM), sharing no code
+(LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM / Qwen3ForCausalLM),
+sharing no code
 with pdworker's C++: its own config.json reading, its own safetensors parser,
 numpy only (Debian's python3-numpy), run with /usr/bin/python3.
 
@@ -17,6 +18,10 @@ from scratch over positions 0..n-1 with a full causal mask:
   per layer:
     x = RMSNorm(h) * input_layernorm
     q, k, v = x @ Wq^T (+bq), x @ Wk^T (+bk), x @ Wv^T (+bv)
+    q, k = RMSNorm(q) * q_norm, RMSNorm(k) * k_norm
+                                   # Qwen3 only: per head, over head_dim
+                                   # (Qwen3Attention: q_norm(q_proj(x).view(
+                                   # ..., head_dim)) before the rotation)
     q, k = RoPE(q), RoPE(k)        # rotate_half convention, positions 0..n-1
     attn = softmax(q k^T / sqrt(head_dim) + causal mask) v
                                    # query head h reads KV head h // (H / KVH)
@@ -64,7 +69,7 @@ class ReferenceError(Exception):
 
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM",
-                           "MistralForCausalLM")
+                           "MistralForCausalLM", "Qwen3ForCausalLM")
 
 
 class Config:
@@ -99,13 +104,16 @@ class Config:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ReferenceError("unsupported hidden_act %r" % (act,))
+        # Qwen3Attention: q_norm / k_norm (Qwen3RMSNorm(head_dim)) per head.
+        self.qk_norm = self.architecture == "Qwen3ForCausalLM"
         if self.architecture == "Qwen2ForCausalLM":
             # Qwen2Attention: q/k/v always biased, o never.
             self.qkv_bias, self.o_bias = True, False
         elif self.architecture == "MistralForCausalLM":
             self.qkv_bias, self.o_bias = False, False
         else:
-            # LlamaAttention: bias=config.attention_bias on q, k, v and o.
+            # LlamaAttention and Qwen3Attention: bias=config.attention_bias
+            # on q, k, v and o.
             bias = bool(raw.get("attention_bias", False))
             self.qkv_bias, self.o_bias = bias, bias
         if self.num_heads % self.num_kv_heads != 0:
@@ -295,6 +303,11 @@ class Model:
                              cfg.qkv_bias).reshape(n, KVH, D)
             v = self._linear(x, p + "self_attn.v_proj", KVH * D, hidden,
                              cfg.qkv_bias).reshape(n, KVH, D)
+            if cfg.qk_norm:
+                q = rms_norm(q, self._get(p + "self_attn.q_norm.weight", (D,)),
+                             cfg.rms_norm_eps)
+                k = rms_norm(k, self._get(p + "self_attn.k_norm.weight", (D,)),
+                             cfg.rms_norm_eps)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
             attn = np.empty((n, H, D))

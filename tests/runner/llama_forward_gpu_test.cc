@@ -29,6 +29,7 @@
 namespace pdworker {
 namespace {
 
+using runner_testing::CudaTinyShapes;
 using runner_testing::TinyModelDir;
 
 constexpr int kMaxNumSeqs = 8;
@@ -287,7 +288,7 @@ TEST_P(ForwardGpuTest, PaddingNeverWritesKvAndGetsZeroLogits) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllShapes, ForwardGpuTest,
-                         ::testing::ValuesIn(AllTinyShapes()),
+                         ::testing::ValuesIn(CudaTinyShapes()),
                          [](const ::testing::TestParamInfo<TinyShape>& info) {
                            return std::string(TinyShapeName(info.param));
                          });

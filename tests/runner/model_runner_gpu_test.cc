@@ -36,6 +36,7 @@
 namespace pdworker {
 namespace {
 
+using runner_testing::CudaTinyShapes;
 using runner_testing::Seq;
 using runner_testing::SmallOptions;
 using runner_testing::TinyModelDir;
@@ -399,7 +400,7 @@ TEST_P(RunnerGpuTest, GreedyHeadFusionChangesNoTokenLogprobOrLogit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllShapes, RunnerGpuTest,
-                         ::testing::ValuesIn(AllTinyShapes()),
+                         ::testing::ValuesIn(CudaTinyShapes()),
                          [](const ::testing::TestParamInfo<TinyShape>& info) {
                            return std::string(TinyShapeName(info.param));
                          });
@@ -492,6 +493,27 @@ TEST(DecodeMegakernelGpuTest, ModelsItCannotRunAreRefused) {
               std::string::npos)
         << runner.status();
   }
+}
+
+// A model whose layer the CUDA kernels do not implement is refused at
+// Create, naming the feature, never run without it.
+TEST(CudaRefusalGpuTest, Qwen3QkNormIsRefusedByName) {
+  auto device = CreateDevice(DeviceKind::kCuda);
+  if (!device.ok()) {
+    GTEST_SKIP() << "CUDA backend not available here ("
+                 << device.status().message() << ")";
+  }
+  auto dir = TinyModelDir(TinyShape::kQwen3);
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  auto runner = ModelRunner::Create(
+      **device, *dir, SmallOptions(R"({"cudagraph_mode":"NONE"})"));
+  ASSERT_FALSE(runner.ok());
+  EXPECT_EQ(runner.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(runner.status().message().find("q_norm"), std::string::npos)
+      << runner.status();
+  EXPECT_NE(runner.status().message().find("Qwen3ForCausalLM"),
+            std::string::npos)
+      << runner.status();
 }
 
 }  // namespace

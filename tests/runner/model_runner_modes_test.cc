@@ -3,6 +3,8 @@
 // records what actually ran.
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
 #include <tuple>
@@ -10,6 +12,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/runner/model_runner_test_util.h"
 
 namespace pdworker {
@@ -276,9 +279,47 @@ TEST(ModelRunnerOptionsTest, ForcedLinearKernelIsRefusedOnTheCpuBackend) {
   EXPECT_TRUE(ModelRunner::Create(device, *dir, options).ok());
 }
 
+// A sliding-window model (the forward has no windows yet) is exact only
+// within its window: with no --max_model_len the runner caps the default to
+// the window, and refuses a longer explicit one naming it.
+TEST(ModelRunnerOptionsTest, ASlidingWindowCapsMaxModelLen) {
+  auto tiny = TinyModelDir(TinyShape::kGqa);
+  ASSERT_TRUE(tiny.ok()) << tiny.status();
+  const std::string dir = *tiny + "_mistral_window";
+  std::filesystem::create_directories(dir);
+  std::filesystem::copy_file(*tiny + "/model.safetensors",
+                             dir + "/model.safetensors",
+                             std::filesystem::copy_options::overwrite_existing);
+  std::ifstream in(*tiny + "/config.json");
+  nlohmann::json config = nlohmann::json::parse(in);
+  config["architectures"] = {"MistralForCausalLM"};
+  config["model_type"] = "mistral";
+  config["sliding_window"] = 32;
+  std::ofstream(dir + "/config.json") << config.dump();
+
+  CpuDevice device;
+  ModelRunnerOptions options = SmallOptions(R"({"cudagraph_mode":"NONE"})");
+  options.max_model_len = 0;  // the default: max_position_embeddings (512)
+  auto runner = ModelRunner::Create(device, dir, options);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  EXPECT_EQ((*runner)->max_model_len(), 32);
+  runner->reset();
+
+  options.max_model_len = 32;
+  EXPECT_TRUE(ModelRunner::Create(device, dir, options).ok());
+  options.max_model_len = 33;
+  auto refused = ModelRunner::Create(device, dir, options);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(),
+              ::testing::HasSubstr("sliding-window attention (window 32"));
+  EXPECT_THAT(refused.status().message(),
+              ::testing::HasSubstr("max_model_len <= 32"));
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, ModesTest,
-                         ::testing::Values(TinyShape::kGqa,
-                                           TinyShape::kQkvBias),
+                         ::testing::Values(TinyShape::kGqa, TinyShape::kQkvBias,
+                                           TinyShape::kQwen3),
                          [](const ::testing::TestParamInfo<TinyShape>& info) {
                            return std::string(TinyShapeName(info.param));
                          });

@@ -104,9 +104,10 @@ struct RunOutput {
 
 RunOutput RunScript(const std::string& mode, PrefixCaching caching,
                     int64_t kv_cache_bytes,
-                    const std::vector<ScriptStep>& script) {
+                    const std::vector<ScriptStep>& script,
+                    TinyShape shape = TinyShape::kGqa) {
   RunOutput out;
-  auto dir = TinyModelDir(TinyShape::kGqa);
+  auto dir = TinyModelDir(shape);
   EXPECT_TRUE(dir.ok()) << dir.status();
   if (!dir.ok()) return out;
   CpuDevice device;
@@ -189,6 +190,19 @@ INSTANTIATE_TEST_SUITE_P(Modes, PrefixCacheRunnerTest,
                          ::testing::Values("NONE", "PIECEWISE", "FULL",
                                            "FULL_DECODE_ONLY",
                                            "FULL_AND_PIECEWISE"));
+
+// Qwen3's cached blocks hold k after its q/k norm and RoPE: a hit reuses
+// them as they are, so the outputs are the uncached run's bits.
+TEST(PrefixCacheRunnerFamilyTest, Qwen3SameOutputsAsWithoutCaching) {
+  const std::vector<ScriptStep> script = Script();
+  for (const char* mode : {"NONE", "FULL_AND_PIECEWISE"}) {
+    const RunOutput off =
+        RunScript(mode, PrefixCaching::kOff, 0, script, TinyShape::kQwen3);
+    const RunOutput on =
+        RunScript(mode, PrefixCaching::kOn, 0, script, TinyShape::kQwen3);
+    ExpectSame(on, off, mode);
+  }
+}
 
 // A KV cache of a few dozen blocks: distinct prompts evict the cached ones
 // (tail blocks first), and what is still cached gives the same outputs.

@@ -21,12 +21,13 @@
 ABSL_FLAG(std::string, out_dir, "",
           "Model directory to write (created if missing). With --shape=all, "
           "one subdirectory per shape.");
-ABSL_FLAG(std::string, shape, "all",
-          "gqa | tied | qkv_bias | head_dim | llama3_rope | all (the test "
-          "shapes), or a benchmark shape: small | llama_1b (Llama-3.2-1B "
-          "dimensions, random weights, 2.5 GB with --dtype=bfloat16) | "
-          "llama_0p5b (Qwen2.5-0.5B dimensions as a Llama, 1 GB), or the "
-          "GPU tests' head_dim_64.");
+ABSL_FLAG(
+    std::string, shape, "all",
+    "gqa | tied | qkv_bias | head_dim | llama3_rope | qwen3 | all (the test "
+    "shapes), or a benchmark shape: small | llama_1b (Llama-3.2-1B "
+    "dimensions, random weights, 2.5 GB with --dtype=bfloat16) | "
+    "llama_0p5b (Qwen2.5-0.5B dimensions as a Llama, 1 GB), or the "
+    "GPU tests' head_dim_64.");
 ABSL_FLAG(uint64_t, seed, 0, "Weight generator seed.");
 ABSL_FLAG(std::string, dtype, "float32",
           "Storage dtype: float32 | bfloat16 | float16.");

@@ -33,6 +33,8 @@ struct TinyDims {
   bool qkv_bias;
   bool llama3_rope;
   int64_t max_position_embeddings = 512;
+  // Qwen3: self_attn.q_norm / k_norm [head_dim] per layer.
+  bool qk_norm = false;
 };
 
 // Small enough that the float64 reference and the CPU forward take
@@ -118,6 +120,12 @@ TinyDims DimsFor(TinyShape shape) {
     case TinyShape::kHeadDim64:
       return {"Qwen2ForCausalLM", "qwen2", 192,   448,  2,    3, 1, 0, 512,
               1000000.0,          1e-6,    false, true, false};
+    case TinyShape::kQwen3:
+      // Qwen3-0.6B's proportions: head_dim explicit and wider than
+      // hidden / heads (4 x 32 = 128 > 64), GQA, q/k norm, theta 1e6.
+      return {
+          "Qwen3ForCausalLM", "qwen3", 64,    128,   2,     4,   2,   32, 256,
+          1000000.0,          1e-6,    false, false, false, 512, true};
   }
   return DimsFor(TinyShape::kGqa);
 }
@@ -189,6 +197,10 @@ std::vector<TensorSpec> TensorsFor(const TinyDims& d) {
     }
     specs.push_back(
         {p + "self_attn.o_proj.weight", {d.hidden, q_size}, Init::kMatrix});
+    if (d.qk_norm) {
+      specs.push_back({p + "self_attn.q_norm.weight", {head_dim}, Init::kNorm});
+      specs.push_back({p + "self_attn.k_norm.weight", {head_dim}, Init::kNorm});
+    }
     specs.push_back(
         {p + "post_attention_layernorm.weight", {d.hidden}, Init::kNorm});
     specs.push_back({p + "mlp.gate_proj.weight",
@@ -236,8 +248,8 @@ std::vector<float> Generate(const TensorSpec& spec, uint64_t seed) {
 }  // namespace
 
 std::vector<TinyShape> AllTinyShapes() {
-  return {TinyShape::kGqa, TinyShape::kTied, TinyShape::kQkvBias,
-          TinyShape::kHeadDim, TinyShape::kLlama3Rope};
+  return {TinyShape::kGqa,     TinyShape::kTied,       TinyShape::kQkvBias,
+          TinyShape::kHeadDim, TinyShape::kLlama3Rope, TinyShape::kQwen3};
 }
 
 absl::string_view TinyShapeName(TinyShape shape) {
@@ -260,6 +272,8 @@ absl::string_view TinyShapeName(TinyShape shape) {
       return "llama_0p5b";
     case TinyShape::kHeadDim64:
       return "head_dim_64";
+    case TinyShape::kQwen3:
+      return "qwen3";
   }
   return "unknown";
 }
@@ -274,8 +288,8 @@ absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name) {
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown tiny model shape \"", name,
-      "\"; known: gqa, tied, qkv_bias, head_dim, llama3_rope, small, "
-      "llama_1b, llama_0p5b, head_dim_64"));
+      "\"; known: gqa, tied, qkv_bias, head_dim, llama3_rope, qwen3, "
+      "small, llama_1b, llama_0p5b, head_dim_64"));
 }
 
 std::string TinyModelConfigJson(const TinyModelOptions& options) {
@@ -304,6 +318,14 @@ std::string TinyModelConfigJson(const TinyModelOptions& options) {
   if (d.head_dim_override > 0) config["head_dim"] = d.head_dim_override;
   // Qwen2 has no attention_bias field (its q/k/v biases are implied).
   if (!d.qkv_bias) config["attention_bias"] = false;
+  if (d.qk_norm) {
+    // The rest of Qwen3's published config.json keys (Qwen3-8B's, with this
+    // shape's sizes); no window.
+    config["use_sliding_window"] = false;
+    config["sliding_window"] = nullptr;
+    config["max_window_layers"] = d.layers;
+    config["attention_dropout"] = 0.0;
+  }
   if (d.llama3_rope) {
     config["rope_scaling"] = {
         {"rope_type", "llama3"},

@@ -41,11 +41,14 @@ enum class TinyShape {
   // 192 = 3 query heads × 64 over 1 KV head, intermediate 448 (rows that
   // end inside a 256-element load chunk), 2 layers, vocab 512. Not in All.
   kHeadDim64,
+  // Qwen3ForCausalLM: per-head q/k RMSNorm before RoPE, explicit head_dim 32
+  // over hidden 64 with 4 query and 2 KV heads, theta 1e6, eps 1e-6.
+  kQwen3,
 };
 
 std::vector<TinyShape> AllTinyShapes();
-// "gqa", "tied", "qkv_bias", "head_dim", "llama3_rope", "small", "llama_1b",
-// "llama_0p5b", "head_dim_64".
+// "gqa", "tied", "qkv_bias", "head_dim", "llama3_rope", "qwen3", "small",
+// "llama_1b", "llama_0p5b", "head_dim_64".
 absl::string_view TinyShapeName(TinyShape shape);
 absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name);
 

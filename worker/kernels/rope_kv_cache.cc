@@ -39,6 +39,22 @@ void RotateHeads(float* x, int num_heads, int head_dim, const float* cos_half,
   }
 }
 
+// RMS-normalizes `num_heads` heads of `head_dim` floats at `x` (contiguous
+// heads) in place, each scaled by `weight` [head_dim].
+void NormalizeHeads(float* x, int num_heads, int head_dim, const float* weight,
+                    float epsilon) {
+  for (int h = 0; h < num_heads; ++h) {
+    float* head = x + static_cast<int64_t>(h) * head_dim;
+    double sum_squares = 0.0;
+    for (int i = 0; i < head_dim; ++i) {
+      sum_squares += static_cast<double>(head[i]) * head[i];
+    }
+    const float inv_rms =
+        static_cast<float>(1.0 / std::sqrt(sum_squares / head_dim + epsilon));
+    for (int i = 0; i < head_dim; ++i) head[i] = head[i] * inv_rms * weight[i];
+  }
+}
+
 void RopeKvCacheCpu(const RopeKvCacheParams& p) {
   const int32_t* positions = p.positions.as<const int32_t>();
   const int32_t* slots = p.slot_mapping.as<const int32_t>();
@@ -60,6 +76,12 @@ void RopeKvCacheCpu(const RopeKvCacheParams& p) {
     float* k = p.key.as<float>() + static_cast<int64_t>(t) * p.key_row_stride;
     const float* v = p.value.as<const float>() +
                      static_cast<int64_t>(t) * p.value_row_stride;
+    if (!p.q_norm_weight.empty()) {
+      NormalizeHeads(q, p.num_heads, p.head_dim,
+                     p.q_norm_weight.as<const float>(), p.qk_norm_epsilon);
+      NormalizeHeads(k, p.num_kv_heads, p.head_dim,
+                     p.k_norm_weight.as<const float>(), p.qk_norm_epsilon);
+    }
     RotateHeads(q, p.num_heads, p.head_dim, cos_half, sin_half);
     RotateHeads(k, p.num_kv_heads, p.head_dim, cos_half, sin_half);
 
@@ -187,6 +209,23 @@ absl::StatusOr<RopeKvCacheParams> ResolveRopeKvCache(
         absl::StrFormat("%s: head_dim must be even and <= %d, got %d", kOp,
                         kMaxHeadDim, p.head_dim));
   }
+  if (p.q_norm_weight.empty() != p.k_norm_weight.empty()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: q_norm_weight and k_norm_weight come together (got only %s)", kOp,
+        p.q_norm_weight.empty() ? "k_norm_weight" : "q_norm_weight"));
+  }
+  const bool qk_norm = !p.q_norm_weight.empty();
+  if (qk_norm && stream.kind() == DeviceKind::kCuda) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "%s: q_norm_weight/k_norm_weight (per-head q/k RMSNorm) have no CUDA "
+        "kernel yet",
+        kOp));
+  }
+  if (qk_norm && !(p.qk_norm_epsilon > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: qk_norm_epsilon must be positive, got %g", kOp,
+                        p.qk_norm_epsilon));
+  }
   RopeKvCacheParams resolved = p;
   const int q_width = p.num_heads * p.head_dim;
   const int kv_width = p.num_kv_heads * p.head_dim;
@@ -248,6 +287,15 @@ absl::StatusOr<RopeKvCacheParams> ResolveRopeKvCache(
                    cache_layout),
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
+  if (qk_norm) {
+    const std::string norm_layout =
+        absl::StrFormat("[head_dim=%d] %s", p.head_dim, type);
+    PDW_RETURN_IF_ERROR(
+        FirstError({CheckBuffer(kOp, "q_norm_weight", p.q_norm_weight,
+                                p.head_dim, element, norm_layout),
+                    CheckBuffer(kOp, "k_norm_weight", p.k_norm_weight,
+                                p.head_dim, element, norm_layout)}));
+  }
   return resolved;
 }
 

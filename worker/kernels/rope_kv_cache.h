@@ -52,6 +52,10 @@ absl::Status ValidateRopeConfig(const RopeConfig& config);
 std::vector<float> ComputeRopeInvFreq(const RopeConfig& config);
 
 // Per token t (all num_tokens rows, padding included):
+//   0. only with q_norm_weight and k_norm_weight (Qwen3's per-head q/k norm):
+//      every q head becomes x / sqrt(mean(x^2) + qk_norm_epsilon) *
+//      q_norm_weight over its head_dim values (the mean in double, as the
+//      CPU RMSNorm), every k head likewise with k_norm_weight, in place.
 //   1. angle[i] = float(positions[t]) * inv_freq[i]  (an fp32 product, as
 //      Hugging Face and vLLM compute it); for every q head and k head, pairs
 //      (x[i], x[i + head_dim/2]) become
@@ -78,6 +82,12 @@ struct RopeKvCacheParams {
   // One layer's cache, [num_blocks, block_size, num_kv_heads, head_dim].
   DeviceBuffer key_cache;
   DeviceBuffer value_cache;
+  // Both or neither; fp32 [head_dim] on the CPU backend. The CUDA kernels do
+  // not implement them yet: a launch with them is refused there, naming them
+  // (LlamaForward::Create refuses the model first).
+  DeviceBuffer q_norm_weight;
+  DeviceBuffer k_norm_weight;
+  float qk_norm_epsilon = 0;
   int num_tokens = 0;  // padded token count
   int num_heads = 0;
   int num_kv_heads = 0;

@@ -125,6 +125,16 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
         DTypeName(kernels::ModelDTypeFor(kind))));
   }
 
+  // The CUDA kernels (unfused, the fused epilogues and the megakernel alike)
+  // have no per-head q/k norm yet: refused by name rather than computed
+  // without it.
+  if (kind == DeviceKind::kCuda && config.layer.qk_norm != QkNorm::kNone) {
+    return absl::UnimplementedError(absl::StrCat(
+        "LlamaForward: ", ArchitectureName(config.architecture),
+        "'s per-head q/k norm (self_attn.q_norm / k_norm, qk_norm=",
+        QkNormName(config.layer.qk_norm),
+        ") has no CUDA kernel yet; serve this model with --device=cpu"));
+  }
   if (kind == DeviceKind::kCuda &&
       options.uniform_decode_query_len >
           kernels::kCudaAttentionMaxUniformQueryLen) {
@@ -567,6 +577,12 @@ kernels::RopeKvCacheParams LlamaForward::RopeParams(int layer,
   rope.key_row_stride = qkv_stride;
   rope.value_row_stride = qkv_stride;
   rope.dtype = dtype;
+  const LlamaLayerWeights& w = weights_.layers[layer];
+  if (config_.layer.qk_norm == QkNorm::kPerHeadRms) {
+    rope.q_norm_weight = w.q_norm;
+    rope.k_norm_weight = w.k_norm;
+    rope.qk_norm_epsilon = static_cast<float>(config_.rms_norm_eps);
+  }
   return rope;
 }
 

@@ -83,7 +83,7 @@ absl::Status LoadInto(const ModelConfig& c, WeightsLoad& load) {
                             {p + "self_attn.k_proj.weight", {c.kv_size(), h}},
                             {p + "self_attn.v_proj.weight", {c.kv_size(), h}}},
                            "qkv"));
-    if (c.qkv_bias) {
+    if (c.layer.qkv_bias) {
       PDW_ASSIGN_OR_RETURN(
           L.qkv_bias,
           load.Buffer({{p + "self_attn.q_proj.bias", {c.q_size()}},
@@ -91,11 +91,19 @@ absl::Status LoadInto(const ModelConfig& c, WeightsLoad& load) {
                        {p + "self_attn.v_proj.bias", {c.kv_size()}}},
                       "qkv_bias"));
     }
+    if (c.layer.qk_norm == QkNorm::kPerHeadRms) {
+      PDW_ASSIGN_OR_RETURN(
+          L.q_norm, load.Buffer({{p + "self_attn.q_norm.weight", {c.head_dim}}},
+                                "q_norm"));
+      PDW_ASSIGN_OR_RETURN(
+          L.k_norm, load.Buffer({{p + "self_attn.k_norm.weight", {c.head_dim}}},
+                                "k_norm"));
+    }
     PDW_ASSIGN_OR_RETURN(
         L.o_proj,
         load.Buffer({{p + "self_attn.o_proj.weight", {h, c.q_size()}}},
                     "o_proj"));
-    if (c.o_proj_bias) {
+    if (c.layer.o_proj_bias) {
       PDW_ASSIGN_OR_RETURN(
           L.o_bias,
           load.Buffer({{p + "self_attn.o_proj.bias", {h}}}, "o_bias"));
@@ -135,8 +143,10 @@ size_t LlamaWeightBytes(const ModelConfig& c, DType dtype) {
   size_t per_layer = bytes(h) * 2 + bytes(qkv * h) + bytes(h * c.q_size()) +
                      bytes(2 * c.intermediate_size * h) +
                      bytes(h * c.intermediate_size);
-  if (c.qkv_bias) per_layer += bytes(qkv);
-  if (c.o_proj_bias) per_layer += bytes(h);
+  if (c.layer.qkv_bias) per_layer += bytes(qkv);
+  if (c.layer.o_proj_bias) per_layer += bytes(h);
+  if (c.layer.qk_norm == QkNorm::kPerHeadRms)
+    per_layer += 2 * bytes(c.head_dim);
   size_t total =
       per_layer * c.num_hidden_layers + bytes(c.vocab_size * h) + bytes(h);
   if (!c.tie_word_embeddings) total += bytes(c.vocab_size * h);
@@ -148,8 +158,9 @@ size_t LlamaDecodeWeightBytes(const ModelConfig& c, DType dtype) {
   const int64_t h = c.hidden_size, qkv = c.q_size() + 2 * c.kv_size();
   int64_t per_layer =
       2 * h + qkv * h + h * c.q_size() + 3 * c.intermediate_size * h;
-  if (c.qkv_bias) per_layer += qkv;
-  if (c.o_proj_bias) per_layer += h;
+  if (c.layer.qkv_bias) per_layer += qkv;
+  if (c.layer.o_proj_bias) per_layer += h;
+  if (c.layer.qk_norm == QkNorm::kPerHeadRms) per_layer += 2 * c.head_dim;
   // Layers, the final norm, the LM head matrix and one embedding row.
   const int64_t elements =
       per_layer * c.num_hidden_layers + h + c.vocab_size * h + h;

@@ -26,11 +26,15 @@ struct LlamaLayerWeights {
   DeviceBuffer input_norm;  // [hidden]
   DeviceBuffer qkv;         // [q_size + 2 * kv_size, hidden]
   DeviceBuffer qkv_bias;    // [q_size + 2 * kv_size] or empty
-  DeviceBuffer o_proj;      // [hidden, q_size]
-  DeviceBuffer o_bias;      // [hidden] or empty
-  DeviceBuffer post_norm;   // [hidden]
-  DeviceBuffer gate_up;     // [2 * intermediate, hidden]
-  DeviceBuffer down;        // [hidden, intermediate]
+  // QkNorm::kPerHeadRms: self_attn.q_norm / k_norm, each [head_dim];
+  // otherwise empty.
+  DeviceBuffer q_norm;
+  DeviceBuffer k_norm;
+  DeviceBuffer o_proj;     // [hidden, q_size]
+  DeviceBuffer o_bias;     // [hidden] or empty
+  DeviceBuffer post_norm;  // [hidden]
+  DeviceBuffer gate_up;    // [2 * intermediate, hidden]
+  DeviceBuffer down;       // [hidden, intermediate]
 };
 
 struct LlamaWeights {

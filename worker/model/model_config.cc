@@ -11,84 +11,25 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/fnv1a.h"
-#include "nlohmann/json.hpp"
+#include "worker/model/config_json.h"
+#include "worker/model/model_family.h"
 
 namespace pdworker {
 namespace {
 
-using Json = nlohmann::json;
+using config_json::AsInt;
+using config_json::AsNumber;
+using config_json::Describe;
+using config_json::FieldError;
+using config_json::Find;
+using config_json::Json;
+using config_json::OptionalBool;
+using config_json::RequiredInt;
+using config_json::RequiredNumber;
 
 constexpr absl::string_view kPrefix = "config.json: ";
 
-absl::Status FieldError(absl::string_view field, absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat(kPrefix, field, " ", what));
-}
-
-// Short rendering of a JSON value for error messages ("string \"2\"").
-std::string Describe(const Json& value) {
-  std::string text = value.dump();
-  if (text.size() > 60) text = text.substr(0, 57) + "...";
-  return absl::StrCat(value.type_name(), " ", text);
-}
-
-// `root[field]`, or nullptr when absent or null (HF writes null for "unset").
-const Json* Find(const Json& object, const std::string& field) {
-  const auto it = object.find(field);
-  if (it == object.end() || it->is_null()) return nullptr;
-  return &*it;
-}
-
-absl::StatusOr<int64_t> AsInt(const Json& value, absl::string_view field) {
-  if (!value.is_number_integer()) {
-    return FieldError(
-        field, absl::StrCat("must be an integer, got ", Describe(value)));
-  }
-  if (value.is_number_unsigned() &&
-      value.get<uint64_t>() >
-          static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-    return FieldError(field, absl::StrCat("is out of range: ", value.dump()));
-  }
-  return value.get<int64_t>();
-}
-
-absl::StatusOr<int64_t> RequiredInt(const Json& object,
-                                    const std::string& field,
-                                    absl::string_view path = "") {
-  const std::string name = absl::StrCat(path, field);
-  const Json* value = Find(object, field);
-  if (value == nullptr) return FieldError(name, "is missing");
-  return AsInt(*value, name);
-}
-
-absl::StatusOr<double> AsNumber(const Json& value, absl::string_view field) {
-  if (!value.is_number()) {
-    return FieldError(field,
-                      absl::StrCat("must be a number, got ", Describe(value)));
-  }
-  return value.get<double>();
-}
-
-absl::StatusOr<double> RequiredNumber(const Json& object,
-                                      const std::string& field,
-                                      absl::string_view path = "") {
-  const std::string name = absl::StrCat(path, field);
-  const Json* value = Find(object, field);
-  if (value == nullptr) return FieldError(name, "is missing");
-  return AsNumber(*value, name);
-}
-
-absl::StatusOr<bool> OptionalBool(const Json& object, const std::string& field,
-                                  bool default_value) {
-  const Json* value = Find(object, field);
-  if (value == nullptr) return default_value;
-  if (!value->is_boolean()) {
-    return FieldError(
-        field, absl::StrCat("must be a boolean, got ", Describe(*value)));
-  }
-  return value->get<bool>();
-}
-
-absl::StatusOr<Architecture> ParseArchitectures(const Json& root) {
+absl::StatusOr<const ModelFamily*> ParseArchitectures(const Json& root) {
   const Json* value = Find(root, "architectures");
   if (value == nullptr) return FieldError("architectures", "is missing");
   if (!value->is_array()) {
@@ -104,16 +45,20 @@ absl::StatusOr<Architecture> ParseArchitectures(const Json& root) {
                                      Describe(entry)));
     }
     const std::string name = entry.get<std::string>();
-    if (name == "LlamaForCausalLM") return Architecture::kLlama;
-    if (name == "Qwen2ForCausalLM") return Architecture::kQwen2;
-    if (name == "MistralForCausalLM") return Architecture::kMistral;
+    if (const ModelFamily* family = FindModelFamily(name); family != nullptr) {
+      return family;
+    }
     found.push_back(name);
   }
-  return FieldError(
-      "architectures",
-      absl::StrCat("[", absl::StrJoin(found, ", "),
-                   "] names no supported architecture; supported: "
-                   "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"));
+  std::vector<absl::string_view> supported;
+  for (const ModelFamily* family : ModelFamilies()) {
+    supported.push_back(family->architecture_name);
+  }
+  return FieldError("architectures",
+                    absl::StrCat("[", absl::StrJoin(found, ", "),
+                                 "] names no supported architecture; "
+                                 "supported: ",
+                                 absl::StrJoin(supported, ", ")));
 }
 
 // The scaling described by one RoPE object: transformers < 5's
@@ -312,51 +257,29 @@ absl::Status ParseTokenIds(const Json& root, ModelConfig* config) {
   return absl::OkStatus();
 }
 
-// Attention biases and sliding window differ by architecture.
-absl::Status ParseArchitectureSpecifics(const Json& root, ModelConfig* config) {
-  auto attention_bias = OptionalBool(root, "attention_bias", false);
-  if (!attention_bias.ok()) return attention_bias.status();
+// Keys that announce what no family here runs: refused naming the key rather
+// than loading tensors the forward would not use (or not finding the ones it
+// would).
+absl::Status RefuseUnsupportedFeatures(const Json& root) {
+  struct Unsupported {
+    const char* key;
+    const char* what;
+  };
+  static constexpr Unsupported kUnsupported[] = {
+      {"quantization_config", "quantized weights are not supported"},
+      {"num_experts", "mixture-of-experts layers are not supported"},
+      {"num_local_experts", "mixture-of-experts layers are not supported"},
+      {"n_routed_experts", "mixture-of-experts layers are not supported"},
+      {"kv_lora_rank", "multi-head latent attention is not supported"},
+  };
+  for (const Unsupported& u : kUnsupported) {
+    if (Find(root, u.key) != nullptr) {
+      return FieldError(u.key, absl::StrCat("is set: ", u.what));
+    }
+  }
   auto mlp_bias = OptionalBool(root, "mlp_bias", false);
   if (!mlp_bias.ok()) return mlp_bias.status();
-  if (*mlp_bias) {
-    return FieldError("mlp_bias", "= true is not supported");
-  }
-  switch (config->architecture) {
-    case Architecture::kLlama:
-      // LlamaAttention: bias=config.attention_bias on all four projections.
-      config->qkv_bias = *attention_bias;
-      config->o_proj_bias = *attention_bias;
-      break;
-    case Architecture::kQwen2: {
-      // Qwen2Attention hard-codes bias=True on q/k/v and False on o.
-      config->qkv_bias = true;
-      config->o_proj_bias = false;
-      auto use_window = OptionalBool(root, "use_sliding_window", false);
-      if (!use_window.ok()) return use_window.status();
-      if (*use_window) {
-        auto window = RequiredInt(root, "sliding_window");
-        if (!window.ok()) return window.status();
-        config->sliding_window = *window;
-      }
-      break;
-    }
-    case Architecture::kMistral:
-      if (*attention_bias) {
-        return FieldError("attention_bias",
-                          "= true is not supported for MistralForCausalLM");
-      }
-      if (const Json* window = Find(root, "sliding_window");
-          window != nullptr) {
-        auto value = AsInt(*window, "sliding_window");
-        if (!value.ok()) return value.status();
-        config->sliding_window = *value;
-      }
-      break;
-  }
-  if (config->sliding_window.has_value() && *config->sliding_window <= 0) {
-    return FieldError("sliding_window", absl::StrCat("must be positive, got ",
-                                                     *config->sliding_window));
-  }
+  if (*mlp_bias) return FieldError("mlp_bias", "= true is not supported");
   return absl::OkStatus();
 }
 
@@ -402,15 +325,11 @@ absl::Status Validate(const ModelConfig& config) {
 }  // namespace
 
 absl::string_view ArchitectureName(Architecture architecture) {
-  switch (architecture) {
-    case Architecture::kLlama:
-      return "LlamaForCausalLM";
-    case Architecture::kQwen2:
-      return "Qwen2ForCausalLM";
-    case Architecture::kMistral:
-      return "MistralForCausalLM";
-  }
-  return "unknown";
+  return FamilyOf(architecture).architecture_name;
+}
+
+absl::string_view ModelTypeName(Architecture architecture) {
+  return FamilyOf(architecture).model_type;
 }
 
 std::string ModelConfig::CanonicalString() const {
@@ -422,7 +341,12 @@ std::string ModelConfig::CanonicalString() const {
       ArchitectureName(architecture), hidden_size, intermediate_size,
       num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
       rms_norm_eps, rope_theta, vocab_size, tie_word_embeddings ? 1 : 0,
-      qkv_bias ? 1 : 0, o_proj_bias ? 1 : 0);
+      layer.qkv_bias ? 1 : 0, layer.o_proj_bias ? 1 : 0);
+  // Only when set, so the strings (and fingerprints) of the families
+  // without it are what they were before the field existed.
+  if (layer.qk_norm != QkNorm::kNone) {
+    absl::StrAppend(&text, "qk_norm=", QkNormName(layer.qk_norm), ";");
+  }
   if (rope_scaling.type == RopeScalingType::kLlama3) {
     absl::StrAppendFormat(&text, "rope=llama3,%.17g,%.17g,%.17g,%d;",
                           rope_scaling.factor, rope_scaling.low_freq_factor,
@@ -457,9 +381,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text) {
   }
 
   ModelConfig config;
-  auto architecture = ParseArchitectures(root);
-  if (!architecture.ok()) return architecture.status();
-  config.architecture = *architecture;
+  auto family = ParseArchitectures(root);
+  if (!family.ok()) return family.status();
+  config.architecture = (*family)->architecture;
+  if (absl::Status status = RefuseUnsupportedFeatures(root); !status.ok()) {
+    return status;
+  }
 
   struct IntField {
     const char* name;
@@ -548,8 +475,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text) {
     }
   }
 
-  if (absl::Status status = ParseArchitectureSpecifics(root, &config);
-      !status.ok()) {
+  if (absl::Status status = (*family)->parse(root, config); !status.ok()) {
     return status;
   }
   if (absl::Status status = ParseTokenIds(root, &config); !status.ok()) {

@@ -1,7 +1,9 @@
 // The model description from a Hugging Face config.json: the shape of a
-// Llama-family decoder (Llama, Qwen2, Mistral) and its numerics (RMSNorm eps,
-// RoPE base and llama3 frequency scaling). Everything the forward pass and the
-// KV cache size themselves by comes from here.
+// pre-norm dense decoder (Llama, Qwen2, Mistral, Qwen3; one file per family in
+// worker/model/families/), its layer's departures from Llama's
+// (decoder_layer.h) and its numerics (RMSNorm eps, RoPE base and llama3
+// frequency scaling). Everything the forward pass and the KV cache size
+// themselves by comes from here.
 #ifndef PDWORKER_WORKER_MODEL_MODEL_CONFIG_H_
 #define PDWORKER_WORKER_MODEL_MODEL_CONFIG_H_
 
@@ -13,15 +15,19 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/dtype.h"
+#include "worker/model/decoder_layer.h"
 
 namespace pdworker {
 
-// config.json "architectures"; the three share one decoder layout and differ
-// only in which projections carry a bias.
-enum class Architecture { kLlama, kQwen2, kMistral };
+// config.json "architectures": the family (model_family.h) whose file read
+// the config.
+enum class Architecture { kLlama, kQwen2, kMistral, kQwen3 };
 
-// "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM".
+// "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM",
+// "Qwen3ForCausalLM".
 absl::string_view ArchitectureName(Architecture architecture);
+// config.json "model_type" of the family: "llama", "qwen2", ...
+absl::string_view ModelTypeName(Architecture architecture);
 
 enum class RopeScalingType {
   kNone,    // plain RoPE: inv_freq[i] = theta^(-2i / head_dim)
@@ -54,11 +60,9 @@ struct ModelConfig {
   int64_t max_position_embeddings = 0;  // longest supported sequence, tokens
   // true: there is no lm_head.weight; logits = hidden @ embed_tokens^T.
   bool tie_word_embeddings = false;
-  // Biases on the attention projections. Llama's attention_bias puts one on
-  // q, k, v and o; Qwen2 always has q/k/v biases and never an o bias;
-  // Mistral has none.
-  bool qkv_bias = false;
-  bool o_proj_bias = false;
+  // What the family's layer does differently from Llama's: attention biases,
+  // q/k norm (the family file sets it).
+  DecoderLayerSpec layer;
   // config.json "torch_dtype" (or "dtype"): the checkpoint's storage type.
   // Absent -> float32, transformers' default.
   DType torch_dtype = DType::kFloat32;
@@ -71,9 +75,11 @@ struct ModelConfig {
   std::vector<int64_t> eos_token_ids;
   enum class EosSource { kNone, kConfig, kGenerationConfig };
   EosSource eos_source = EosSource::kNone;
-  // Mistral's "sliding_window" (and Qwen2's when "use_sliding_window" is
-  // true): attention only sees this many previous tokens. Recorded so callers
-  // can refuse or cap sequences; the forward does not implement it.
+  // Mistral's "sliding_window" (and Qwen2's and Qwen3's when
+  // "use_sliding_window" is true): attention only sees this many previous
+  // tokens. The forward does not implement windows yet; within one, full
+  // attention is the same computation, so ModelRunner caps max_model_len to
+  // it (and refuses a longer explicit one).
   std::optional<int64_t> sliding_window;
 
   // Derived sizes.
@@ -86,8 +92,9 @@ struct ModelConfig {
   // A stable hash (16 lowercase hex digits, FNV-1a 64 over a canonical
   // "field=value;" string) of every field that defines the model's shape and
   // numerics: architecture, sizes, heads, head_dim, eps, RoPE, vocab, tying,
-  // biases. Two workers with equal fingerprints compute the same KV layout
-  // and the same positions' K/V, so a KV handoff between them is meaningful.
+  // the layer spec, the sliding window. Two workers with equal fingerprints
+  // compute the same KV layout and the same positions' K/V, so a KV handoff
+  // between them is meaningful.
   // torch_dtype, token ids and max_position_embeddings are excluded: they do
   // not change what a KV block holds. Weights are not covered: the worker
   // publishes and checks ModelFingerprint() (model_fingerprint.h), which
@@ -97,11 +104,13 @@ struct ModelConfig {
   std::string CanonicalString() const;
 };
 
-// Parses config.json text. Unknown fields are ignored (HF configs carry many).
-// Errors are InvalidArgument and name the field, e.g.
-// "config.json: num_key_value_heads must be an integer, got string \"2\"" or
-// "config.json: num_attention_heads (8) must be a multiple of
-// num_key_value_heads (3)".
+// Parses config.json text: the shared keys here, the family's own in its file
+// (model_family.h). Unknown fields are ignored (HF configs carry many), except
+// the ones that announce something pdworker does not run (quantization_config,
+// mixture-of-experts and MLA keys, mlp_bias), which are refused. Errors are
+// InvalidArgument and name the field, e.g. "config.json: num_key_value_heads
+// must be an integer, got string \"2\"" or "config.json: num_attention_heads
+// (8) must be a multiple of num_key_value_heads (3)".
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text);
 
 // What pdworker reads from generation_config.json: its "eos_token_id" (an id

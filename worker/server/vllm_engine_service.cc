@@ -348,18 +348,6 @@ class GenerateReactor final : public MessageWriter {
   vg::OutputLogProbs all_logprobs_;
 };
 
-absl::string_view ModelType(Architecture architecture) {
-  switch (architecture) {
-    case Architecture::kLlama:
-      return "llama";
-    case Architecture::kQwen2:
-      return "qwen2";
-    case Architecture::kMistral:
-      return "mistral";
-  }
-  return "";
-}
-
 }  // namespace
 
 VllmEngineService::VllmEngineService(const ModelRunner& runner, Engine& engine,
@@ -388,7 +376,7 @@ VllmEngineService::VllmEngineService(const ModelRunner& runner, Engine& engine,
                                         ? options.model_dir
                                         : options.served_model_name);
   model_info_.set_tokenizer_path(options.model_dir);
-  model_info_.set_model_type(std::string(ModelType(c.architecture)));
+  model_info_.set_model_type(std::string(ModelTypeName(c.architecture)));
   model_info_.add_architectures(std::string(ArchitectureName(c.architecture)));
   for (const int64_t id : c.eos_token_ids) {
     model_info_.add_eos_token_ids(static_cast<int32_t>(id));

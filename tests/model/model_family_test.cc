@@ -1,0 +1,212 @@
+// The family files (worker/model/families/): each maps its published
+// config.json onto the decoder layer description, the table finds every
+// family by name, and the keys of features no family runs are refused by
+// name.
+#include "worker/model/model_family.h"
+
+#include <functional>
+#include <set>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "worker/model/model_config.h"
+
+namespace pdworker {
+namespace {
+
+using ::testing::HasSubstr;
+using Json = nlohmann::json;
+
+// Qwen/Qwen3-0.6B config.json as published: head_dim 128 with 16 heads over
+// hidden 1024 (so head_dim != hidden / heads), tied embeddings, no window.
+constexpr char kQwen3Config[] = R"({
+  "architectures": ["Qwen3ForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 151643,
+  "eos_token_id": 151645,
+  "head_dim": 128,
+  "hidden_act": "silu",
+  "hidden_size": 1024,
+  "initializer_range": 0.02,
+  "intermediate_size": 3072,
+  "max_position_embeddings": 40960,
+  "max_window_layers": 28,
+  "model_type": "qwen3",
+  "num_attention_heads": 16,
+  "num_hidden_layers": 28,
+  "num_key_value_heads": 8,
+  "rms_norm_eps": 1e-06,
+  "rope_scaling": null,
+  "rope_theta": 1000000,
+  "sliding_window": null,
+  "tie_word_embeddings": true,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.51.0",
+  "use_cache": true,
+  "use_sliding_window": false,
+  "vocab_size": 151936
+})";
+
+ModelConfig ParseOrDie(const std::string& text) {
+  auto config = ParseModelConfig(text);
+  EXPECT_TRUE(config.ok()) << config.status();
+  return config.ok() ? *config : ModelConfig{};
+}
+
+std::string WithQwen3(const std::function<void(Json&)>& edit) {
+  Json config = Json::parse(kQwen3Config);
+  edit(config);
+  return config.dump();
+}
+
+TEST(ModelFamilyTest, Qwen3AsPublished) {
+  const ModelConfig c = ParseOrDie(kQwen3Config);
+  EXPECT_EQ(c.architecture, Architecture::kQwen3);
+  EXPECT_EQ(ArchitectureName(c.architecture), "Qwen3ForCausalLM");
+  EXPECT_EQ(ModelTypeName(c.architecture), "qwen3");
+  EXPECT_EQ(c.layer.qk_norm, QkNorm::kPerHeadRms);
+  EXPECT_FALSE(c.layer.qkv_bias);
+  EXPECT_FALSE(c.layer.o_proj_bias);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(c.q_size(), 2048);  // != hidden_size
+  EXPECT_EQ(c.kv_size(), 1024);
+  EXPECT_EQ(c.rope_theta, 1e6);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_FALSE(c.sliding_window.has_value());
+  EXPECT_EQ(c.eos_token_ids, std::vector<int64_t>{151645});
+  EXPECT_THAT(c.CanonicalString(), HasSubstr("qk_norm=per_head_rms;"));
+}
+
+TEST(ModelFamilyTest, Qwen3KeysChangeTheLayer) {
+  const ModelConfig biased =
+      ParseOrDie(WithQwen3([](Json& j) { j["attention_bias"] = true; }));
+  EXPECT_TRUE(biased.layer.qkv_bias);
+  EXPECT_TRUE(biased.layer.o_proj_bias);
+  const ModelConfig windowed = ParseOrDie(WithQwen3([](Json& j) {
+    j["use_sliding_window"] = true;
+    j["sliding_window"] = 4096;
+  }));
+  EXPECT_EQ(windowed.sliding_window, 4096);
+  EXPECT_NE(windowed.Fingerprint(), ParseOrDie(kQwen3Config).Fingerprint());
+
+  struct Bad {
+    std::function<void(Json&)> edit;
+    const char* names;
+  };
+  const Bad bad[] = {
+      {[](Json& j) { j["use_sliding_window"] = true; }, "sliding_window"},
+      {[](Json& j) {
+         j["use_sliding_window"] = true;
+         j["sliding_window"] = 0;
+       },
+       "sliding_window must be positive"},
+      {[](Json& j) { j["use_sliding_window"] = "yes"; }, "use_sliding_window"},
+      {[](Json& j) { j["attention_bias"] = 1; }, "attention_bias"},
+  };
+  for (const Bad& b : bad) {
+    auto parsed = ParseModelConfig(WithQwen3(b.edit));
+    ASSERT_FALSE(parsed.ok()) << b.names;
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(parsed.status().message(), HasSubstr(b.names));
+  }
+}
+
+// The same shape under another family is another model: the layer spec is
+// part of the fingerprint, so a Qwen2 worker never takes a Qwen3's KV.
+TEST(ModelFamilyTest, TheFamilyIsPartOfTheFingerprint) {
+  const ModelConfig qwen3 = ParseOrDie(kQwen3Config);
+  std::set<std::string> fingerprints;
+  for (const ModelFamily* family : ModelFamilies()) {
+    const ModelConfig c = ParseOrDie(WithQwen3([family](Json& j) {
+      j["architectures"] = {std::string(family->architecture_name)};
+      j["model_type"] = std::string(family->model_type);
+    }));
+    EXPECT_EQ(c.architecture, family->architecture);
+    EXPECT_EQ(c.layer.qk_norm == QkNorm::kPerHeadRms,
+              family->architecture == Architecture::kQwen3);
+    fingerprints.insert(c.Fingerprint());
+  }
+  EXPECT_EQ(fingerprints.size(), ModelFamilies().size());
+  // Families without q/k norm keep the canonical string they had before
+  // the field existed (no "qk_norm=").
+  const ModelConfig llama = ParseOrDie(
+      WithQwen3([](Json& j) { j["architectures"] = {"LlamaForCausalLM"}; }));
+  EXPECT_THAT(llama.CanonicalString(), ::testing::Not(HasSubstr("qk_norm")));
+  EXPECT_NE(llama.Fingerprint(), qwen3.Fingerprint());
+}
+
+TEST(ModelFamilyTest, TheTableFindsEveryFamilyOnce) {
+  std::set<std::string> names, types;
+  std::set<Architecture> architectures;
+  for (const ModelFamily* family : ModelFamilies()) {
+    names.insert(std::string(family->architecture_name));
+    types.insert(std::string(family->model_type));
+    architectures.insert(family->architecture);
+    EXPECT_EQ(FindModelFamily(family->architecture_name), family);
+    EXPECT_EQ(&FamilyOf(family->architecture), family);
+    EXPECT_EQ(ArchitectureName(family->architecture),
+              family->architecture_name);
+  }
+  EXPECT_EQ(names.size(), ModelFamilies().size());
+  EXPECT_EQ(types.size(), ModelFamilies().size());
+  EXPECT_EQ(architectures.size(), ModelFamilies().size());
+  EXPECT_EQ(FindModelFamily("Qwen3MoeForCausalLM"), nullptr);
+}
+
+// An architecture no family reads is refused listing the ones that exist.
+TEST(ModelFamilyTest, AnUnknownArchitectureListsTheSupportedOnes) {
+  auto parsed = ParseModelConfig(
+      WithQwen3([](Json& j) { j["architectures"] = {"Gemma2ForCausalLM"}; }));
+  ASSERT_FALSE(parsed.ok());
+  for (const ModelFamily* family : ModelFamilies()) {
+    EXPECT_THAT(parsed.status().message(),
+                HasSubstr(std::string(family->architecture_name)));
+  }
+  EXPECT_THAT(parsed.status().message(), HasSubstr("Gemma2ForCausalLM"));
+}
+
+// Keys that announce what no family runs are refused naming the key, in
+// every family, rather than ignored.
+TEST(ModelFamilyTest, UnsupportedFeaturesAreRefusedByName) {
+  struct Case {
+    const char* key;
+    Json value;
+    const char* what;
+  };
+  const Case cases[] = {
+      {"quantization_config",
+       {{"quant_method", "awq"}, {"bits", 4}},
+       "quantized weights"},
+      {"num_experts", 128, "mixture-of-experts"},
+      {"num_local_experts", 8, "mixture-of-experts"},
+      {"n_routed_experts", 64, "mixture-of-experts"},
+      {"kv_lora_rank", 512, "latent attention"},
+      {"mlp_bias", true, "mlp_bias"},
+  };
+  for (const ModelFamily* family : ModelFamilies()) {
+    for (const Case& c : cases) {
+      SCOPED_TRACE(absl::StrCat(family->architecture_name, " ", c.key));
+      auto parsed = ParseModelConfig(WithQwen3([&](Json& j) {
+        j["architectures"] = {std::string(family->architecture_name)};
+        j[c.key] = c.value;
+      }));
+      ASSERT_FALSE(parsed.ok());
+      EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(parsed.status().message(), HasSubstr(c.key));
+      EXPECT_THAT(parsed.status().message(), HasSubstr(c.what));
+    }
+    // null means unset, as everywhere in HF configs.
+    EXPECT_TRUE(ParseModelConfig(WithQwen3([&](Json& j) {
+                  j["architectures"] = {std::string(family->architecture_name)};
+                  j["quantization_config"] = nullptr;
+                  j["num_experts"] = nullptr;
+                })).ok());
+  }
+}
+
+}  // namespace
+}  // namespace pdworker

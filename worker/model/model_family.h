@@ -1,0 +1,55 @@
+// A model family: how one `architectures` entry of config.json maps onto a
+// ModelConfig. The keys every family shares (sizes, heads, head_dim, RMSNorm
+// eps, RoPE, vocabulary, tying, dtype, token ids) are read by
+// ParseModelConfig; the family reads its own (attention biases, q/k norm,
+// sliding window) into config->layer and config->sliding_window, and refuses
+// the values pdworker does not run, naming the key.
+//
+// Adding a family: a file in worker/model/families/ defining its ModelFamily,
+// its entry in ModelFamilies() (families/model_families.cc), the Architecture
+// value, and its tests (a tiny checkpoint in tools/make_tiny_model and its
+// float64 reference in tests/reference/).
+#ifndef PDWORKER_WORKER_MODEL_MODEL_FAMILY_H_
+#define PDWORKER_WORKER_MODEL_MODEL_FAMILY_H_
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "worker/model/config_json.h"
+#include "worker/model/model_config.h"
+
+namespace pdworker {
+
+struct ModelFamily {
+  Architecture architecture;
+  absl::string_view architecture_name;  // "Qwen3ForCausalLM"
+  absl::string_view model_type;         // config.json "model_type": "qwen3"
+  // Reads the family's own keys from config.json's `root` into `config`
+  // (whose shared fields are already parsed).
+  absl::Status (*parse)(const config_json::Json& root, ModelConfig& config);
+};
+
+// One per file in worker/model/families/.
+extern const ModelFamily kLlamaFamily;
+extern const ModelFamily kQwen2Family;
+extern const ModelFamily kMistralFamily;
+extern const ModelFamily kQwen3Family;
+
+// Every family pdworker serves, in the order errors list them.
+absl::Span<const ModelFamily* const> ModelFamilies();
+
+// The family of `architecture_name`, or nullptr.
+const ModelFamily* FindModelFamily(absl::string_view architecture_name);
+const ModelFamily& FamilyOf(Architecture architecture);
+
+// Qwen2's and Qwen3's "use_sliding_window" (default false) with
+// "sliding_window" (then required, positive) into config.sliding_window.
+// "max_window_layers" (the layers from which on the window applies) is not
+// read: the window is recorded as applying to every layer, which only errs
+// on the safe side (ModelRunner caps max_model_len to it).
+absl::Status ParseQwenSlidingWindow(const config_json::Json& root,
+                                    ModelConfig& config);
+
+}  // namespace pdworker
+
+#endif  // PDWORKER_WORKER_MODEL_MODEL_FAMILY_H_
