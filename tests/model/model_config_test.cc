@@ -3,6 +3,7 @@
 // offending field; Fingerprint stability and sensitivity.
 #include "worker/model/model_config.h"
 
+#include <cmath>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -206,6 +207,17 @@ TEST(ModelConfigTest, ParsesEveryTinyShape) {
         EXPECT_FALSE(c.layer.qkv_bias);
         EXPECT_EQ(c.head_dim, 32);
         EXPECT_FALSE(c.sliding_window.has_value());
+        break;
+      case TinyShape::kLinearRope:
+        EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kLinear);
+        EXPECT_EQ(c.rope_scaling.factor, 2.0);
+        break;
+      case TinyShape::kYarnRope:
+        EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kYarn);
+        EXPECT_EQ(c.rope_scaling.factor, 4.0);
+        EXPECT_EQ(c.rope_scaling.original_max_position_embeddings, 128);
+        EXPECT_DOUBLE_EQ(c.rope_scaling.attention_factor,
+                         0.1 * std::log(4.0) + 1.0);
         break;
       case TinyShape::kSmall:
       case TinyShape::kLlama1B:
@@ -463,12 +475,36 @@ std::vector<InvalidCase> InvalidCases() {
       {"architectures_not_list",
        set("architectures", "LlamaForCausalLM"),
        {"architectures", "list"}},
-      {"unsupported_rope_yarn",
-       set("rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}}),
-       {"rope_scaling.rope_type", "yarn", "llama3"}},
-      {"unsupported_rope_linear_old_key",
-       set("rope_scaling", {{"type", "linear"}, {"factor", 2.0}}),
-       {"rope_scaling.type", "linear"}},
+      {"unsupported_rope_dynamic",
+       set("rope_scaling", {{"rope_type", "dynamic"}, {"factor", 4.0}}),
+       {"rope_scaling.rope_type", "dynamic", "llama3, linear, yarn"}},
+      {"unsupported_rope_longrope_old_key",
+       set("rope_scaling", {{"type", "longrope"}, {"factor", 2.0}}),
+       {"rope_scaling.type", "longrope"}},
+      {"linear_without_factor",
+       set("rope_scaling", {{"rope_type", "linear"}}),
+       {"rope_scaling.factor", "missing"}},
+      {"linear_zero_factor",
+       set("rope_scaling", {{"rope_type", "linear"}, {"factor", 0.0}}),
+       {"rope_scaling.factor", "positive"}},
+      {"yarn_factor_below_one",
+       set("rope_scaling", {{"rope_type", "yarn"}, {"factor", 0.5}}),
+       {"rope_scaling.factor", "at least 1"}},
+      {"yarn_betas_reversed",
+       set("rope_scaling", {{"rope_type", "yarn"},
+                            {"factor", 4.0},
+                            {"beta_fast", 1.0},
+                            {"beta_slow", 32.0}}),
+       {"rope_scaling.beta_fast", "beta_slow"}},
+      {"yarn_bad_original",
+       set("rope_scaling", {{"rope_type", "yarn"},
+                            {"factor", 4.0},
+                            {"original_max_position_embeddings", -5}}),
+       {"rope_scaling.original_max_position_embeddings", "positive"}},
+      {"yarn_zero_attention_factor",
+       set("rope_scaling",
+           {{"rope_type", "yarn"}, {"factor", 4.0}, {"attention_factor", 0.0}}),
+       {"rope_scaling.attention_factor", "positive"}},
       {"rope_scaling_without_type",
        set("rope_scaling", {{"factor", 2.0}}),
        {"rope_scaling.rope_type", "missing"}},
@@ -544,10 +580,14 @@ std::vector<InvalidCase> InvalidCases() {
       {"rope_parameters_without_type",
        set("rope_parameters", {{"rope_theta", 1e6}}),
        {"rope_parameters.rope_type", "missing"}},
-      {"rope_parameters_yarn",
+      {"rope_parameters_longrope",
        set("rope_parameters",
-           {{"rope_type", "yarn"}, {"rope_theta", 1e6}, {"factor", 4.0}}),
-       {"rope_parameters.rope_type", "yarn", "llama3"}},
+           {{"rope_type", "longrope"}, {"rope_theta", 1e6}, {"factor", 4.0}}),
+       {"rope_parameters.rope_type", "longrope", "llama3"}},
+      {"rope_parameters_yarn_below_one",
+       set("rope_parameters",
+           {{"rope_type", "yarn"}, {"rope_theta", 1e6}, {"factor", 0.25}}),
+       {"rope_parameters.factor", "at least 1"}},
       {"rope_parameters_llama3_without_factor",
        [llama3](Json& j) {
          j["rope_parameters"] = llama3;

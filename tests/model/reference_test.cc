@@ -308,8 +308,35 @@ Vector InverseFrequencies(const ModelConfig& c) {
     inv_freq[i] = std::pow(c.rope_theta, -2.0 * static_cast<double>(i) /
                                              static_cast<double>(c.head_dim));
   }
-  if (c.rope_scaling.type != RopeScalingType::kLlama3) return inv_freq;
   const RopeScaling& s = c.rope_scaling;
+  if (s.type == RopeScalingType::kLinear) {
+    for (double& f : inv_freq) f /= s.factor;
+    return inv_freq;
+  }
+  if (s.type == RopeScalingType::kYarn) {
+    // Pair i's dimension index against the ramp [low, high] where the
+    // number of turns over the original context falls from beta_fast to
+    // beta_slow; interpolated (f / factor) above it, kept below it.
+    const double d = static_cast<double>(c.head_dim);
+    auto dim_of = [&](double turns) {
+      return d *
+             std::log(static_cast<double>(s.original_max_position_embeddings) /
+                      (turns * 2 * M_PI)) /
+             (2 * std::log(c.rope_theta));
+    };
+    double low = dim_of(s.beta_fast), high = dim_of(s.beta_slow);
+    if (s.truncate) low = std::floor(low), high = std::ceil(high);
+    low = std::max(low, 0.0);
+    high = std::min(high, d - 1);
+    if (low == high) high += 0.001;
+    for (size_t i = 0; i < inv_freq.size(); ++i) {
+      const double t =
+          std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+      inv_freq[i] = t * inv_freq[i] / s.factor + (1 - t) * inv_freq[i];
+    }
+    return inv_freq;
+  }
+  if (s.type != RopeScalingType::kLlama3) return inv_freq;
   const double original =
       static_cast<double>(s.original_max_position_embeddings);
   for (double& f : inv_freq) {
@@ -394,6 +421,11 @@ std::vector<Vector> HandWrittenLogits(const ModelConfig& c, const Checkpoint& w,
       }
       Rotate(q[pos], heads, d, inv_freq, static_cast<int64_t>(pos));
       Rotate(k[pos], kv_heads, d, inv_freq, static_cast<int64_t>(pos));
+      if (c.rope_scaling.type == RopeScalingType::kYarn) {
+        // YaRN scales the rotated q and k (HF: cos and sin).
+        for (double& x : q[pos]) x *= c.rope_scaling.attention_factor;
+        for (double& x : k[pos]) x *= c.rope_scaling.attention_factor;
+      }
     }
     for (size_t pos = 0; pos < n; ++pos) {
       Vector attention(static_cast<size_t>(heads * d), 0.0);
@@ -482,7 +514,8 @@ TEST_P(ReferenceShapeTest, MatchesAPlainLoopsForward) {
 
 INSTANTIATE_TEST_SUITE_P(EveryShape, ReferenceShapeTest,
                          ::testing::Values("gqa", "tied", "qkv_bias",
-                                           "head_dim", "llama3_rope", "qwen3"),
+                                           "head_dim", "llama3_rope", "qwen3",
+                                           "linear_rope", "yarn_rope"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });

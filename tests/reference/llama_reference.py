@@ -100,6 +100,7 @@ class Config:
             self.rope_scaling = params
         self.rope_theta = float(theta) if theta is not None else 10000.0
         self.vocab_size = int(raw["vocab_size"])
+        self.max_position_embeddings = int(raw["max_position_embeddings"])
         self.tie_word_embeddings = bool(raw.get("tie_word_embeddings", False))
         act = raw.get("hidden_act", "silu")
         if act != "silu":
@@ -194,17 +195,69 @@ def load_weights(model_dir):
 # The model
 
 
+def yarn_inv_freq(cfg, scaling, inv_freq):
+    """transformers' _compute_yarn_parameters: (inv_freq, attention_factor).
+
+    The explicit "factor" (what vLLM and transformers 5 use); the original
+    context from "original_max_position_embeddings", else the config's.
+    """
+    dim = cfg.head_dim
+    base = cfg.rope_theta
+    factor = float(scaling["factor"])
+    original = scaling.get("original_max_position_embeddings")
+    original = float(original if original is not None else
+                     cfg.max_position_embeddings)
+
+    def get_mscale(scale, mscale=1.0):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    mscale = scaling.get("mscale")
+    mscale_all_dim = scaling.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = (get_mscale(factor, mscale) /
+                                get_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi)) /
+                (2 * math.log(base)))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) /
+                   (high - low), 0.0, 1.0)
+    extrapolation_factor = 1.0 - ramp
+    interpolation = inv_freq / factor
+    return (interpolation * (1 - extrapolation_factor) +
+            inv_freq * extrapolation_factor), float(attention_factor)
+
+
 def rope_inv_freq(cfg):
-    """inv_freq[i] for the pairs (i, i + head_dim/2), shape [head_dim/2]."""
+    """(inv_freq, attention_factor): inv_freq[i] for the pairs
+    (i, i + head_dim/2), shape [head_dim/2]; cos and sin are multiplied by
+    attention_factor (1 but for yarn), as transformers does."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2,
                                                    dtype=np.float64) / dim))
     scaling = cfg.rope_scaling
     if scaling is None:
-        return inv_freq
+        return inv_freq, 1.0
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "default":
-        return inv_freq
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"]), 1.0
+    if kind == "yarn":
+        return yarn_inv_freq(cfg, scaling, inv_freq)
     if kind != "llama3":
         raise ReferenceError("unsupported rope_scaling type %r" % (kind,))
     # Llama 3.1: keep high frequencies (short wavelengths), divide low ones by
@@ -226,7 +279,7 @@ def rope_inv_freq(cfg):
             smooth = ((old_context / wavelen - low_freq_factor) /
                       (high_freq_factor - low_freq_factor))
             out[i] = (1.0 - smooth) * freq / factor + smooth * freq
-    return out
+    return out, 1.0
 
 
 def rms_norm(x, weight, eps):
@@ -258,7 +311,7 @@ class Model:
             self.lm_head = self._get("lm_head.weight",
                                      (cfg.vocab_size, cfg.hidden_size))
         self.final_norm = self._get("model.norm.weight", (cfg.hidden_size,))
-        self.inv_freq = rope_inv_freq(cfg)
+        self.inv_freq, self.attention_factor = rope_inv_freq(cfg)
 
     def _get(self, name, shape):
         if name not in self.w:
@@ -288,7 +341,8 @@ class Model:
         positions = np.arange(n, dtype=np.float64)
         freqs = np.outer(positions, self.inv_freq)          # [n, D/2]
         emb = np.concatenate([freqs, freqs], axis=-1)       # [n, D]
-        cos, sin = np.cos(emb), np.sin(emb)
+        cos = np.cos(emb) * self.attention_factor
+        sin = np.sin(emb) * self.attention_factor
         causal = np.triu(np.full((n, n), -np.inf), k=1)     # [q, k]
         group = H // KVH
 

@@ -35,6 +35,9 @@ struct TinyDims {
   int64_t max_position_embeddings = 512;
   // Qwen3: self_attn.q_norm / k_norm [head_dim] per layer.
   bool qk_norm = false;
+  // rope_scaling other than llama3's (see llama3_rope).
+  enum class Rope { kDefault, kLinear, kYarn };
+  Rope rope = Rope::kDefault;
 };
 
 // Small enough that the float64 reference and the CPU forward take
@@ -126,6 +129,42 @@ TinyDims DimsFor(TinyShape shape) {
       return {
           "Qwen3ForCausalLM", "qwen3", 64,    128,   2,     4,   2,   32, 256,
           1000000.0,          1e-6,    false, false, false, 512, true};
+    case TinyShape::kLinearRope:
+      return {"LlamaForCausalLM",
+              "llama",
+              64,
+              128,
+              2,
+              4,
+              2,
+              0,
+              256,
+              10000.0,
+              1e-5,
+              false,
+              false,
+              false,
+              512,
+              false,
+              TinyDims::Rope::kLinear};
+    case TinyShape::kYarnRope:
+      return {"Qwen2ForCausalLM",
+              "qwen2",
+              64,
+              128,
+              2,
+              4,
+              2,
+              0,
+              256,
+              10000.0,
+              1e-6,
+              false,
+              true,
+              false,
+              512,
+              false,
+              TinyDims::Rope::kYarn};
   }
   return DimsFor(TinyShape::kGqa);
 }
@@ -137,6 +176,16 @@ constexpr double kLlama3Factor = 8.0;
 constexpr double kLlama3LowFreqFactor = 1.0;
 constexpr double kLlama3HighFreqFactor = 4.0;
 constexpr int64_t kLlama3OriginalMaxPositions = 64;
+
+// linear: positions interpolated by 2.
+constexpr double kLinearFactor = 2.0;
+// yarn as Qwen2.5's long-context configs write it, scaled down: with
+// head_dim 16, theta 1e4 and an original context of 128, the ramp runs over
+// pairs 0..3 (pair 0 keeps its frequency, 1-2 blend, 3+ are interpolated);
+// factor = max_position_embeddings / original, so every transformers
+// version (some derive the factor from that ratio) agrees.
+constexpr double kYarnFactor = 4.0;
+constexpr int64_t kYarnOriginalMaxPositions = 128;
 
 // splitmix64 (Steele, Lea, Flood 2014): tiny, fast, and fully specified, so
 // the weights are the same on every platform and compiler.
@@ -248,8 +297,9 @@ std::vector<float> Generate(const TensorSpec& spec, uint64_t seed) {
 }  // namespace
 
 std::vector<TinyShape> AllTinyShapes() {
-  return {TinyShape::kGqa,     TinyShape::kTied,       TinyShape::kQkvBias,
-          TinyShape::kHeadDim, TinyShape::kLlama3Rope, TinyShape::kQwen3};
+  return {TinyShape::kGqa,        TinyShape::kTied,       TinyShape::kQkvBias,
+          TinyShape::kHeadDim,    TinyShape::kLlama3Rope, TinyShape::kQwen3,
+          TinyShape::kLinearRope, TinyShape::kYarnRope};
 }
 
 absl::string_view TinyShapeName(TinyShape shape) {
@@ -274,6 +324,10 @@ absl::string_view TinyShapeName(TinyShape shape) {
       return "head_dim_64";
     case TinyShape::kQwen3:
       return "qwen3";
+    case TinyShape::kLinearRope:
+      return "linear_rope";
+    case TinyShape::kYarnRope:
+      return "yarn_rope";
   }
   return "unknown";
 }
@@ -289,7 +343,7 @@ absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown tiny model shape \"", name,
       "\"; known: gqa, tied, qkv_bias, head_dim, llama3_rope, qwen3, "
-      "small, llama_1b, llama_0p5b, head_dim_64"));
+      "linear_rope, yarn_rope, small, llama_1b, llama_0p5b, head_dim_64"));
 }
 
 std::string TinyModelConfigJson(const TinyModelOptions& options) {
@@ -334,6 +388,17 @@ std::string TinyModelConfigJson(const TinyModelOptions& options) {
         {"high_freq_factor", kLlama3HighFreqFactor},
         {"original_max_position_embeddings", kLlama3OriginalMaxPositions},
     };
+  }
+  if (d.rope == TinyDims::Rope::kLinear) {
+    config["rope_scaling"] = {{"rope_type", "linear"},
+                              {"factor", kLinearFactor}};
+  }
+  if (d.rope == TinyDims::Rope::kYarn) {
+    // Qwen2.5's spelling ("type", as its model card tells users to add).
+    config["rope_scaling"] = {
+        {"type", "yarn"},
+        {"factor", kYarnFactor},
+        {"original_max_position_embeddings", kYarnOriginalMaxPositions}};
   }
   return config.dump(2) + "\n";
 }

@@ -44,11 +44,17 @@ enum class TinyShape {
   // Qwen3ForCausalLM: per-head q/k RMSNorm before RoPE, explicit head_dim 32
   // over hidden 64 with 4 query and 2 KV heads, theta 1e6, eps 1e-6.
   kQwen3,
+  // Llama with linear rope_scaling (factor 2).
+  kLinearRope,
+  // Qwen2 with yarn rope_scaling (factor 4 over an original context of 128,
+  // Qwen2.5's long-context spelling).
+  kYarnRope,
 };
 
 std::vector<TinyShape> AllTinyShapes();
-// "gqa", "tied", "qkv_bias", "head_dim", "llama3_rope", "qwen3", "small",
-// "llama_1b", "llama_0p5b", "head_dim_64".
+// "gqa", "tied", "qkv_bias", "head_dim", "llama3_rope", "qwen3",
+// "linear_rope", "yarn_rope", "small", "llama_1b", "llama_0p5b",
+// "head_dim_64".
 absl::string_view TinyShapeName(TinyShape shape);
 absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name);
 

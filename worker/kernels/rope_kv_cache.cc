@@ -1,5 +1,6 @@
 #include "worker/kernels/rope_kv_cache.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -141,6 +142,26 @@ absl::Status ValidateRopeConfig(const RopeConfig& config) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "rope: rope_theta must be positive, got %g", config.theta));
   }
+  if (config.scaling == RopeScalingType::kLinear && !(config.factor > 0.0)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "rope: rope_scaling.factor must be positive, got %g", config.factor));
+  }
+  if (config.scaling == RopeScalingType::kYarn) {
+    if (!(config.factor >= 1.0)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "rope: yarn rope_scaling.factor must be at least 1, got %g",
+          config.factor));
+    }
+    if (!(config.beta_fast > config.beta_slow) || !(config.beta_slow > 0.0) ||
+        config.original_max_position_embeddings <= 0 || !(config.theta > 1)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "rope: yarn needs beta_fast > beta_slow > 0, a positive "
+          "original_max_position_embeddings and theta > 1, got %g, %g, %d, "
+          "%g",
+          config.beta_fast, config.beta_slow,
+          config.original_max_position_embeddings, config.theta));
+    }
+  }
   if (config.scaling == RopeScalingType::kLlama3) {
     if (!(config.factor > 0.0)) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -172,9 +193,35 @@ std::vector<float> ComputeRopeInvFreq(const RopeConfig& config) {
   const double context = config.original_max_position_embeddings;
   const double keep_below = context / config.high_freq_factor;
   const double scale_above = context / config.low_freq_factor;
+  // YaRN's ramp over the pairs: its ends, in pair indices.
+  double ramp_low = 0, ramp_high = 0;
+  if (config.scaling == RopeScalingType::kYarn) {
+    auto correction_dim = [&config](double rotations) {
+      return config.head_dim *
+             std::log(config.original_max_position_embeddings /
+                      (rotations * 2.0 * kPi)) /
+             (2.0 * std::log(config.theta));
+    };
+    ramp_low = correction_dim(config.beta_fast);
+    ramp_high = correction_dim(config.beta_slow);
+    if (config.truncate) {
+      ramp_low = std::floor(ramp_low);
+      ramp_high = std::ceil(ramp_high);
+    }
+    ramp_low = std::max(ramp_low, 0.0);
+    ramp_high = std::min(ramp_high, config.head_dim - 1.0);
+    if (ramp_low == ramp_high) ramp_high += 0.001;
+  }
   for (int i = 0; i < half; ++i) {
     const double exponent = 2.0 * i / config.head_dim;
     double freq = 1.0 / std::pow(config.theta, exponent);
+    if (config.scaling == RopeScalingType::kLinear) freq /= config.factor;
+    if (config.scaling == RopeScalingType::kYarn) {
+      // 0 below the ramp (the fast pairs keep their frequency), 1 above it.
+      const double ramp =
+          std::clamp((i - ramp_low) / (ramp_high - ramp_low), 0.0, 1.0);
+      freq = freq / config.factor * ramp + freq * (1.0 - ramp);
+    }
     if (config.scaling == RopeScalingType::kLlama3) {
       const double wavelength = 2.0 * kPi / freq;
       if (wavelength > scale_above) {

@@ -24,20 +24,36 @@ namespace kernels {
 enum class RopeScalingType {
   kNone,    // plain RoPE: inv_freq[i] = theta^(-2i / head_dim)
   kLlama3,  // Llama 3.1+ frequency-dependent scaling (below)
+  kLinear,  // position interpolation: inv_freq[i] / factor
+  kYarn,    // YaRN's frequency blend (below); its attention factor is the
+            // caller's (it scales the attention's softmax scale)
 };
 
 struct RopeConfig {
   int head_dim = 0;        // rotary dimension (the full head_dim; even)
   double theta = 10000.0;  // config.json "rope_theta"
   RopeScalingType scaling = RopeScalingType::kNone;
+  // kLlama3, kLinear, kYarn: how much the (low) frequencies are slowed.
+  double factor = 8.0;
   // kLlama3 only (config.json "rope_scaling"): wavelengths longer than
   // original_max_position_embeddings / low_freq_factor are slowed down by
   // `factor`, wavelengths shorter than original_max_position_embeddings /
   // high_freq_factor are kept, and the band in between is interpolated.
-  double factor = 8.0;
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
+  // kLlama3, kYarn: the pre-training context in tokens.
   int original_max_position_embeddings = 8192;
+  // kYarn: pair i (of head_dim / 2) keeps theta's frequency where it turns
+  // more than beta_fast times over the original context, takes freq /
+  // factor where it turns fewer than beta_slow times, and blends linearly
+  // in between: with d(r) = head_dim * ln(original / (2 pi r)) / (2 ln
+  // theta), low = d(beta_fast), high = d(beta_slow) (floor / ceil when
+  // `truncate`), clamped to [0, head_dim - 1]; ramp(i) = clamp((i - low) /
+  // (high - low), 0, 1) (high += 0.001 when equal); inv_freq = freq /
+  // factor * ramp + freq * (1 - ramp).
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  bool truncate = true;
 };
 
 // INVALID_ARGUMENT naming the field when `config` is unusable (odd or too

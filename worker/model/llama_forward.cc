@@ -58,15 +58,42 @@ kernels::RopeConfig RopeConfigFor(const ModelConfig& c) {
   kernels::RopeConfig rope;
   rope.head_dim = static_cast<int>(c.head_dim);
   rope.theta = c.rope_theta;
-  if (c.rope_scaling.type == RopeScalingType::kLlama3) {
-    rope.scaling = kernels::RopeScalingType::kLlama3;
-    rope.factor = c.rope_scaling.factor;
-    rope.low_freq_factor = c.rope_scaling.low_freq_factor;
-    rope.high_freq_factor = c.rope_scaling.high_freq_factor;
-    rope.original_max_position_embeddings =
-        static_cast<int>(c.rope_scaling.original_max_position_embeddings);
+  const RopeScaling& s = c.rope_scaling;
+  rope.factor = s.factor;
+  rope.low_freq_factor = s.low_freq_factor;
+  rope.high_freq_factor = s.high_freq_factor;
+  rope.original_max_position_embeddings =
+      static_cast<int>(s.original_max_position_embeddings);
+  rope.beta_fast = s.beta_fast;
+  rope.beta_slow = s.beta_slow;
+  rope.truncate = s.truncate;
+  switch (s.type) {
+    case RopeScalingType::kNone:
+      rope.scaling = kernels::RopeScalingType::kNone;
+      break;
+    case RopeScalingType::kLlama3:
+      rope.scaling = kernels::RopeScalingType::kLlama3;
+      break;
+    case RopeScalingType::kLinear:
+      rope.scaling = kernels::RopeScalingType::kLinear;
+      break;
+    case RopeScalingType::kYarn:
+      rope.scaling = kernels::RopeScalingType::kYarn;
+      break;
   }
   return rope;
+}
+
+// The attention's softmax scale. YaRN multiplies the rotated q and k by its
+// attention_factor (transformers scales cos and sin; vLLM its cos/sin
+// cache); q·k then carries its square, which the scale takes instead, so
+// the kernels and the KV cache stay those of plain RoPE.
+float AttentionScale(const ModelConfig& c) {
+  double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+  if (c.rope_scaling.type == RopeScalingType::kYarn) {
+    scale *= c.rope_scaling.attention_factor * c.rope_scaling.attention_factor;
+  }
+  return static_cast<float>(scale);
 }
 
 }  // namespace
@@ -610,6 +637,7 @@ kernels::PagedAttentionParams LlamaForward::AttentionParams(
   attn.max_blocks_per_seq = options_.max_blocks_per_seq;
   attn.query_row_stride = (heads + 2 * kv_heads) * head_dim;
   attn.dtype = weights_.dtype;
+  attn.scale = AttentionScale(config_);
   attn.workspace = act_.attention_workspace;
   // A uniform descriptor (a uniform decode key, in its graph or in its
   // warm-up runs; never a NONE step, whose descriptor is relaxed) means the

@@ -1,5 +1,6 @@
 #include "worker/model/model_config.h"
 
+#include <cmath>
 #include <cstdint>
 #include <fstream>
 #include <limits>
@@ -11,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/fnv1a.h"
+#include "common/status_macros.h"
 #include "worker/model/config_json.h"
 #include "worker/model/model_family.h"
 
@@ -61,6 +63,71 @@ absl::StatusOr<const ModelFamily*> ParseArchitectures(const Json& root) {
                                  absl::StrJoin(supported, ", ")));
 }
 
+// YaRN (transformers' _compute_yarn_parameters, vLLM's
+// YaRNScalingRotaryEmbedding): "factor" is required and is what both use;
+// "original_max_position_embeddings" may be absent (ParseRope fills in
+// max_position_embeddings, 0 here). `path` ends with ".".
+absl::StatusOr<RopeScaling> ParseYarn(const Json& value,
+                                      const std::string& path) {
+  RopeScaling scaling;
+  scaling.type = RopeScalingType::kYarn;
+  PDW_ASSIGN_OR_RETURN(scaling.factor, RequiredNumber(value, "factor", path));
+  if (!(scaling.factor >= 1)) {
+    return FieldError(path + "factor",
+                      absl::StrCat("must be at least 1, got ", scaling.factor));
+  }
+  if (Find(value, "original_max_position_embeddings") != nullptr) {
+    PDW_ASSIGN_OR_RETURN(
+        scaling.original_max_position_embeddings,
+        RequiredInt(value, "original_max_position_embeddings", path));
+    if (scaling.original_max_position_embeddings <= 0) {
+      return FieldError(path + "original_max_position_embeddings",
+                        absl::StrCat("must be positive, got ",
+                                     scaling.original_max_position_embeddings));
+    }
+  }
+  auto optional_number = [&](const char* field,
+                             double fallback) -> absl::StatusOr<double> {
+    const Json* v = Find(value, field);
+    if (v == nullptr) return fallback;
+    return AsNumber(*v, absl::StrCat(path, field));
+  };
+  PDW_ASSIGN_OR_RETURN(scaling.beta_fast, optional_number("beta_fast", 32));
+  PDW_ASSIGN_OR_RETURN(scaling.beta_slow, optional_number("beta_slow", 1));
+  if (!(scaling.beta_fast > scaling.beta_slow && scaling.beta_slow > 0)) {
+    return FieldError(path + "beta_fast",
+                      absl::StrCat("(", scaling.beta_fast,
+                                   ") must be greater than beta_slow (",
+                                   scaling.beta_slow, "), both positive"));
+  }
+  if (Find(value, "truncate") != nullptr) {
+    PDW_ASSIGN_OR_RETURN(scaling.truncate,
+                         OptionalBool(value, "truncate", true));
+  }
+  // 0.1 * mscale * ln(factor) + 1 (1 when factor <= 1).
+  auto get_mscale = [&scaling](double mscale) {
+    return scaling.factor <= 1 ? 1.0
+                               : 0.1 * mscale * std::log(scaling.factor) + 1.0;
+  };
+  PDW_ASSIGN_OR_RETURN(const double mscale, optional_number("mscale", 0));
+  PDW_ASSIGN_OR_RETURN(const double mscale_all_dim,
+                       optional_number("mscale_all_dim", 0));
+  if (const Json* factor = Find(value, "attention_factor"); factor != nullptr) {
+    PDW_ASSIGN_OR_RETURN(scaling.attention_factor,
+                         AsNumber(*factor, path + "attention_factor"));
+  } else if (mscale != 0 && mscale_all_dim != 0) {
+    scaling.attention_factor = get_mscale(mscale) / get_mscale(mscale_all_dim);
+  } else {
+    scaling.attention_factor = get_mscale(1);
+  }
+  if (!(scaling.attention_factor > 0) || std::isinf(scaling.attention_factor)) {
+    return FieldError(path + "attention_factor",
+                      absl::StrCat("must be positive and finite, got ",
+                                   scaling.attention_factor));
+  }
+  return scaling;
+}
+
 // The scaling described by one RoPE object: transformers < 5's
 // "rope_scaling" or transformers 5's "rope_parameters" (which also holds
 // rope_theta, read by the caller). `name` is the field, for errors.
@@ -84,13 +151,26 @@ absl::StatusOr<RopeScaling> ParseRopeObject(const Json& value,
   }
   const std::string kind = type->get<std::string>();
   if (kind == "default") return scaling;  // HF's name for "no scaling"
+  const std::string path = absl::StrCat(name, ".");
+  auto positive = [&path](absl::string_view field,
+                          double value) -> absl::Status {
+    if (value > 0) return absl::OkStatus();
+    return FieldError(absl::StrCat(path, field),
+                      absl::StrCat("must be positive, got ", value));
+  };
+  if (kind == "linear") {
+    scaling.type = RopeScalingType::kLinear;
+    PDW_ASSIGN_OR_RETURN(scaling.factor, RequiredNumber(value, "factor", path));
+    PDW_RETURN_IF_ERROR(positive("factor", scaling.factor));
+    return scaling;
+  }
+  if (kind == "yarn") return ParseYarn(value, path);
   if (kind != "llama3") {
     return FieldError(type_name, absl::StrCat("\"", kind,
                                               "\" is not supported; supported: "
-                                              "default, llama3"));
+                                              "default, llama3, linear, yarn"));
   }
   scaling.type = RopeScalingType::kLlama3;
-  const std::string path = absl::StrCat(name, ".");
   auto factor = RequiredNumber(value, "factor", path);
   if (!factor.ok()) return factor.status();
   auto low = RequiredNumber(value, "low_freq_factor", path);
@@ -103,15 +183,8 @@ absl::StatusOr<RopeScaling> ParseRopeObject(const Json& value,
   scaling.low_freq_factor = *low;
   scaling.high_freq_factor = *high;
   scaling.original_max_position_embeddings = *original;
-  if (!(scaling.factor > 0)) {
-    return FieldError(path + "factor",
-                      absl::StrCat("must be positive, got ", scaling.factor));
-  }
-  if (!(scaling.low_freq_factor > 0)) {
-    return FieldError(
-        path + "low_freq_factor",
-        absl::StrCat("must be positive, got ", scaling.low_freq_factor));
-  }
+  PDW_RETURN_IF_ERROR(positive("factor", scaling.factor));
+  PDW_RETURN_IF_ERROR(positive("low_freq_factor", scaling.low_freq_factor));
   // The smoothing divides by (high - low).
   if (!(scaling.high_freq_factor > scaling.low_freq_factor)) {
     return FieldError(path + "high_freq_factor",
@@ -128,12 +201,13 @@ absl::StatusOr<RopeScaling> ParseRopeObject(const Json& value,
 }
 
 bool SameScaling(const RopeScaling& a, const RopeScaling& b) {
-  if (a.type != b.type) return false;
-  if (a.type == RopeScalingType::kNone) return true;
-  return a.factor == b.factor && a.low_freq_factor == b.low_freq_factor &&
+  return a.type == b.type && a.factor == b.factor &&
+         a.low_freq_factor == b.low_freq_factor &&
          a.high_freq_factor == b.high_freq_factor &&
          a.original_max_position_embeddings ==
-             b.original_max_position_embeddings;
+             b.original_max_position_embeddings &&
+         a.beta_fast == b.beta_fast && a.beta_slow == b.beta_slow &&
+         a.truncate == b.truncate && a.attention_factor == b.attention_factor;
 }
 
 // RoPE base and scaling. transformers < 5 writes top-level "rope_theta" and
@@ -328,6 +402,20 @@ absl::string_view ArchitectureName(Architecture architecture) {
   return FamilyOf(architecture).architecture_name;
 }
 
+absl::string_view RopeScalingTypeName(RopeScalingType type) {
+  switch (type) {
+    case RopeScalingType::kNone:
+      return "default";
+    case RopeScalingType::kLlama3:
+      return "llama3";
+    case RopeScalingType::kLinear:
+      return "linear";
+    case RopeScalingType::kYarn:
+      return "yarn";
+  }
+  return "unknown";
+}
+
 absl::string_view ModelTypeName(Architecture architecture) {
   return FamilyOf(architecture).model_type;
 }
@@ -347,13 +435,26 @@ std::string ModelConfig::CanonicalString() const {
   if (layer.qk_norm != QkNorm::kNone) {
     absl::StrAppend(&text, "qk_norm=", QkNormName(layer.qk_norm), ";");
   }
-  if (rope_scaling.type == RopeScalingType::kLlama3) {
-    absl::StrAppendFormat(&text, "rope=llama3,%.17g,%.17g,%.17g,%d;",
-                          rope_scaling.factor, rope_scaling.low_freq_factor,
-                          rope_scaling.high_freq_factor,
-                          rope_scaling.original_max_position_embeddings);
-  } else {
-    absl::StrAppend(&text, "rope=none;");
+  switch (rope_scaling.type) {
+    case RopeScalingType::kNone:
+      absl::StrAppend(&text, "rope=none;");
+      break;
+    case RopeScalingType::kLlama3:
+      absl::StrAppendFormat(&text, "rope=llama3,%.17g,%.17g,%.17g,%d;",
+                            rope_scaling.factor, rope_scaling.low_freq_factor,
+                            rope_scaling.high_freq_factor,
+                            rope_scaling.original_max_position_embeddings);
+      break;
+    case RopeScalingType::kLinear:
+      absl::StrAppendFormat(&text, "rope=linear,%.17g;", rope_scaling.factor);
+      break;
+    case RopeScalingType::kYarn:
+      absl::StrAppendFormat(
+          &text, "rope=yarn,%.17g,%d,%.17g,%.17g,%d,%.17g;",
+          rope_scaling.factor, rope_scaling.original_max_position_embeddings,
+          rope_scaling.beta_fast, rope_scaling.beta_slow,
+          rope_scaling.truncate ? 1 : 0, rope_scaling.attention_factor);
+      break;
   }
   if (sliding_window.has_value()) {
     absl::StrAppendFormat(&text, "window=%d;", *sliding_window);
@@ -440,6 +541,13 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text) {
 
   if (absl::Status status = ParseRope(root, &config); !status.ok()) {
     return status;
+  }
+  // YaRN without original_max_position_embeddings: transformers takes the
+  // config's max_position_embeddings.
+  if (config.rope_scaling.type == RopeScalingType::kYarn &&
+      config.rope_scaling.original_max_position_embeddings == 0) {
+    config.rope_scaling.original_max_position_embeddings =
+        config.max_position_embeddings;
   }
 
   auto tied = OptionalBool(root, "tie_word_embeddings", false);

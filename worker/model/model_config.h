@@ -32,16 +32,37 @@ absl::string_view ModelTypeName(Architecture architecture);
 enum class RopeScalingType {
   kNone,    // plain RoPE: inv_freq[i] = theta^(-2i / head_dim)
   kLlama3,  // Llama 3.1 frequency-dependent rescaling of inv_freq
+  kLinear,  // position interpolation: inv_freq / factor
+  kYarn,    // YaRN: interpolated low, extrapolated high frequencies, a
+            // ramp between, and attention_factor on q and k
 };
 
-// config.json "rope_scaling". Only meaningful when type == kLlama3; for kNone
-// the numbers are unused (and zero).
+// "default", "llama3", "linear", "yarn" (config.json's rope_type names).
+absl::string_view RopeScalingTypeName(RopeScalingType type);
+
+// config.json "rope_scaling" (or transformers 5's "rope_parameters"). For
+// kNone the numbers are unused (and zero); each other type reads the fields
+// its comment names.
 struct RopeScaling {
   RopeScalingType type = RopeScalingType::kNone;
-  double factor = 0;            // how much the low frequencies are slowed
-  double low_freq_factor = 0;   // wavelengths above original/low are scaled
-  double high_freq_factor = 0;  // wavelengths below original/high are kept
-  int64_t original_max_position_embeddings = 0;  // in tokens
+  // llama3, linear, yarn: how much the (low) frequencies are slowed.
+  double factor = 0;
+  double low_freq_factor = 0;   // llama3: wavelengths above original/low
+                                // are scaled
+  double high_freq_factor = 0;  // llama3: wavelengths below original/high
+                                // are kept
+  // llama3, yarn: the pre-training context, in tokens (yarn: defaults to
+  // max_position_embeddings when the key is absent, as transformers does).
+  int64_t original_max_position_embeddings = 0;
+  // yarn: the rotation counts bounding the ramp (transformers' and vLLM's
+  // defaults 32 and 1), whether its ends are rounded outward ("truncate",
+  // default true), and the factor q and k are multiplied by after the
+  // rotation ("attention_factor"; absent: 0.1 ln(factor) + 1, or the
+  // mscale / mscale_all_dim ratio when both are set), resolved here.
+  double beta_fast = 0;
+  double beta_slow = 0;
+  bool truncate = true;
+  double attention_factor = 1;
 };
 
 struct ModelConfig {
