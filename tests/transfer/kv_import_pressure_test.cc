@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <future>
 #include <memory>
 #include <string>
@@ -233,6 +234,36 @@ bool WaitsForRoom(TestWorker& decode, const Call& call, int64_t n = 1) {
   return !call.done() && Snapshot(decode).waiting_imports == n;
 }
 
+// Starts the generations `make(round)` returns on `decode` and pauses its
+// engine while `held` holds for them (e.g. both running and holding blocks).
+// On a fast CPU that window is a few steps long and a poll can miss it under
+// load: a round whose calls all finish first is waited for and retried with
+// new calls (up to 10 rounds), rather than polling 60 s for a state that is
+// gone. Empty when every round was missed.
+std::vector<std::unique_ptr<GenerateCall>> StartAndPauseWhile(
+    TestWorker& decode,
+    const std::function<std::vector<std::unique_ptr<GenerateCall>>(int)>& make,
+    const std::function<bool(const EngineSnapshot&)>& held) {
+  for (int round = 0; round < 10; ++round) {
+    std::vector<std::unique_ptr<GenerateCall>> calls = make(round);
+    bool paused = false;
+    WaitFor([&] {
+      if (held(Snapshot(decode))) {
+        decode.server->engine().Pause();
+        // A step in flight when Pause came may still change the state.
+        if (held(Snapshot(decode))) return paused = true;
+        decode.server->engine().Resume();
+      }
+      for (const auto& call : calls) {
+        if (!call->done()) return false;
+      }
+      return true;
+    });
+    if (paused) return calls;
+  }
+  return {};
+}
+
 // (a) Two requests fill the decode worker's cache (their prompts alone take
 // 20 of its 24 blocks, and they grow to 16 blocks each, so they preempt
 // each other); a 60-token import (15 blocks) fits only after both finish.
@@ -245,17 +276,22 @@ TEST(KvImportPressureTest, ImportWaitsForRunningRequestsAndThenSucceeds) {
   const auto [first, handle] = Prefill(*prefill, "imp", imported, {});
   ASSERT_GE(first, 0);
 
-  std::vector<std::unique_ptr<GenerateCall>> running;
-  for (int i = 0; i < 2; ++i) {
-    running.push_back(std::make_unique<GenerateCall>(
-        *decode, Generation(absl::StrCat("busy", i), Prompt(40, 20 + i), 24)));
-  }
   // Both admitted and holding blocks; held there while the import arrives.
-  ASSERT_TRUE(WaitFor([&] {
-    const EngineSnapshot s = Snapshot(*decode);
-    return s.running_requests == 2 && s.kv.free_blocks < 15;
-  }));
-  decode->server->engine().Pause();
+  std::vector<std::unique_ptr<GenerateCall>> running = StartAndPauseWhile(
+      *decode,
+      [&](int round) {
+        std::vector<std::unique_ptr<GenerateCall>> calls;
+        for (int i = 0; i < 2; ++i) {
+          calls.push_back(std::make_unique<GenerateCall>(
+              *decode, Generation(absl::StrCat("busy", round, "_", i),
+                                  Prompt(40, 20 + i), 24)));
+        }
+        return calls;
+      },
+      [](const EngineSnapshot& s) {
+        return s.running_requests == 2 && s.kv.free_blocks < 15;
+      });
+  ASSERT_EQ(running.size(), 2u);
   ASSERT_LT(Snapshot(*decode).kv.free_blocks, 15);
 
   ImportCall import(*decode, "imp", handle);
@@ -436,13 +472,19 @@ TEST(KvImportPressureTest, DecodeLegsWaitForARunningSeat) {
   auto decode = StartDecode(p);
   ASSERT_TRUE(prefill && decode);
 
-  std::vector<std::unique_ptr<GenerateCall>> calls;
-  for (int i = 0; i < 2; ++i) {
-    calls.push_back(std::make_unique<GenerateCall>(
-        *decode, Generation(absl::StrCat("local", i), Prompt(8, 40 + i), 40)));
-  }
-  ASSERT_TRUE(WaitFor([&] { return Snapshot(*decode).running_requests == 2; }));
-  decode->server->engine().Pause();
+  std::vector<std::unique_ptr<GenerateCall>> calls = StartAndPauseWhile(
+      *decode,
+      [&](int round) {
+        std::vector<std::unique_ptr<GenerateCall>> started;
+        for (int i = 0; i < 2; ++i) {
+          started.push_back(std::make_unique<GenerateCall>(
+              *decode, Generation(absl::StrCat("local", round, "_", i),
+                                  Prompt(8, 40 + i), 40)));
+        }
+        return started;
+      },
+      [](const EngineSnapshot& s) { return s.running_requests == 2; });
+  ASSERT_EQ(calls.size(), 2u);
 
   std::vector<std::string> kv_json;
   for (int i = 0; i < 2; ++i) {
