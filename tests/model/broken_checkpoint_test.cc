@@ -205,6 +205,11 @@ std::vector<Case> Cases() {
                              "model.layers.1.self_attn.k_norm.weight"}) {
     for (Defect d : defects) cases.push_back({tensor, d, TinyShape::kQwen3});
   }
+  // Phi-3's fused projections.
+  for (const char* tensor : {"model.layers.0.self_attn.qkv_proj.weight",
+                             "model.layers.1.mlp.gate_up_proj.weight"}) {
+    for (Defect d : defects) cases.push_back({tensor, d, TinyShape::kPhi3});
+  }
   return cases;
 }
 
@@ -251,7 +256,8 @@ std::unique_ptr<Subprocess> StartWorker(const std::string& model_dir,
 // drains on SIGTERM. Otherwise the cases below would pass on any harness
 // bug.
 TEST(BrokenCheckpointTest, RewrittenCheckpointServes) {
-  for (const TinyShape shape : {TinyShape::kGqa, TinyShape::kQwen3}) {
+  for (const TinyShape shape :
+       {TinyShape::kGqa, TinyShape::kQwen3, TinyShape::kPhi3}) {
     SCOPED_TRACE(TinyShapeName(shape));
     const std::string name = absl::StrCat("intact_", TinyShapeName(shape));
     const std::vector<Tensor> tensors =
@@ -267,6 +273,61 @@ TEST(BrokenCheckpointTest, RewrittenCheckpointServes) {
     ASSERT_TRUE(code.ok()) << code.status();
     EXPECT_EQ(*code, 0) << worker->Output();
   }
+}
+
+// A tensor the config's layer does not read (MoE experts in a dense
+// checkpoint, Qwen3's q_norm under a Llama config) is refused naming it;
+// lm_head.weight beside tied embeddings is what some exports write, and
+// serves.
+TEST(BrokenCheckpointTest, AnUnusedTensorExitsTwoNamingIt) {
+  const std::vector<Tensor> base =
+      ReadTensors(BaseModelDir(TinyShape::kGqa) + "/model.safetensors");
+  const Tensor& norm =
+      base.front().name == "lm_head.weight" ? base[1] : base.front();
+  int index = 0;
+  for (const char* extra : {"model.layers.0.mlp.experts.0.w1.weight",
+                            "model.layers.1.self_attn.q_norm.weight",
+                            "model.vision_tower.patch_embed.weight"}) {
+    SCOPED_TRACE(extra);
+    std::vector<Tensor> tensors = base;
+    Tensor added = norm;
+    added.name = extra;
+    tensors.push_back(added);
+    const std::string name = absl::StrCat("unused_", index++);
+    const std::string dir = ModelDir(
+        name, BrokenFile(tensors, tensors.front().name, Defect::kNone));
+    std::unique_ptr<Subprocess> worker = StartWorker(dir, name);
+    ASSERT_NE(worker, nullptr);
+    auto code = worker->Wait(absl::Seconds(120));
+    ASSERT_TRUE(code.ok()) << code.status();
+    const std::string output = worker->Output();
+    EXPECT_EQ(*code, 2) << output;
+    EXPECT_THAT(output, HasSubstr(dir + "/model.safetensors")) << output;
+    EXPECT_THAT(output, HasSubstr(absl::StrCat("\"", extra, "\"")));
+    EXPECT_THAT(output, HasSubstr("is not used by LlamaForCausalLM"));
+    EXPECT_THAT(output, Not(HasSubstr("listening on")));
+  }
+
+  std::vector<Tensor> tied =
+      ReadTensors(BaseModelDir(TinyShape::kTied) + "/model.safetensors");
+  for (const Tensor& t : tied) ASSERT_NE(t.name, "lm_head.weight");
+  Tensor head = tied.front();
+  for (const Tensor& t : tied) {
+    if (t.name == "model.embed_tokens.weight") head = t;
+  }
+  head.name = "lm_head.weight";
+  tied.push_back(head);
+  const std::string dir = ModelDir(
+      "tied_with_head", BrokenFile(tied, tied.front().name, Defect::kNone),
+      TinyShape::kTied);
+  std::unique_ptr<Subprocess> worker = StartWorker(dir, "tied_with_head");
+  ASSERT_NE(worker, nullptr);
+  auto listening = worker->WaitForOutput("listening on", absl::Seconds(120));
+  ASSERT_TRUE(listening.ok()) << listening.status() << worker->Output();
+  worker->Signal(SIGTERM);
+  auto code = worker->Wait(absl::Seconds(60));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0) << worker->Output();
 }
 
 class BrokenCheckpointTest : public ::testing::TestWithParam<Case> {};

@@ -66,9 +66,14 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> ExpectedTensors(
     expected.push_back({p + "input_layernorm.weight", {c.hidden_size}});
     expected.push_back(
         {p + "post_attention_layernorm.weight", {c.hidden_size}});
-    expected.push_back({p + "self_attn.q_proj.weight", {q, c.hidden_size}});
-    expected.push_back({p + "self_attn.k_proj.weight", {kv, c.hidden_size}});
-    expected.push_back({p + "self_attn.v_proj.weight", {kv, c.hidden_size}});
+    if (c.layer.qkv_tensors == ProjectionTensors::kFused) {
+      expected.push_back(
+          {p + "self_attn.qkv_proj.weight", {q + 2 * kv, c.hidden_size}});
+    } else {
+      expected.push_back({p + "self_attn.q_proj.weight", {q, c.hidden_size}});
+      expected.push_back({p + "self_attn.k_proj.weight", {kv, c.hidden_size}});
+      expected.push_back({p + "self_attn.v_proj.weight", {kv, c.hidden_size}});
+    }
     expected.push_back({p + "self_attn.o_proj.weight", {c.hidden_size, q}});
     if (c.layer.qkv_bias) {
       expected.push_back({p + "self_attn.q_proj.bias", {q}});
@@ -79,10 +84,15 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> ExpectedTensors(
       expected.push_back({p + "self_attn.q_norm.weight", {c.head_dim}});
       expected.push_back({p + "self_attn.k_norm.weight", {c.head_dim}});
     }
-    expected.push_back(
-        {p + "mlp.gate_proj.weight", {c.intermediate_size, c.hidden_size}});
-    expected.push_back(
-        {p + "mlp.up_proj.weight", {c.intermediate_size, c.hidden_size}});
+    if (c.layer.gate_up_tensors == ProjectionTensors::kFused) {
+      expected.push_back({p + "mlp.gate_up_proj.weight",
+                          {2 * c.intermediate_size, c.hidden_size}});
+    } else {
+      expected.push_back(
+          {p + "mlp.gate_proj.weight", {c.intermediate_size, c.hidden_size}});
+      expected.push_back(
+          {p + "mlp.up_proj.weight", {c.intermediate_size, c.hidden_size}});
+    }
     expected.push_back(
         {p + "mlp.down_proj.weight", {c.hidden_size, c.intermediate_size}});
   }

@@ -219,6 +219,13 @@ TEST(ModelConfigTest, ParsesEveryTinyShape) {
         EXPECT_DOUBLE_EQ(c.rope_scaling.attention_factor,
                          0.1 * std::log(4.0) + 1.0);
         break;
+      case TinyShape::kPhi3:
+        EXPECT_EQ(c.architecture, Architecture::kPhi3);
+        EXPECT_EQ(c.layer.qkv_tensors, ProjectionTensors::kFused);
+        EXPECT_EQ(c.layer.gate_up_tensors, ProjectionTensors::kFused);
+        EXPECT_FALSE(c.layer.qkv_bias);
+        EXPECT_FALSE(c.sliding_window.has_value());
+        break;
       case TinyShape::kSmall:
       case TinyShape::kLlama1B:
       case TinyShape::kLlama0p5B:

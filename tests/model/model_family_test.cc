@@ -51,6 +51,38 @@ constexpr char kQwen3Config[] = R"({
   "vocab_size": 151936
 })";
 
+// microsoft/phi-4 config.json as published: fused projections in the
+// checkpoint, GQA 40/10, no RoPE scaling, no window.
+constexpr char kPhi4Config[] = R"({
+  "architectures": ["Phi3ForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 100257,
+  "embd_pdrop": 0.0,
+  "eos_token_id": 100265,
+  "hidden_act": "silu",
+  "hidden_size": 5120,
+  "initializer_range": 0.02,
+  "intermediate_size": 17920,
+  "max_position_embeddings": 16384,
+  "model_type": "phi3",
+  "num_attention_heads": 40,
+  "num_hidden_layers": 40,
+  "num_key_value_heads": 10,
+  "original_max_position_embeddings": 16384,
+  "pad_token_id": 100349,
+  "resid_pdrop": 0.0,
+  "rms_norm_eps": 1e-05,
+  "rope_scaling": null,
+  "rope_theta": 250000,
+  "sliding_window": null,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.47.0",
+  "use_cache": true,
+  "vocab_size": 100352
+})";
+
 ModelConfig ParseOrDie(const std::string& text) {
   auto config = ParseModelConfig(text);
   EXPECT_TRUE(config.ok()) << config.status();
@@ -109,6 +141,60 @@ TEST(ModelFamilyTest, Qwen3KeysChangeTheLayer) {
   };
   for (const Bad& b : bad) {
     auto parsed = ParseModelConfig(WithQwen3(b.edit));
+    ASSERT_FALSE(parsed.ok()) << b.names;
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(parsed.status().message(), HasSubstr(b.names));
+  }
+}
+
+TEST(ModelFamilyTest, Phi4AsPublished) {
+  const ModelConfig c = ParseOrDie(kPhi4Config);
+  EXPECT_EQ(c.architecture, Architecture::kPhi3);
+  EXPECT_EQ(ModelTypeName(c.architecture), "phi3");
+  EXPECT_EQ(c.layer.qkv_tensors, ProjectionTensors::kFused);
+  EXPECT_EQ(c.layer.gate_up_tensors, ProjectionTensors::kFused);
+  EXPECT_FALSE(c.layer.qkv_bias);
+  EXPECT_EQ(c.layer.qk_norm, QkNorm::kNone);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(c.num_key_value_heads, 10);
+  EXPECT_FALSE(c.sliding_window.has_value());
+  EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kNone);
+}
+
+// Phi-3-mini-4k's window, and what the Phi-3 variants pdworker does not run:
+// the 128k variants' longrope, Phi-4-mini's partial rotary factor.
+TEST(ModelFamilyTest, Phi3KeysAndRefusals) {
+  auto with = [](const std::function<void(Json&)>& edit) {
+    Json config = Json::parse(kPhi4Config);
+    edit(config);
+    return config.dump();
+  };
+  EXPECT_EQ(ParseOrDie(with([](Json& j) {
+              j["sliding_window"] = 2047;
+            })).sliding_window,
+            2047);
+  // partial_rotary_factor 1.0 is plain RoPE.
+  EXPECT_TRUE(ParseModelConfig(with([](Json& j) {
+                j["partial_rotary_factor"] = 1.0;
+              })).ok());
+  struct Bad {
+    std::function<void(Json&)> edit;
+    const char* names;
+  };
+  const Bad bad[] = {
+      {[](Json& j) { j["partial_rotary_factor"] = 0.75; },
+       "partial_rotary_factor"},
+      {[](Json& j) {
+         j["rope_scaling"] = {{"type", "longrope"},
+                              {"short_factor", {1.0, 1.0}},
+                              {"long_factor", {1.0, 2.0}}};
+       },
+       "longrope"},
+      {[](Json& j) { j["attention_bias"] = true; }, "attention_bias"},
+      {[](Json& j) { j["sliding_window"] = 0; }, "sliding_window"},
+  };
+  for (const Bad& b : bad) {
+    auto parsed = ParseModelConfig(with(b.edit));
     ASSERT_FALSE(parsed.ok()) << b.names;
     EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(parsed.status().message(), HasSubstr(b.names));

@@ -405,12 +405,22 @@ std::vector<Vector> HandWrittenLogits(const ModelConfig& c, const Checkpoint& w,
       const Vector x =
           RmsNorm(h[pos], Get(w, p + "input_layernorm.weight", {hidden}),
                   c.rms_norm_eps);
-      q[pos] = Projection(w, p + "self_attn.q_proj", heads * d, hidden,
-                          c.layer.qkv_bias, x);
-      k[pos] = Projection(w, p + "self_attn.k_proj", kv_heads * d, hidden,
-                          c.layer.qkv_bias, x);
-      v[pos] = Projection(w, p + "self_attn.v_proj", kv_heads * d, hidden,
-                          c.layer.qkv_bias, x);
+      if (c.layer.qkv_tensors == ProjectionTensors::kFused) {
+        const Vector qkv =
+            Projection(w, p + "self_attn.qkv_proj", (heads + 2 * kv_heads) * d,
+                       hidden, c.layer.qkv_bias, x);
+        const auto at = [&qkv](int64_t i) { return qkv.begin() + i; };
+        q[pos] = Vector(at(0), at(heads * d));
+        k[pos] = Vector(at(heads * d), at((heads + kv_heads) * d));
+        v[pos] = Vector(at((heads + kv_heads) * d), qkv.end());
+      } else {
+        q[pos] = Projection(w, p + "self_attn.q_proj", heads * d, hidden,
+                            c.layer.qkv_bias, x);
+        k[pos] = Projection(w, p + "self_attn.k_proj", kv_heads * d, hidden,
+                            c.layer.qkv_bias, x);
+        v[pos] = Projection(w, p + "self_attn.v_proj", kv_heads * d, hidden,
+                            c.layer.qkv_bias, x);
+      }
       if (c.layer.qk_norm == QkNorm::kPerHeadRms) {
         NormalizeEachHead(q[pos], heads, d,
                           Get(w, p + "self_attn.q_norm.weight", {d}),
@@ -459,10 +469,16 @@ std::vector<Vector> HandWrittenLogits(const ModelConfig& c, const Checkpoint& w,
       const Vector x = RmsNorm(
           h[pos], Get(w, p + "post_attention_layernorm.weight", {hidden}),
           c.rms_norm_eps);
-      const Vector gate =
-          Projection(w, p + "mlp.gate_proj", inter, hidden, false, x);
-      const Vector up =
-          Projection(w, p + "mlp.up_proj", inter, hidden, false, x);
+      Vector gate, up;
+      if (c.layer.gate_up_tensors == ProjectionTensors::kFused) {
+        const Vector gate_up =
+            Projection(w, p + "mlp.gate_up_proj", 2 * inter, hidden, false, x);
+        gate = Vector(gate_up.begin(), gate_up.begin() + inter);
+        up = Vector(gate_up.begin() + inter, gate_up.end());
+      } else {
+        gate = Projection(w, p + "mlp.gate_proj", inter, hidden, false, x);
+        up = Projection(w, p + "mlp.up_proj", inter, hidden, false, x);
+      }
       Vector act(static_cast<size_t>(inter));
       for (int64_t i = 0; i < inter; ++i) {
         act[i] = gate[i] / (1.0 + std::exp(-gate[i])) * up[i];
@@ -515,7 +531,7 @@ TEST_P(ReferenceShapeTest, MatchesAPlainLoopsForward) {
 INSTANTIATE_TEST_SUITE_P(EveryShape, ReferenceShapeTest,
                          ::testing::Values("gqa", "tied", "qkv_bias",
                                            "head_dim", "llama3_rope", "qwen3",
-                                           "linear_rope", "yarn_rope"),
+                                           "linear_rope", "yarn_rope", "phi3"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });

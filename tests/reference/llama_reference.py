@@ -2,8 +2,8 @@
 """Independent reference forward pass for Llama-family checkpoints.
 
 Written from the Hugging Face transformers modelling code's *semantics*
-(LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM / Qwen3ForCausalLM),
-sharing no code
+(LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM / Qwen3ForCausalLM /
+Phi3ForCausalLM, RoPE default / llama3 / linear / yarn), sharing no code
 with pdworker's C++: its own config.json reading, its own safetensors parser,
 numpy only (Debian's python3-numpy), run with /usr/bin/python3.
 
@@ -69,7 +69,8 @@ class ReferenceError(Exception):
 
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM",
-                           "MistralForCausalLM", "Qwen3ForCausalLM")
+                           "MistralForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM")
 
 
 class Config:
@@ -107,10 +108,13 @@ class Config:
             raise ReferenceError("unsupported hidden_act %r" % (act,))
         # Qwen3Attention: q_norm / k_norm (Qwen3RMSNorm(head_dim)) per head.
         self.qk_norm = self.architecture == "Qwen3ForCausalLM"
-        if self.architecture == "Qwen2ForCausalLM":
+        # Phi3Attention: one qkv_proj, sliced q | k | v; Phi3MLP: one
+        # gate_up_proj, chunked gate | up; no biases.
+        self.fused = self.architecture == "Phi3ForCausalLM"
+        if self.architecture in ("Qwen2ForCausalLM",):
             # Qwen2Attention: q/k/v always biased, o never.
             self.qkv_bias, self.o_bias = True, False
-        elif self.architecture == "MistralForCausalLM":
+        elif self.architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):
             self.qkv_bias, self.o_bias = False, False
         else:
             # LlamaAttention and Qwen3Attention: bias=config.attention_bias
@@ -351,12 +355,19 @@ class Model:
             p = "model.layers.%d." % layer
             x = rms_norm(h, self._get(p + "input_layernorm.weight", (hidden,)),
                          cfg.rms_norm_eps)
-            q = self._linear(x, p + "self_attn.q_proj", H * D, hidden,
-                             cfg.qkv_bias).reshape(n, H, D)
-            k = self._linear(x, p + "self_attn.k_proj", KVH * D, hidden,
-                             cfg.qkv_bias).reshape(n, KVH, D)
-            v = self._linear(x, p + "self_attn.v_proj", KVH * D, hidden,
-                             cfg.qkv_bias).reshape(n, KVH, D)
+            if cfg.fused:
+                qkv = self._linear(x, p + "self_attn.qkv_proj",
+                                   (H + 2 * KVH) * D, hidden, False)
+                q = qkv[:, :H * D].reshape(n, H, D)
+                k = qkv[:, H * D:(H + KVH) * D].reshape(n, KVH, D)
+                v = qkv[:, (H + KVH) * D:].reshape(n, KVH, D)
+            else:
+                q = self._linear(x, p + "self_attn.q_proj", H * D, hidden,
+                                 cfg.qkv_bias).reshape(n, H, D)
+                k = self._linear(x, p + "self_attn.k_proj", KVH * D, hidden,
+                                 cfg.qkv_bias).reshape(n, KVH, D)
+                v = self._linear(x, p + "self_attn.v_proj", KVH * D, hidden,
+                                 cfg.qkv_bias).reshape(n, KVH, D)
             if cfg.qk_norm:
                 q = rms_norm(q, self._get(p + "self_attn.q_norm.weight", (D,)),
                              cfg.rms_norm_eps)
@@ -378,8 +389,14 @@ class Model:
             x = rms_norm(h, self._get(p + "post_attention_layernorm.weight",
                                       (hidden,)), cfg.rms_norm_eps)
             inter = cfg.intermediate_size
-            gate = self._linear(x, p + "mlp.gate_proj", inter, hidden, False)
-            up = self._linear(x, p + "mlp.up_proj", inter, hidden, False)
+            if cfg.fused:
+                gate_up = self._linear(x, p + "mlp.gate_up_proj", 2 * inter,
+                                       hidden, False)
+                gate, up = gate_up[:, :inter], gate_up[:, inter:]
+            else:
+                gate = self._linear(x, p + "mlp.gate_proj", inter, hidden,
+                                    False)
+                up = self._linear(x, p + "mlp.up_proj", inter, hidden, False)
             h = h + self._linear(silu(gate) * up, p + "mlp.down_proj", hidden,
                                  inter, False)
         h = rms_norm(h, self.final_norm, cfg.rms_norm_eps)

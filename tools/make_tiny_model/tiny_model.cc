@@ -38,6 +38,9 @@ struct TinyDims {
   // rope_scaling other than llama3's (see llama3_rope).
   enum class Rope { kDefault, kLinear, kYarn };
   Rope rope = Rope::kDefault;
+  // Phi-3: self_attn.qkv_proj and mlp.gate_up_proj instead of the separate
+  // projections.
+  bool fused_projections = false;
 };
 
 // Small enough that the float64 reference and the CPU forward take
@@ -165,6 +168,26 @@ TinyDims DimsFor(TinyShape shape) {
               512,
               false,
               TinyDims::Rope::kYarn};
+    case TinyShape::kPhi3:
+      // Phi-4's layout (GQA, theta 2.5e5, untied, no window) scaled down.
+      return {"Phi3ForCausalLM",
+              "phi3",
+              64,
+              128,
+              2,
+              4,
+              2,
+              0,
+              256,
+              250000.0,
+              1e-5,
+              false,
+              false,
+              false,
+              512,
+              false,
+              TinyDims::Rope::kDefault,
+              true};
   }
   return DimsFor(TinyShape::kGqa);
 }
@@ -233,12 +256,18 @@ std::vector<TensorSpec> TensorsFor(const TinyDims& d) {
   for (int64_t layer = 0; layer < d.layers; ++layer) {
     const std::string p = absl::StrCat("model.layers.", layer, ".");
     specs.push_back({p + "input_layernorm.weight", {d.hidden}, Init::kNorm});
-    specs.push_back(
-        {p + "self_attn.q_proj.weight", {q_size, d.hidden}, Init::kMatrix});
-    specs.push_back(
-        {p + "self_attn.k_proj.weight", {kv_size, d.hidden}, Init::kMatrix});
-    specs.push_back(
-        {p + "self_attn.v_proj.weight", {kv_size, d.hidden}, Init::kMatrix});
+    if (d.fused_projections) {
+      specs.push_back({p + "self_attn.qkv_proj.weight",
+                       {q_size + 2 * kv_size, d.hidden},
+                       Init::kMatrix});
+    } else {
+      specs.push_back(
+          {p + "self_attn.q_proj.weight", {q_size, d.hidden}, Init::kMatrix});
+      specs.push_back(
+          {p + "self_attn.k_proj.weight", {kv_size, d.hidden}, Init::kMatrix});
+      specs.push_back(
+          {p + "self_attn.v_proj.weight", {kv_size, d.hidden}, Init::kMatrix});
+    }
     if (d.qkv_bias) {
       specs.push_back({p + "self_attn.q_proj.bias", {q_size}, Init::kBias});
       specs.push_back({p + "self_attn.k_proj.bias", {kv_size}, Init::kBias});
@@ -252,11 +281,18 @@ std::vector<TensorSpec> TensorsFor(const TinyDims& d) {
     }
     specs.push_back(
         {p + "post_attention_layernorm.weight", {d.hidden}, Init::kNorm});
-    specs.push_back({p + "mlp.gate_proj.weight",
-                     {d.intermediate, d.hidden},
-                     Init::kMatrix});
-    specs.push_back(
-        {p + "mlp.up_proj.weight", {d.intermediate, d.hidden}, Init::kMatrix});
+    if (d.fused_projections) {
+      specs.push_back({p + "mlp.gate_up_proj.weight",
+                       {2 * d.intermediate, d.hidden},
+                       Init::kMatrix});
+    } else {
+      specs.push_back({p + "mlp.gate_proj.weight",
+                       {d.intermediate, d.hidden},
+                       Init::kMatrix});
+      specs.push_back({p + "mlp.up_proj.weight",
+                       {d.intermediate, d.hidden},
+                       Init::kMatrix});
+    }
     specs.push_back({p + "mlp.down_proj.weight",
                      {d.hidden, d.intermediate},
                      Init::kMatrix});
@@ -299,7 +335,7 @@ std::vector<float> Generate(const TensorSpec& spec, uint64_t seed) {
 std::vector<TinyShape> AllTinyShapes() {
   return {TinyShape::kGqa,        TinyShape::kTied,       TinyShape::kQkvBias,
           TinyShape::kHeadDim,    TinyShape::kLlama3Rope, TinyShape::kQwen3,
-          TinyShape::kLinearRope, TinyShape::kYarnRope};
+          TinyShape::kLinearRope, TinyShape::kYarnRope,   TinyShape::kPhi3};
 }
 
 absl::string_view TinyShapeName(TinyShape shape) {
@@ -328,6 +364,8 @@ absl::string_view TinyShapeName(TinyShape shape) {
       return "linear_rope";
     case TinyShape::kYarnRope:
       return "yarn_rope";
+    case TinyShape::kPhi3:
+      return "phi3";
   }
   return "unknown";
 }
@@ -343,7 +381,8 @@ absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown tiny model shape \"", name,
       "\"; known: gqa, tied, qkv_bias, head_dim, llama3_rope, qwen3, "
-      "linear_rope, yarn_rope, small, llama_1b, llama_0p5b, head_dim_64"));
+      "linear_rope, yarn_rope, phi3, small, llama_1b, llama_0p5b, "
+      "head_dim_64"));
 }
 
 std::string TinyModelConfigJson(const TinyModelOptions& options) {
@@ -388,6 +427,14 @@ std::string TinyModelConfigJson(const TinyModelOptions& options) {
         {"high_freq_factor", kLlama3HighFreqFactor},
         {"original_max_position_embeddings", kLlama3OriginalMaxPositions},
     };
+  }
+  if (d.fused_projections) {
+    // The rest of Phi-4's published config.json keys.
+    config["original_max_position_embeddings"] = d.max_position_embeddings;
+    config["sliding_window"] = nullptr;
+    config["embd_pdrop"] = 0.0;
+    config["resid_pdrop"] = 0.0;
+    config["attention_dropout"] = 0.0;
   }
   if (d.rope == TinyDims::Rope::kLinear) {
     config["rope_scaling"] = {{"rope_type", "linear"},

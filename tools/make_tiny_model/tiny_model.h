@@ -49,11 +49,13 @@ enum class TinyShape {
   // Qwen2 with yarn rope_scaling (factor 4 over an original context of 128,
   // Qwen2.5's long-context spelling).
   kYarnRope,
+  // Phi3ForCausalLM (Phi-4's layout): fused qkv_proj and gate_up_proj.
+  kPhi3,
 };
 
 std::vector<TinyShape> AllTinyShapes();
 // "gqa", "tied", "qkv_bias", "head_dim", "llama3_rope", "qwen3",
-// "linear_rope", "yarn_rope", "small", "llama_1b", "llama_0p5b",
+// "linear_rope", "yarn_rope", "phi3", "small", "llama_1b", "llama_0p5b",
 // "head_dim_64".
 absl::string_view TinyShapeName(TinyShape shape);
 absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name);

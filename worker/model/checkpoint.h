@@ -40,6 +40,9 @@ class Checkpoint {
   const TensorInfo* Find(const std::string& name) const;
   // Every tensor name, sorted.
   std::vector<std::string> TensorNames() const;
+  // For errors: the file that holds `name`, or that should (the single
+  // file, or the index of a sharded checkpoint).
+  std::string FileOf(const std::string& name) const;
   // Number of safetensors files backing the checkpoint (1 unless sharded).
   size_t num_files() const { return files_.size(); }
 
@@ -60,10 +63,6 @@ class Checkpoint {
  private:
   explicit Checkpoint(std::string model_dir)
       : model_dir_(std::move(model_dir)) {}
-
-  // For errors: the file that holds `name`, or that should (the single
-  // file, or the index of a sharded checkpoint).
-  std::string FileOf(const std::string& name) const;
 
   std::string model_dir_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;

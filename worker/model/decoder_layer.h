@@ -26,12 +26,23 @@ enum class QkNorm {
 // "none", "per_head_rms" (logs, errors and the config's fingerprint).
 absl::string_view QkNormName(QkNorm qk_norm);
 
+// How the checkpoint stores projections that read the same input. The
+// weights are fused either way ([q; k; v] rows, [gate; up] rows), so the
+// forward never sees the difference.
+enum class ProjectionTensors {
+  kSeparate,  // self_attn.{q,k,v}_proj, mlp.{gate,up}_proj (Llama's)
+  kFused,     // self_attn.qkv_proj, mlp.gate_up_proj (Phi-3's), rows in the
+              // same order
+};
+
 struct DecoderLayerSpec {
   // Biases on the attention projections: self_attn.{q,k,v}_proj.bias
   // [q_size], [kv_size], [kv_size] and self_attn.o_proj.bias [hidden].
   bool qkv_bias = false;
   bool o_proj_bias = false;
   QkNorm qk_norm = QkNorm::kNone;
+  ProjectionTensors qkv_tensors = ProjectionTensors::kSeparate;
+  ProjectionTensors gate_up_tensors = ProjectionTensors::kSeparate;
 };
 
 }  // namespace pdworker

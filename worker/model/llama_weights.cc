@@ -3,11 +3,13 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/kernels/kernel_checks.h"
@@ -40,6 +42,8 @@ struct WeightsLoad {
   Stream& stream;
   UploadRing& ring;
   LlamaWeights& w;
+  // Every tensor name read so far (RefuseUnusedTensors).
+  std::set<std::string> used = {};
 
   absl::StatusOr<DeviceBuffer> Buffer(
       std::initializer_list<std::pair<std::string, std::vector<int64_t>>> parts,
@@ -50,6 +54,7 @@ struct WeightsLoad {
       PDW_ASSIGN_OR_RETURN(const TensorInfo* t,
                            checkpoint.FindWithShape(name, shape));
       tensors.push_back(t);
+      used.insert(name);
       bytes += DeviceBytesOf(*t, w.dtype);
     }
     PDW_ASSIGN_OR_RETURN(DeviceBuffer buf, w.arena->Allocate(bytes, label));
@@ -78,11 +83,19 @@ absl::Status LoadInto(const ModelConfig& c, WeightsLoad& load) {
     PDW_ASSIGN_OR_RETURN(
         L.input_norm,
         load.Buffer({{p + "input_layernorm.weight", {h}}}, "input_norm"));
-    PDW_ASSIGN_OR_RETURN(
-        L.qkv, load.Buffer({{p + "self_attn.q_proj.weight", {c.q_size(), h}},
-                            {p + "self_attn.k_proj.weight", {c.kv_size(), h}},
-                            {p + "self_attn.v_proj.weight", {c.kv_size(), h}}},
-                           "qkv"));
+    if (c.layer.qkv_tensors == ProjectionTensors::kFused) {
+      PDW_ASSIGN_OR_RETURN(L.qkv,
+                           load.Buffer({{p + "self_attn.qkv_proj.weight",
+                                         {c.q_size() + 2 * c.kv_size(), h}}},
+                                       "qkv"));
+    } else {
+      PDW_ASSIGN_OR_RETURN(
+          L.qkv,
+          load.Buffer({{p + "self_attn.q_proj.weight", {c.q_size(), h}},
+                       {p + "self_attn.k_proj.weight", {c.kv_size(), h}},
+                       {p + "self_attn.v_proj.weight", {c.kv_size(), h}}},
+                      "qkv"));
+    }
     if (c.layer.qkv_bias) {
       PDW_ASSIGN_OR_RETURN(
           L.qkv_bias,
@@ -111,10 +124,17 @@ absl::Status LoadInto(const ModelConfig& c, WeightsLoad& load) {
     PDW_ASSIGN_OR_RETURN(
         L.post_norm, load.Buffer({{p + "post_attention_layernorm.weight", {h}}},
                                  "post_norm"));
-    PDW_ASSIGN_OR_RETURN(L.gate_up,
-                         load.Buffer({{p + "mlp.gate_proj.weight", {inter, h}},
-                                      {p + "mlp.up_proj.weight", {inter, h}}},
-                                     "gate_up"));
+    if (c.layer.gate_up_tensors == ProjectionTensors::kFused) {
+      PDW_ASSIGN_OR_RETURN(
+          L.gate_up,
+          load.Buffer({{p + "mlp.gate_up_proj.weight", {2 * inter, h}}},
+                      "gate_up"));
+    } else {
+      PDW_ASSIGN_OR_RETURN(
+          L.gate_up, load.Buffer({{p + "mlp.gate_proj.weight", {inter, h}},
+                                  {p + "mlp.up_proj.weight", {inter, h}}},
+                                 "gate_up"));
+    }
     PDW_ASSIGN_OR_RETURN(
         L.down,
         load.Buffer({{p + "mlp.down_proj.weight", {h, inter}}}, "down"));
@@ -128,6 +148,28 @@ absl::Status LoadInto(const ModelConfig& c, WeightsLoad& load) {
     PDW_ASSIGN_OR_RETURN(
         w.lm_head,
         load.Buffer({{"lm_head.weight", {c.vocab_size, h}}}, "lm_head"));
+  }
+  return absl::OkStatus();
+}
+
+// A tensor the layer description does not read means the checkpoint is
+// something else (another family's layer, MoE experts, a vision tower,
+// quantization scales): refused naming it, never ignored. Two are skipped
+// as vLLM skips them: lm_head.weight of a tied checkpoint (the embedding
+// serves as the head; some exports write both) and rotary_emb.inv_freq
+// buffers (RoPE tables old exports saved; computed here from the config).
+absl::Status RefuseUnusedTensors(const ModelConfig& c,
+                                 const Checkpoint& checkpoint,
+                                 const std::set<std::string>& used) {
+  for (const std::string& name : checkpoint.TensorNames()) {
+    if (used.count(name) > 0) continue;
+    if (c.tie_word_embeddings && name == "lm_head.weight") continue;
+    if (absl::EndsWith(name, "rotary_emb.inv_freq")) continue;
+    return absl::InvalidArgumentError(absl::StrCat(
+        checkpoint.FileOf(name), ": tensor \"", name, "\" is not used by ",
+        ArchitectureName(c.architecture),
+        " as config.json describes it; pdworker refuses a checkpoint with "
+        "weights it would ignore"));
   }
   return absl::OkStatus();
 }
@@ -189,6 +231,7 @@ absl::StatusOr<LlamaWeights> LoadLlamaWeights(const ModelConfig& c,
   StreamFence uploaded(stream);
   WeightsLoad load{checkpoint, stream, *ring, w};
   PDW_RETURN_IF_ERROR(LoadInto(c, load));
+  PDW_RETURN_IF_ERROR(RefuseUnusedTensors(c, checkpoint, load.used));
   PDW_RETURN_IF_ERROR(uploaded.Wait());
   return w;
 }

@@ -354,6 +354,19 @@ absl::Status RefuseUnsupportedFeatures(const Json& root) {
   auto mlp_bias = OptionalBool(root, "mlp_bias", false);
   if (!mlp_bias.ok()) return mlp_bias.status();
   if (*mlp_bias) return FieldError("mlp_bias", "= true is not supported");
+  // Phi-4-mini, GLM, StableLM: RoPE on a leading part of each head only.
+  if (const Json* partial = Find(root, "partial_rotary_factor");
+      partial != nullptr) {
+    PDW_ASSIGN_OR_RETURN(const double factor,
+                         AsNumber(*partial, "partial_rotary_factor"));
+    if (factor != 1.0) {
+      return FieldError(
+          "partial_rotary_factor",
+          absl::StrCat("= ", factor,
+                       " is not supported: RoPE rotates every head_dim "
+                       "value (1.0)"));
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -21,10 +21,10 @@ namespace pdworker {
 
 // config.json "architectures": the family (model_family.h) whose file read
 // the config.
-enum class Architecture { kLlama, kQwen2, kMistral, kQwen3 };
+enum class Architecture { kLlama, kQwen2, kMistral, kQwen3, kPhi3 };
 
 // "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM",
-// "Qwen3ForCausalLM".
+// "Qwen3ForCausalLM", "Phi3ForCausalLM".
 absl::string_view ArchitectureName(Architecture architecture);
 // config.json "model_type" of the family: "llama", "qwen2", ...
 absl::string_view ModelTypeName(Architecture architecture);

@@ -34,6 +34,7 @@ extern const ModelFamily kLlamaFamily;
 extern const ModelFamily kQwen2Family;
 extern const ModelFamily kMistralFamily;
 extern const ModelFamily kQwen3Family;
+extern const ModelFamily kPhi3Family;
 
 // Every family pdworker serves, in the order errors list them.
 absl::Span<const ModelFamily* const> ModelFamilies();
