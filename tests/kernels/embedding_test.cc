@@ -1,5 +1,6 @@
 #include "worker/kernels/embedding.h"
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -38,6 +39,31 @@ TEST_F(EmbeddingTest, CopiesTableRowsAndZeroesOutOfRangeIds) {
       ASSERT_EQ(out[t * kHidden + i], expected) << "token " << t << " i " << i;
     }
   }
+}
+
+// Gemma's sqrt(hidden_size) multiplier: every row times the scale.
+TEST_F(EmbeddingTest, ScaleMultipliesEveryRow) {
+  constexpr int kVocab = 30, kHidden = 16;
+  const std::vector<float> table = RandomFloats(kVocab * kHidden, 2);
+  const std::vector<int32_t> ids = {3, 29, 0};
+  EmbeddingParams p;
+  p.token_ids = Upload(ids);
+  p.table = Upload(table);
+  p.output = AllocElements<float>(3 * kHidden);
+  p.num_tokens = 3;
+  p.vocab_size = kVocab;
+  p.hidden_size = kHidden;
+  p.scale = 4.0f;
+  ASSERT_TRUE(LaunchEmbedding(stream(), p).ok());
+  const std::vector<float> out = Read<float>(p.output);
+  for (int t = 0; t < 3; ++t) {
+    for (int i = 0; i < kHidden; ++i) {
+      ASSERT_EQ(out[t * kHidden + i], 4.0f * table[ids[t] * kHidden + i]);
+    }
+  }
+  p.scale = std::nanf("");
+  EXPECT_THAT(LaunchEmbedding(stream(), p),
+              IsInvalidArgumentMentioning("scale"));
 }
 
 TEST_F(EmbeddingTest, ReadsTokenIdsWhenAGraphReplays) {

@@ -1,6 +1,7 @@
 #include "worker/kernels/lm_head.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -121,6 +122,36 @@ TEST_F(LmHeadTest, WithoutIndicesTheRowsAreTheHiddenRows) {
   direct.hidden = AllocElements<float>(kRows * kHidden - 1);
   EXPECT_THAT(LaunchLmHead(stream(), direct),
               IsInvalidArgumentMentioning("'hidden'"));
+}
+
+// Gemma 2's final_logit_softcapping: the logits of the same rows, each x
+// as cap * tanh(x / cap).
+TEST_F(LmHeadTest, SoftcapBendsEveryLogit) {
+  constexpr int kRows = 2, kHidden = 16, kVocab = 24;
+  LmHeadParams p;
+  p.hidden = Upload(RandomFloats(kRows * kHidden, 63, -3, 3));
+  p.weight = Upload(RandomFloats(kVocab * kHidden, 64, -1, 1));
+  p.logits = AllocElements<float>(kRows * kVocab);
+  p.num_tokens = kRows;
+  p.num_rows = kRows;
+  p.hidden_size = kHidden;
+  p.vocab_size = kVocab;
+  ASSERT_TRUE(LaunchLmHead(stream(), p).ok());
+  const std::vector<float> plain = Read<float>(p.logits);
+  p.softcap = 2.0f;
+  p.logits = AllocElements<float>(kRows * kVocab);
+  ASSERT_TRUE(LaunchLmHead(stream(), p).ok());
+  const std::vector<float> capped = Read<float>(p.logits);
+  float largest = 0;
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_NEAR(capped[i], 2.0 * std::tanh(plain[i] / 2.0), 1e-6) << i;
+    EXPECT_LT(std::fabs(capped[i]), 2.0f);
+    largest = std::max(largest, std::fabs(plain[i]));
+  }
+  EXPECT_GT(largest, 2.0f);  // some logits were bent, not passed through
+  p.softcap = -1.0f;
+  EXPECT_THAT(LaunchLmHead(stream(), p),
+              IsInvalidArgumentMentioning("softcap"));
 }
 
 // The greedy tile folds are a CUDA head's (lm_head_greedy.cu): the CPU

@@ -66,12 +66,15 @@ struct HostStep {
 
 // Straightforward attention over contiguous K/V gathered position by
 // position through the block table, in double.
+// `scale` 0: 1/sqrt(head_dim); `softcap` > 0: scores s become
+// softcap * tanh(s / softcap) (Gemma 2).
 std::vector<double> ReferenceAttention(const HostStep& s, int heads,
-                                       int kv_heads, int head_dim) {
+                                       int kv_heads, int head_dim,
+                                       double scale = 0, double softcap = 0) {
   const int width = heads * head_dim;
   const int kv_width = kv_heads * head_dim;
   std::vector<double> out(static_cast<size_t>(s.batch.num_tokens) * width, 0.0);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  if (scale == 0) scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   for (size_t r = 0; r < s.batch.requests.size(); ++r) {
     const TestRequest& req = s.batch.requests[r];
     const int start = s.query_start_loc[r];
@@ -95,6 +98,9 @@ std::vector<double> ReferenceAttention(const HostStep& s, int heads,
                    s.key_cache[base + d];
           }
           scores[pos] = dot * scale;
+          if (softcap > 0) {
+            scores[pos] = softcap * std::tanh(scores[pos] / softcap);
+          }
           values[pos] = &s.value_cache[base];
         }
         const double max = *std::max_element(scores.begin(), scores.end());
@@ -256,6 +262,33 @@ TEST_P(PagedAttentionTest, PrefillOfSeveralRequests) {
   const std::vector<float> out = Output(kPrefill.num_tokens);
   for (size_t i = 19 * heads_ * head_dim_; i < out.size(); ++i) {
     ASSERT_EQ(out[i], 0.0f) << i;
+  }
+}
+
+// Gemma 2's attention: another softmax scale and soft-capped scores, in
+// both routines. The CPU backend's only (CUDA refuses a softcap).
+TEST_P(PagedAttentionTest, ScaleAndSoftcapMatchTheReference) {
+  if (stream().kind() != DeviceKind::kCpu) GTEST_SKIP() << "CPU only";
+  for (const TestBatch& batch : {kMixed, kDecodeK1}) {
+    const HostStep s = WriteStep(batch, 300);
+    PagedAttentionParams p = ParamsFor(batch);
+    p.scale = 1.5f;
+    p.softcap = 1.25f;
+    ASSERT_TRUE((batch.uniform_query_len > 0
+                     ? LaunchPagedAttentionUniformDecode(stream(), p)
+                     : LaunchPagedAttention(stream(), p))
+                    .ok());
+    const std::vector<float> out = Output(batch.num_tokens);
+    EXPECT_LE(MaxAbsDiff(out, ReferenceAttention(s, heads_, kv_heads_,
+                                                 head_dim_, 1.5, 1.25)),
+              kTolerance);
+    // Without the cap the same scores give other outputs: it was applied.
+    EXPECT_GT(MaxAbsDiff(out, ReferenceAttention(s, heads_, kv_heads_,
+                                                 head_dim_, 1.5, 0)),
+              10 * kTolerance);
+    p.softcap = -1.0f;
+    EXPECT_THAT(LaunchPagedAttention(stream(), p),
+                IsInvalidArgumentMentioning("softcap"));
   }
 }
 

@@ -108,13 +108,8 @@ TEST_P(RmsNormCudaTest, GatherGivesTheUngatheredBits) {
     }
   };
 
-  RmsNormParams all{GpuBf16(x),
-                    GpuBf16(w),
-                    gpu().Alloc(2 * x.size()),
-                    tokens,
-                    hidden,
-                    1e-5f,
-                    DType::kBFloat16};
+  RmsNormParams all{GpuBf16(x), GpuBf16(w), gpu().Alloc(2 * x.size()), tokens,
+                    hidden,     1e-5f,      DType::kBFloat16};
   ASSERT_TRUE(LaunchRmsNorm(*gpu().stream, all).ok());
   RmsNormParams g = all;
   g.output = gpu().Alloc(2 * rows * hidden);  // 0xFF poison
@@ -125,8 +120,8 @@ TEST_P(RmsNormCudaTest, GatherGivesTheUngatheredBits) {
   expect_gathered(ReadGpuBf16(g.output, rows * hidden),
                   ReadGpuBf16(all.output, x.size()), "rms_norm");
 
-  FusedAddRmsNormParams fall{GpuBf16(x),     GpuBf16(res), GpuBf16(w),
-                             DeviceBuffer(), tokens,       hidden,
+  FusedAddRmsNormParams fall{GpuBf16(x),     GpuBf16(res),    GpuBf16(w),
+                             DeviceBuffer(), tokens,          hidden,
                              1e-5f,          DType::kBFloat16};
   fall.output = gpu().Alloc(2 * x.size());
   ASSERT_TRUE(LaunchFusedAddRmsNorm(*gpu().stream, fall).ok());

@@ -210,6 +210,11 @@ std::vector<Case> Cases() {
                              "model.layers.1.mlp.gate_up_proj.weight"}) {
     for (Defect d : defects) cases.push_back({tensor, d, TinyShape::kPhi3});
   }
+  // Gemma 2's sandwich norms (folded as 1 + w on the host).
+  for (Defect d : defects) {
+    cases.push_back({"model.layers.1.post_feedforward_layernorm.weight", d,
+                     TinyShape::kGemma2});
+  }
   return cases;
 }
 
@@ -256,8 +261,8 @@ std::unique_ptr<Subprocess> StartWorker(const std::string& model_dir,
 // drains on SIGTERM. Otherwise the cases below would pass on any harness
 // bug.
 TEST(BrokenCheckpointTest, RewrittenCheckpointServes) {
-  for (const TinyShape shape :
-       {TinyShape::kGqa, TinyShape::kQwen3, TinyShape::kPhi3}) {
+  for (const TinyShape shape : {TinyShape::kGqa, TinyShape::kQwen3,
+                                TinyShape::kPhi3, TinyShape::kGemma2}) {
     SCOPED_TRACE(TinyShapeName(shape));
     const std::string name = absl::StrCat("intact_", TinyShapeName(shape));
     const std::vector<Tensor> tensors =

@@ -66,6 +66,12 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> ExpectedTensors(
     expected.push_back({p + "input_layernorm.weight", {c.hidden_size}});
     expected.push_back(
         {p + "post_attention_layernorm.weight", {c.hidden_size}});
+    if (c.layer.norm_placement == NormPlacement::kSandwich) {
+      expected.push_back(
+          {p + "pre_feedforward_layernorm.weight", {c.hidden_size}});
+      expected.push_back(
+          {p + "post_feedforward_layernorm.weight", {c.hidden_size}});
+    }
     if (c.layer.qkv_tensors == ProjectionTensors::kFused) {
       expected.push_back(
           {p + "self_attn.qkv_proj.weight", {q + 2 * kv, c.hidden_size}});

@@ -226,6 +226,17 @@ TEST(ModelConfigTest, ParsesEveryTinyShape) {
         EXPECT_FALSE(c.layer.qkv_bias);
         EXPECT_FALSE(c.sliding_window.has_value());
         break;
+      case TinyShape::kGemma2:
+        EXPECT_EQ(c.architecture, Architecture::kGemma2);
+        EXPECT_EQ(c.layer.norm_placement, NormPlacement::kSandwich);
+        EXPECT_EQ(c.layer.norm_weight, NormWeight::kOnePlus);
+        EXPECT_EQ(c.layer.activation, MlpActivation::kGeluTanh);
+        EXPECT_EQ(c.layer.query_pre_attn_scalar, 24);
+        EXPECT_GT(c.layer.attn_logit_softcapping, 0);
+        EXPECT_GT(c.final_logit_softcapping, 0);
+        EXPECT_EQ(c.embedding_multiplier, 8.0);  // sqrt(64)
+        EXPECT_EQ(c.sliding_window, 256);
+        break;
       case TinyShape::kSmall:
       case TinyShape::kLlama1B:
       case TinyShape::kLlama0p5B:

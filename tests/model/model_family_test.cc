@@ -4,6 +4,7 @@
 // name.
 #include "worker/model/model_family.h"
 
+#include <cmath>
 #include <functional>
 #include <set>
 #include <string>
@@ -81,6 +82,40 @@ constexpr char kPhi4Config[] = R"({
   "transformers_version": "4.47.0",
   "use_cache": true,
   "vocab_size": 100352
+})";
+
+// google/gemma-2-9b config.json as published (no tie_word_embeddings key:
+// Gemma2Config's default, true).
+constexpr char kGemma2Config[] = R"({
+  "architectures": ["Gemma2ForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "attn_logit_softcapping": 50.0,
+  "bos_token_id": 2,
+  "cache_implementation": "hybrid",
+  "eos_token_id": 1,
+  "final_logit_softcapping": 30.0,
+  "head_dim": 256,
+  "hidden_act": "gelu_pytorch_tanh",
+  "hidden_activation": "gelu_pytorch_tanh",
+  "hidden_size": 3584,
+  "initializer_range": 0.02,
+  "intermediate_size": 14336,
+  "max_position_embeddings": 8192,
+  "model_type": "gemma2",
+  "num_attention_heads": 16,
+  "num_hidden_layers": 42,
+  "num_key_value_heads": 8,
+  "pad_token_id": 0,
+  "query_pre_attn_scalar": 256,
+  "rms_norm_eps": 1e-06,
+  "rope_theta": 10000.0,
+  "sliding_window": 4096,
+  "sliding_window_size": 4096,
+  "torch_dtype": "float32",
+  "transformers_version": "4.42.0.dev0",
+  "use_cache": true,
+  "vocab_size": 256000
 })";
 
 ModelConfig ParseOrDie(const std::string& text) {
@@ -201,6 +236,82 @@ TEST(ModelFamilyTest, Phi3KeysAndRefusals) {
   }
 }
 
+TEST(ModelFamilyTest, Gemma2AsPublished) {
+  const ModelConfig c = ParseOrDie(kGemma2Config);
+  EXPECT_EQ(c.architecture, Architecture::kGemma2);
+  EXPECT_EQ(ModelTypeName(c.architecture), "gemma2");
+  EXPECT_EQ(c.layer.norm_placement, NormPlacement::kSandwich);
+  EXPECT_EQ(c.layer.norm_weight, NormWeight::kOnePlus);
+  EXPECT_EQ(c.layer.activation, MlpActivation::kGeluTanh);
+  EXPECT_EQ(c.layer.query_pre_attn_scalar, 256);
+  EXPECT_EQ(c.layer.attn_logit_softcapping, 50);
+  EXPECT_EQ(c.final_logit_softcapping, 30);
+  EXPECT_DOUBLE_EQ(c.embedding_multiplier, std::sqrt(3584.0));
+  EXPECT_EQ(c.sliding_window, 4096);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.head_dim, 256);
+  EXPECT_EQ(c.q_size(), 4096);  // != hidden_size
+  EXPECT_THAT(c.CanonicalString(), HasSubstr("sandwich_norms;"));
+}
+
+// Keys absent take Gemma2Config's defaults; a null cap means none; what the
+// family does not run is refused by name.
+TEST(ModelFamilyTest, Gemma2DefaultsNullsAndRefusals) {
+  auto with = [](const std::function<void(Json&)>& edit) {
+    Json config = Json::parse(kGemma2Config);
+    edit(config);
+    return config.dump();
+  };
+  const ModelConfig defaults = ParseOrDie(with([](Json& j) {
+    for (const char* key :
+         {"head_dim", "query_pre_attn_scalar", "attn_logit_softcapping",
+          "final_logit_softcapping", "sliding_window"}) {
+      j.erase(key);
+    }
+    j["tie_word_embeddings"] = false;
+  }));
+  EXPECT_EQ(defaults.head_dim, 256);
+  EXPECT_EQ(defaults.layer.query_pre_attn_scalar, 256);
+  EXPECT_EQ(defaults.layer.attn_logit_softcapping, 50);
+  EXPECT_EQ(defaults.final_logit_softcapping, 30);
+  EXPECT_EQ(defaults.sliding_window, 4096);
+  EXPECT_FALSE(defaults.tie_word_embeddings);
+  const ModelConfig uncapped = ParseOrDie(with([](Json& j) {
+    j["attn_logit_softcapping"] = nullptr;
+    j["final_logit_softcapping"] = nullptr;
+    j["sliding_window"] = nullptr;
+  }));
+  EXPECT_EQ(uncapped.layer.attn_logit_softcapping, 0);
+  EXPECT_EQ(uncapped.final_logit_softcapping, 0);
+  EXPECT_FALSE(uncapped.sliding_window.has_value());
+  EXPECT_NE(uncapped.Fingerprint(), ParseOrDie(kGemma2Config).Fingerprint());
+
+  struct Bad {
+    std::function<void(Json&)> edit;
+    const char* names;
+  };
+  const Bad bad[] = {
+      {[](Json& j) { j["hidden_activation"] = "silu"; }, "hidden_activation"},
+      {[](Json& j) { j["hidden_act"] = "gelu"; }, "hidden_act"},
+      {[](Json& j) { j["attention_bias"] = true; }, "attention_bias"},
+      {[](Json& j) { j["query_pre_attn_scalar"] = 0; },
+       "query_pre_attn_scalar"},
+      {[](Json& j) { j["query_pre_attn_scalar"] = nullptr; },
+       "query_pre_attn_scalar"},
+      {[](Json& j) { j["attn_logit_softcapping"] = -1.0; },
+       "attn_logit_softcapping"},
+      {[](Json& j) { j["final_logit_softcapping"] = "30"; },
+       "final_logit_softcapping"},
+      {[](Json& j) { j["sliding_window"] = 4096.5; }, "sliding_window"},
+  };
+  for (const Bad& b : bad) {
+    auto parsed = ParseModelConfig(with(b.edit));
+    ASSERT_FALSE(parsed.ok()) << b.names;
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(parsed.status().message(), HasSubstr(b.names));
+  }
+}
+
 // The same shape under another family is another model: the layer spec is
 // part of the fingerprint, so a Qwen2 worker never takes a Qwen3's KV.
 TEST(ModelFamilyTest, TheFamilyIsPartOfTheFingerprint) {
@@ -210,6 +321,7 @@ TEST(ModelFamilyTest, TheFamilyIsPartOfTheFingerprint) {
     const ModelConfig c = ParseOrDie(WithQwen3([family](Json& j) {
       j["architectures"] = {std::string(family->architecture_name)};
       j["model_type"] = std::string(family->model_type);
+      j.erase("hidden_act");  // each family's own
     }));
     EXPECT_EQ(c.architecture, family->architecture);
     EXPECT_EQ(c.layer.qk_norm == QkNorm::kPerHeadRms,
@@ -246,13 +358,13 @@ TEST(ModelFamilyTest, TheTableFindsEveryFamilyOnce) {
 // An architecture no family reads is refused listing the ones that exist.
 TEST(ModelFamilyTest, AnUnknownArchitectureListsTheSupportedOnes) {
   auto parsed = ParseModelConfig(
-      WithQwen3([](Json& j) { j["architectures"] = {"Gemma2ForCausalLM"}; }));
+      WithQwen3([](Json& j) { j["architectures"] = {"Gemma3ForCausalLM"}; }));
   ASSERT_FALSE(parsed.ok());
   for (const ModelFamily* family : ModelFamilies()) {
     EXPECT_THAT(parsed.status().message(),
                 HasSubstr(std::string(family->architecture_name)));
   }
-  EXPECT_THAT(parsed.status().message(), HasSubstr("Gemma2ForCausalLM"));
+  EXPECT_THAT(parsed.status().message(), HasSubstr("Gemma3ForCausalLM"));
 }
 
 // Keys that announce what no family runs are refused naming the key, in
@@ -288,6 +400,7 @@ TEST(ModelFamilyTest, UnsupportedFeaturesAreRefusedByName) {
     // null means unset, as everywhere in HF configs.
     EXPECT_TRUE(ParseModelConfig(WithQwen3([&](Json& j) {
                   j["architectures"] = {std::string(family->architecture_name)};
+                  j.erase("hidden_act");
                   j["quantization_config"] = nullptr;
                   j["num_experts"] = nullptr;
                 })).ok());

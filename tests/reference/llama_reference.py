@@ -70,7 +70,7 @@ class ReferenceError(Exception):
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM",
                            "MistralForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM")
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM")
 
 
 class Config:
@@ -103,9 +103,25 @@ class Config:
         self.vocab_size = int(raw["vocab_size"])
         self.max_position_embeddings = int(raw["max_position_embeddings"])
         self.tie_word_embeddings = bool(raw.get("tie_word_embeddings", False))
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
+        # Gemma2 (transformers' Gemma2ForCausalLM): embeddings times
+        # sqrt(hidden), x * (1 + w) norms, four per layer, GeGLU (tanh gelu),
+        # softmax scale query_pre_attn_scalar^-1/2, attention and final
+        # logits soft-capped, even layers windowed; Gemma2Config's defaults
+        # where a key is absent.
+        self.gemma2 = self.architecture == "Gemma2ForCausalLM"
+        act = raw.get("hidden_activation", raw.get("hidden_act", "silu"))
+        if act != ("gelu_pytorch_tanh" if self.gemma2 else "silu"):
             raise ReferenceError("unsupported hidden_act %r" % (act,))
+        if self.gemma2:
+            if hd is None:
+                self.head_dim = 256
+            self.query_pre_attn_scalar = float(
+                raw.get("query_pre_attn_scalar", 256))
+            self.attn_softcap = raw.get("attn_logit_softcapping", 50.0)
+            self.final_softcap = raw.get("final_logit_softcapping", 30.0)
+            self.sliding_window = raw.get("sliding_window", 4096)
+            self.tie_word_embeddings = bool(raw.get("tie_word_embeddings",
+                                                    True))
         # Qwen3Attention: q_norm / k_norm (Qwen3RMSNorm(head_dim)) per head.
         self.qk_norm = self.architecture == "Qwen3ForCausalLM"
         # Phi3Attention: one qkv_proj, sliced q | k | v; Phi3MLP: one
@@ -114,7 +130,8 @@ class Config:
         if self.architecture in ("Qwen2ForCausalLM",):
             # Qwen2Attention: q/k/v always biased, o never.
             self.qkv_bias, self.o_bias = True, False
-        elif self.architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        elif self.architecture in ("MistralForCausalLM", "Phi3ForCausalLM",
+                                   "Gemma2ForCausalLM"):
             self.qkv_bias, self.o_bias = False, False
         else:
             # LlamaAttention and Qwen3Attention: bias=config.attention_bias
@@ -302,6 +319,16 @@ def silu(x):
     return x / (1.0 + np.exp(-x))
 
 
+def gelu_tanh(x):
+    """torch.nn.functional.gelu(x, approximate="tanh")."""
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) *
+                                    (x + 0.044715 * x ** 3)))
+
+
+def softcap(x, cap):
+    return x if not cap else np.tanh(x / cap) * cap
+
+
 class Model:
     def __init__(self, model_dir):
         self.cfg = load_config(model_dir)
@@ -349,12 +376,19 @@ class Model:
         sin = np.sin(emb) * self.attention_factor
         causal = np.triu(np.full((n, n), -np.inf), k=1)     # [q, k]
         group = H // KVH
+        gemma = cfg.gemma2
+
+        def norm(x, name):
+            # Gemma2RMSNorm scales by (1 + w).
+            w = self._get(name, (hidden,))
+            return rms_norm(x, 1.0 + w if gemma else w, cfg.rms_norm_eps)
 
         h = self.embed[np.asarray(tokens, dtype=np.int64)]  # [n, hidden]
+        if gemma:
+            h = h * math.sqrt(hidden)
         for layer in range(cfg.num_layers):
             p = "model.layers.%d." % layer
-            x = rms_norm(h, self._get(p + "input_layernorm.weight", (hidden,)),
-                         cfg.rms_norm_eps)
+            x = norm(h, p + "input_layernorm.weight")
             if cfg.fused:
                 qkv = self._linear(x, p + "self_attn.qkv_proj",
                                    (H + 2 * KVH) * D, hidden, False)
@@ -375,19 +409,35 @@ class Model:
                              cfg.rms_norm_eps)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
+            mask = causal
+            scale = 1.0 / math.sqrt(D)
+            if gemma:
+                scale = cfg.query_pre_attn_scalar ** -0.5
+                # Even layers slide: key j is visible to query i when
+                # i - j < window.
+                if layer % 2 == 0 and cfg.sliding_window:
+                    window = np.tril(np.full((n, n), -np.inf),
+                                     k=-int(cfg.sliding_window))
+                    mask = causal + window
             attn = np.empty((n, H, D))
             for head in range(H):
                 kv = head // group
-                scores = (q[:, head, :] @ k[:, kv, :].T) / math.sqrt(D)
-                scores = scores + causal
+                scores = (q[:, head, :] @ k[:, kv, :].T) * scale
+                if gemma:
+                    scores = softcap(scores, cfg.attn_softcap)
+                scores = scores + mask
                 scores = scores - scores.max(axis=-1, keepdims=True)
                 probs = np.exp(scores)
                 probs /= probs.sum(axis=-1, keepdims=True)
                 attn[:, head, :] = probs @ v[:, kv, :]
-            h = h + self._linear(attn.reshape(n, H * D), p + "self_attn.o_proj",
-                                 hidden, H * D, cfg.o_bias)
-            x = rms_norm(h, self._get(p + "post_attention_layernorm.weight",
-                                      (hidden,)), cfg.rms_norm_eps)
+            out = self._linear(attn.reshape(n, H * D), p + "self_attn.o_proj",
+                               hidden, H * D, cfg.o_bias)
+            if gemma:
+                out = norm(out, p + "post_attention_layernorm.weight")
+                x = norm(h + out, p + "pre_feedforward_layernorm.weight")
+            else:
+                x = norm(h + out, p + "post_attention_layernorm.weight")
+            h = h + out
             inter = cfg.intermediate_size
             if cfg.fused:
                 gate_up = self._linear(x, p + "mlp.gate_up_proj", 2 * inter,
@@ -397,10 +447,16 @@ class Model:
                 gate = self._linear(x, p + "mlp.gate_proj", inter, hidden,
                                     False)
                 up = self._linear(x, p + "mlp.up_proj", inter, hidden, False)
-            h = h + self._linear(silu(gate) * up, p + "mlp.down_proj", hidden,
-                                 inter, False)
-        h = rms_norm(h, self.final_norm, cfg.rms_norm_eps)
-        return h @ self.lm_head.T
+            act = gelu_tanh(gate) if gemma else silu(gate)
+            out = self._linear(act * up, p + "mlp.down_proj", hidden, inter,
+                               False)
+            if gemma:
+                out = norm(out, p + "post_feedforward_layernorm.weight")
+            h = h + out
+        h = rms_norm(h, 1.0 + self.final_norm if gemma else self.final_norm,
+                     cfg.rms_norm_eps)
+        logits = h @ self.lm_head.T
+        return softcap(logits, cfg.final_softcap) if gemma else logits
 
 
 # ----------------------------------------------------------------------------

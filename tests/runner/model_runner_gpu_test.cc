@@ -497,7 +497,7 @@ TEST(DecodeMegakernelGpuTest, ModelsItCannotRunAreRefused) {
 
 // A model whose layer the CUDA kernels do not implement is refused at
 // Create, naming the feature, never run without it.
-TEST(CudaRefusalGpuTest, Qwen3QkNormIsRefusedByName) {
+TEST(CudaRefusalGpuTest, LayersWithoutCudaKernelsAreRefusedByName) {
   auto device = CreateDevice(DeviceKind::kCuda);
   if (!device.ok()) {
     GTEST_SKIP() << "CUDA backend not available here ("
@@ -514,6 +514,20 @@ TEST(CudaRefusalGpuTest, Qwen3QkNormIsRefusedByName) {
   EXPECT_NE(runner.status().message().find("Qwen3ForCausalLM"),
             std::string::npos)
       << runner.status();
+
+  auto gemma = TinyModelDir(TinyShape::kGemma2);
+  ASSERT_TRUE(gemma.ok()) << gemma.status();
+  runner = ModelRunner::Create(**device, *gemma,
+                               SmallOptions(R"({"cudagraph_mode":"NONE"})"));
+  ASSERT_FALSE(runner.ok());
+  EXPECT_EQ(runner.status().code(), absl::StatusCode::kUnimplemented);
+  for (const char* feature :
+       {"Gemma2ForCausalLM", "sandwich norms", "gelu_pytorch_tanh",
+        "attn_logit_softcapping", "final_logit_softcapping",
+        "embedding multiplier"}) {
+    EXPECT_NE(runner.status().message().find(feature), std::string::npos)
+        << feature << ": " << runner.status();
+  }
 }
 
 }  // namespace

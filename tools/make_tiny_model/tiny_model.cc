@@ -41,6 +41,9 @@ struct TinyDims {
   // Phi-3: self_attn.qkv_proj and mlp.gate_up_proj instead of the separate
   // projections.
   bool fused_projections = false;
+  // Gemma 2: four norms per layer, stored as w in x̂ * (1 + w), GeGLU,
+  // query_pre_attn_scalar, soft-capping, a window.
+  bool gemma2 = false;
 };
 
 // Small enough that the float64 reference and the CPU forward take
@@ -188,6 +191,28 @@ TinyDims DimsFor(TinyShape shape) {
               false,
               TinyDims::Rope::kDefault,
               true};
+    case TinyShape::kGemma2:
+      // Gemma-2-9B's layout scaled down: head_dim 32 over hidden 64 with 4
+      // heads, GQA, tied embeddings, eps 1e-6.
+      return {"Gemma2ForCausalLM",
+              "gemma2",
+              64,
+              128,
+              2,
+              4,
+              2,
+              32,
+              256,
+              10000.0,
+              1e-6,
+              true,
+              false,
+              false,
+              512,
+              false,
+              TinyDims::Rope::kDefault,
+              false,
+              true};
   }
   return DimsFor(TinyShape::kGqa);
 }
@@ -199,6 +224,11 @@ constexpr double kLlama3Factor = 8.0;
 constexpr double kLlama3LowFreqFactor = 1.0;
 constexpr double kLlama3HighFreqFactor = 4.0;
 constexpr int64_t kLlama3OriginalMaxPositions = 64;
+
+// Gemma 2's caps (50 and 30 in the 9B) scaled to the tiny model's scores
+// and logits, which are a few units.
+constexpr double kGemma2AttnSoftcap = 2.0;
+constexpr double kGemma2FinalSoftcap = 3.0;
 
 // linear: positions interpolated by 2.
 constexpr double kLinearFactor = 2.0;
@@ -232,10 +262,11 @@ class SplitMix64 {
 };
 
 enum class Init {
-  kMatrix,  // uniform with std 1/sqrt(fan_in): activations stay O(1), so
-            // attention is far from uniform and RoPE/GQA mistakes show up
-  kNorm,    // 1 +- 0.1
-  kBias,    // uniform with std 0.1
+  kMatrix,      // uniform with std 1/sqrt(fan_in): activations stay O(1), so
+                // attention is far from uniform and RoPE/GQA mistakes show up
+  kNorm,        // 1 +- 0.1
+  kNormOffset,  // +- 0.1: Gemma's w in x̂ * (1 + w)
+  kBias,        // uniform with std 0.1
 };
 
 struct TensorSpec {
@@ -253,9 +284,10 @@ std::vector<TensorSpec> TensorsFor(const TinyDims& d) {
   std::vector<TensorSpec> specs;
   specs.push_back(
       {"model.embed_tokens.weight", {d.vocab, d.hidden}, Init::kMatrix});
+  const Init norm = d.gemma2 ? Init::kNormOffset : Init::kNorm;
   for (int64_t layer = 0; layer < d.layers; ++layer) {
     const std::string p = absl::StrCat("model.layers.", layer, ".");
-    specs.push_back({p + "input_layernorm.weight", {d.hidden}, Init::kNorm});
+    specs.push_back({p + "input_layernorm.weight", {d.hidden}, norm});
     if (d.fused_projections) {
       specs.push_back({p + "self_attn.qkv_proj.weight",
                        {q_size + 2 * kv_size, d.hidden},
@@ -279,8 +311,13 @@ std::vector<TensorSpec> TensorsFor(const TinyDims& d) {
       specs.push_back({p + "self_attn.q_norm.weight", {head_dim}, Init::kNorm});
       specs.push_back({p + "self_attn.k_norm.weight", {head_dim}, Init::kNorm});
     }
-    specs.push_back(
-        {p + "post_attention_layernorm.weight", {d.hidden}, Init::kNorm});
+    specs.push_back({p + "post_attention_layernorm.weight", {d.hidden}, norm});
+    if (d.gemma2) {
+      specs.push_back(
+          {p + "pre_feedforward_layernorm.weight", {d.hidden}, norm});
+      specs.push_back(
+          {p + "post_feedforward_layernorm.weight", {d.hidden}, norm});
+    }
     if (d.fused_projections) {
       specs.push_back({p + "mlp.gate_up_proj.weight",
                        {2 * d.intermediate, d.hidden},
@@ -297,7 +334,7 @@ std::vector<TensorSpec> TensorsFor(const TinyDims& d) {
                      {d.hidden, d.intermediate},
                      Init::kMatrix});
   }
-  specs.push_back({"model.norm.weight", {d.hidden}, Init::kNorm});
+  specs.push_back({"model.norm.weight", {d.hidden}, norm});
   if (!d.tied) {
     specs.push_back({"lm_head.weight", {d.vocab, d.hidden}, Init::kMatrix});
   }
@@ -321,6 +358,9 @@ std::vector<float> Generate(const TensorSpec& spec, uint64_t seed) {
         break;
       case Init::kNorm:
         value = 1.0f + 0.1f * u;
+        break;
+      case Init::kNormOffset:
+        value = 0.1f * u;
         break;
       case Init::kBias:
         value = 0.1f * sqrt3 * u;
@@ -366,6 +406,8 @@ absl::string_view TinyShapeName(TinyShape shape) {
       return "yarn_rope";
     case TinyShape::kPhi3:
       return "phi3";
+    case TinyShape::kGemma2:
+      return "gemma2";
   }
   return "unknown";
 }
@@ -381,7 +423,7 @@ absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown tiny model shape \"", name,
       "\"; known: gqa, tied, qkv_bias, head_dim, llama3_rope, qwen3, "
-      "linear_rope, yarn_rope, phi3, small, llama_1b, llama_0p5b, "
+      "linear_rope, yarn_rope, phi3, gemma2, small, llama_1b, llama_0p5b, "
       "head_dim_64"));
 }
 
@@ -434,6 +476,18 @@ std::string TinyModelConfigJson(const TinyModelOptions& options) {
     config["sliding_window"] = nullptr;
     config["embd_pdrop"] = 0.0;
     config["resid_pdrop"] = 0.0;
+    config["attention_dropout"] = 0.0;
+  }
+  if (d.gemma2) {
+    // Gemma-2-9B's keys; caps small enough that tanh bends the tiny model's
+    // scores and logits, a window longer than the tests' sequences.
+    config["hidden_act"] = "gelu_pytorch_tanh";
+    config["hidden_activation"] = "gelu_pytorch_tanh";
+    config["query_pre_attn_scalar"] = 24;
+    config["attn_logit_softcapping"] = kGemma2AttnSoftcap;
+    config["final_logit_softcapping"] = kGemma2FinalSoftcap;
+    config["sliding_window"] = 256;
+    config["cache_implementation"] = "hybrid";
     config["attention_dropout"] = 0.0;
   }
   if (d.rope == TinyDims::Rope::kLinear) {

@@ -51,12 +51,15 @@ enum class TinyShape {
   kYarnRope,
   // Phi3ForCausalLM (Phi-4's layout): fused qkv_proj and gate_up_proj.
   kPhi3,
+  // Gemma2ForCausalLM: sandwich (1 + w) norms, GeGLU, sqrt(hidden) embedding
+  // scale, query_pre_attn_scalar 24, soft-capping, tied, a 256 window.
+  kGemma2,
 };
 
 std::vector<TinyShape> AllTinyShapes();
 // "gqa", "tied", "qkv_bias", "head_dim", "llama3_rope", "qwen3",
-// "linear_rope", "yarn_rope", "phi3", "small", "llama_1b", "llama_0p5b",
-// "head_dim_64".
+// "linear_rope", "yarn_rope", "phi3", "gemma2", "small", "llama_1b",
+// "llama_0p5b", "head_dim_64".
 absl::string_view TinyShapeName(TinyShape shape);
 absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name);
 

@@ -1,5 +1,6 @@
 #include "worker/kernels/embedding.h"
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -30,8 +31,12 @@ void EmbeddingCpu(const EmbeddingParams& p) {
       std::memset(dst, 0, row_bytes);
       continue;
     }
-    std::memcpy(dst, table + static_cast<int64_t>(id) * p.hidden_size,
-                row_bytes);
+    const float* row = table + static_cast<int64_t>(id) * p.hidden_size;
+    if (p.scale == 1.0f) {
+      std::memcpy(dst, row, row_bytes);
+    } else {
+      for (int i = 0; i < p.hidden_size; ++i) dst[i] = row[i] * p.scale;
+    }
   }
 }
 
@@ -76,6 +81,15 @@ absl::Status LaunchEmbedding(Stream& stream, const EmbeddingParams& p) {
                                    p.hidden_size, type)),
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
+  if (!std::isfinite(p.scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: scale must be finite, got %g", kOp, p.scale));
+  }
+  if (stream.kind() == DeviceKind::kCuda && p.scale != 1.0f) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "%s: scale %g (an embedding multiplier) has no CUDA kernel yet", kOp,
+        p.scale));
+  }
 #if PDW_HAVE_CUDA
   if (stream.kind() == DeviceKind::kCuda) return EmbeddingOnCuda(stream, p);
 #endif

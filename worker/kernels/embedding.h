@@ -25,6 +25,10 @@ struct EmbeddingParams {
   // Element type of table and output: fp32 on the CPU backend, bf16 on CUDA
   // (see ModelDTypeFor). The copy is exact either way.
   DType dtype = DType::kFloat32;
+  // Every copied row is multiplied by this (Gemma's sqrt(hidden_size)
+  // normalizer); 1 copies exactly. The CPU kernel only (CUDA refuses
+  // another value).
+  float scale = 1.0f;
 };
 
 absl::Status LaunchEmbedding(Stream& stream, const EmbeddingParams& p);

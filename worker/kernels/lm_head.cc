@@ -1,5 +1,6 @@
 #include "worker/kernels/lm_head.h"
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -178,6 +179,15 @@ absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p) {
        CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
 
+  if (!(p.softcap >= 0.0f) || std::isinf(p.softcap)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "lm_head: softcap must be finite and >= 0 (0: none), got %g",
+        p.softcap));
+  }
+  if (p.softcap > 0.0f && stream.kind() == DeviceKind::kCuda) {
+    return absl::UnimplementedError(
+        "lm_head: softcap (final logit soft-capping) has no CUDA kernel yet");
+  }
   // Checked before the gather, which launches first.
   if (!p.greedy_tiles.empty()) {
     PDW_RETURN_IF_ERROR(CheckBuffer(kOp, "greedy_tiles", p.greedy_tiles,
@@ -237,7 +247,15 @@ absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p) {
   linear.dtype = p.dtype;
   linear.output_dtype = DType::kFloat32;
   linear.kernel = p.linear_kernel;
-  return LaunchLinear(stream, linear);
+  PDW_RETURN_IF_ERROR(LaunchLinear(stream, linear));
+  if (p.softcap == 0.0f) return absl::OkStatus();
+  const int64_t count = static_cast<int64_t>(p.num_rows) * p.vocab_size;
+  return stream.Launch("lm_head softcap", [p, count](const OpContext&) {
+    float* logits = p.logits.as<float>();
+    for (int64_t i = 0; i < count; ++i) {
+      logits[i] = p.softcap * std::tanh(logits[i] / p.softcap);
+    }
+  });
 }
 
 }  // namespace kernels

@@ -72,6 +72,10 @@ struct LmHeadParams {
   DeviceBuffer norm_weight;  // [hidden_size]
   float norm_epsilon = 0.0f;
   DeviceBuffer norm_row_index;  // int32 [>= 1], read on the device
+  // Gemma 2's final_logit_softcapping: each logit x becomes
+  // softcap * tanh(x / softcap); 0 means none. The CPU backend only (CUDA
+  // refuses it).
+  float softcap = 0.0f;
 };
 
 // True when LaunchLmHead(stream, p) can write p.greedy_tiles: they are set,

@@ -129,6 +129,9 @@ void AttendHeads(const PagedAttentionParams& p, const float* q, int num_q,
       const float* k = keys + j * kv_row;
       for (int h = 0; h < num_q; ++h) {
         scores[h][j] = Dot(q + h * head_dim, k, head_dim) * p.scale;
+        if (p.softcap > 0.0f) {
+          scores[h][j] = p.softcap * std::tanh(scores[h][j] / p.softcap);
+        }
         block_max[h] = std::max(block_max[h], scores[h][j]);
       }
     }
@@ -281,6 +284,16 @@ absl::Status CheckAndResolve(const Stream& stream, const char* op,
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s: scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got %g", op,
         p.scale));
+  }
+  if (!(p.softcap >= 0.0f) || std::isinf(p.softcap)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: softcap must be finite and >= 0 (0: none), got %g",
+                        op, p.softcap));
+  }
+  if (on_cuda && p.softcap > 0.0f) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "%s: softcap (attention logit soft-capping) has no CUDA kernel yet",
+        op));
   }
   *resolved = p;
   const int q_width = p.num_heads * p.head_dim;

@@ -195,6 +195,10 @@ struct PagedAttentionParams {
   int max_blocks_per_seq = 0;
   int query_row_stride = 0;
   float scale = 0.0f;  // softmax scale; 0 means 1 / sqrt(head_dim)
+  // Gemma 2's attn_logit_softcapping: each scaled score s becomes
+  // softcap * tanh(s / softcap) before the softmax; 0 means none. The CPU
+  // kernel only (the CUDA kernels refuse it).
+  float softcap = 0.0f;
   // Uniform decode only: query tokens per request (k >= 1); request r owns
   // rows [r·k, (r + 1)·k) and num_tokens / k (<= max_num_seqs) requests are
   // processed, padding requests (seq_len 0) included.

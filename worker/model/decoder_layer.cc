@@ -12,4 +12,14 @@ absl::string_view QkNormName(QkNorm qk_norm) {
   return "unknown";
 }
 
+absl::string_view MlpActivationName(MlpActivation activation) {
+  switch (activation) {
+    case MlpActivation::kSilu:
+      return "silu";
+    case MlpActivation::kGeluTanh:
+      return "gelu_pytorch_tanh";
+  }
+  return "unknown";
+}
+
 }  // namespace pdworker

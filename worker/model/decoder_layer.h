@@ -35,6 +35,31 @@ enum class ProjectionTensors {
               // same order
 };
 
+enum class NormPlacement {
+  // Llama: input_layernorm before attention, post_attention_layernorm
+  // before the MLP.
+  kPre,
+  // Gemma 2 and 3: input_layernorm before attention and
+  // post_attention_layernorm on its output (before the residual add);
+  // pre_feedforward_layernorm before the MLP and post_feedforward_layernorm
+  // on its output.
+  kSandwich,
+};
+
+enum class NormWeight {
+  kPlain,    // RMSNorm(x) * w
+  kOnePlus,  // Gemma: RMSNorm(x) * (1 + w), every norm of the model; the
+             // loader folds the 1 into the weights
+};
+
+enum class MlpActivation {
+  kSilu,      // "silu": down(silu(gate) * up)
+  kGeluTanh,  // "gelu_pytorch_tanh" (GeGLU): down(gelu_tanh(gate) * up)
+};
+
+// config.json's hidden_act spelling of `activation`.
+absl::string_view MlpActivationName(MlpActivation activation);
+
 struct DecoderLayerSpec {
   // Biases on the attention projections: self_attn.{q,k,v}_proj.bias
   // [q_size], [kv_size], [kv_size] and self_attn.o_proj.bias [hidden].
@@ -43,6 +68,14 @@ struct DecoderLayerSpec {
   QkNorm qk_norm = QkNorm::kNone;
   ProjectionTensors qkv_tensors = ProjectionTensors::kSeparate;
   ProjectionTensors gate_up_tensors = ProjectionTensors::kSeparate;
+  NormPlacement norm_placement = NormPlacement::kPre;
+  NormWeight norm_weight = NormWeight::kPlain;
+  MlpActivation activation = MlpActivation::kSilu;
+  // Gemma 2: the softmax scale is query_pre_attn_scalar^-1/2 instead of
+  // head_dim^-1/2 (0: head_dim's).
+  double query_pre_attn_scalar = 0;
+  // Gemma 2: scores s (scaled) become cap * tanh(s / cap); 0: none.
+  double attn_logit_softcapping = 0;
 };
 
 }  // namespace pdworker

@@ -4,10 +4,13 @@
 #include <cmath>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "worker/kernels/embedding.h"
+#include "worker/kernels/gelu_tanh_and_mul.h"
 #include "worker/kernels/kernel_checks.h"
 #include "worker/kernels/linear.h"
 #include "worker/kernels/lm_head.h"
@@ -89,11 +92,45 @@ kernels::RopeConfig RopeConfigFor(const ModelConfig& c) {
 // cache); q·k then carries its square, which the scale takes instead, so
 // the kernels and the KV cache stay those of plain RoPE.
 float AttentionScale(const ModelConfig& c) {
-  double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+  // Gemma 2 scales by query_pre_attn_scalar^-1/2 instead of head_dim's.
+  const double scalar = c.layer.query_pre_attn_scalar > 0
+                            ? c.layer.query_pre_attn_scalar
+                            : static_cast<double>(c.head_dim);
+  double scale = 1.0 / std::sqrt(scalar);
   if (c.rope_scaling.type == RopeScalingType::kYarn) {
     scale *= c.rope_scaling.attention_factor * c.rope_scaling.attention_factor;
   }
   return static_cast<float>(scale);
+}
+
+// What the CUDA kernels do not implement yet, by name (empty: nothing).
+std::vector<std::string> CpuOnlyFeatures(const ModelConfig& c) {
+  std::vector<std::string> features;
+  if (c.layer.qk_norm != QkNorm::kNone) {
+    features.push_back(
+        absl::StrCat("per-head q/k norm (self_attn.q_norm / "
+                     "k_norm, qk_norm=",
+                     QkNormName(c.layer.qk_norm), ")"));
+  }
+  if (c.layer.norm_placement == NormPlacement::kSandwich) {
+    features.push_back(
+        "sandwich norms (post_attention_layernorm on the attention output, "
+        "post_feedforward_layernorm)");
+  }
+  if (c.layer.activation != MlpActivation::kSilu) {
+    features.push_back(absl::StrCat(
+        "the ", MlpActivationName(c.layer.activation), " MLP activation"));
+  }
+  if (c.layer.attn_logit_softcapping != 0) {
+    features.push_back("attn_logit_softcapping");
+  }
+  if (c.final_logit_softcapping != 0) {
+    features.push_back("final_logit_softcapping");
+  }
+  if (c.embedding_multiplier != 1.0) {
+    features.push_back("the embedding multiplier");
+  }
+  return features;
 }
 
 }  // namespace
@@ -153,14 +190,14 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
   }
 
   // The CUDA kernels (unfused, the fused epilogues and the megakernel alike)
-  // have no per-head q/k norm yet: refused by name rather than computed
-  // without it.
-  if (kind == DeviceKind::kCuda && config.layer.qk_norm != QkNorm::kNone) {
+  // lack some families' features yet: refused by name rather than computed
+  // without them.
+  if (const std::vector<std::string> missing = CpuOnlyFeatures(config);
+      kind == DeviceKind::kCuda && !missing.empty()) {
     return absl::UnimplementedError(absl::StrCat(
-        "LlamaForward: ", ArchitectureName(config.architecture),
-        "'s per-head q/k norm (self_attn.q_norm / k_norm, qk_norm=",
-        QkNormName(config.layer.qk_norm),
-        ") has no CUDA kernel yet; serve this model with --device=cpu"));
+        "LlamaForward: ", ArchitectureName(config.architecture), "'s ",
+        absl::StrJoin(missing, ", "),
+        " have no CUDA kernels yet; serve this model with --device=cpu"));
   }
   if (kind == DeviceKind::kCuda &&
       options.uniform_decode_query_len >
@@ -412,6 +449,8 @@ LlamaForward::LayerLinears LlamaForward::Linears(int layer, int num_tokens,
 
 bool LlamaForward::CanFuseDecodeLayers(int num_tokens) const {
   if (options_.kernel_options.decode_fusion == DecodeFusion::kOff) return false;
+  // The fused epilogues implement Llama's layer only.
+  if (!CpuOnlyFeatures(config_).empty()) return false;
   const LayerLinears l = Linears(0, num_tokens, /*fused=*/true);
   for (const kernels::LinearParams* p :
        {&l.qkv, &l.o_proj, &l.gate_up, &l.down}) {
@@ -423,6 +462,7 @@ bool LlamaForward::CanFuseDecodeLayers(int num_tokens) const {
 absl::Status LlamaForward::RunOutputAndMlp(int layer, int num_tokens,
                                            bool fused) {
   const LayerLinears l = Linears(layer, num_tokens, fused);
+  const LlamaLayerWeights& w = weights_.layers[layer];
   PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, l.o_proj));
   if (fused) {
     // o_proj added itself to the residual; gate_up normalizes it.
@@ -433,6 +473,12 @@ absl::Status LlamaForward::RunOutputAndMlp(int layer, int num_tokens,
   const int inter = static_cast<int>(config_.intermediate_size);
   const float eps = static_cast<float>(config_.rms_norm_eps);
   const DType dtype = weights_.dtype;
+  // Sandwich norms: the attention output is normalized before the add.
+  if (!w.post_attention_output_norm.empty()) {
+    PDW_RETURN_IF_ERROR(kernels::LaunchRmsNorm(
+        stream_, {act_.hidden, w.post_attention_output_norm, act_.hidden,
+                  num_tokens, hidden, eps, dtype}));
+  }
   // residual += attention output; hidden = post_norm(residual).
   kernels::FusedAddRmsNormParams post{
       act_.hidden, act_.residual, weights_.layers[layer].post_norm,
@@ -442,7 +488,11 @@ absl::Status LlamaForward::RunOutputAndMlp(int layer, int num_tokens,
   kernels::LinearParams fused_silu = l.gate_up;
   fused_silu.output = act_.mlp_act;
   fused_silu.epilogue = kernels::LinearEpilogue::kSiluAndMul;
-  if (kernels::LinearCanFuse(stream_, fused_silu)) {
+  if (config_.layer.activation == MlpActivation::kGeluTanh) {
+    PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, l.gate_up));
+    PDW_RETURN_IF_ERROR(kernels::LaunchGeluTanhAndMul(
+        stream_, {act_.gate_up, act_.mlp_act, num_tokens, inter, dtype}));
+  } else if (kernels::LinearCanFuse(stream_, fused_silu)) {
     // One kernel: the skinny GEMM's epilogue writes silu(gate) · up.
     PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, fused_silu));
   } else {
@@ -451,7 +501,12 @@ absl::Status LlamaForward::RunOutputAndMlp(int layer, int num_tokens,
                                    inter, dtype};
     PDW_RETURN_IF_ERROR(kernels::LaunchSiluAndMul(stream_, silu));
   }
-  return kernels::LaunchLinear(stream_, l.down);
+  PDW_RETURN_IF_ERROR(kernels::LaunchLinear(stream_, l.down));
+  if (w.post_mlp_output_norm.empty()) return absl::OkStatus();
+  // Sandwich norms: the MLP output is normalized before the add.
+  return kernels::LaunchRmsNorm(
+      stream_, {act_.hidden, w.post_mlp_output_norm, act_.hidden, num_tokens,
+                hidden, eps, dtype});
 }
 
 absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
@@ -494,13 +549,15 @@ absl::Status LlamaForward::RunPiece(int i, const ForwardContext& context) {
 }
 
 kernels::EmbeddingParams LlamaForward::EmbeddingFor(int num_tokens) const {
-  return {step_.token_ids,
-          weights_.embed_tokens,
-          act_.residual,
-          num_tokens,
-          static_cast<int>(config_.vocab_size),
-          static_cast<int>(config_.hidden_size),
-          weights_.dtype};
+  kernels::EmbeddingParams p{step_.token_ids,
+                             weights_.embed_tokens,
+                             act_.residual,
+                             num_tokens,
+                             static_cast<int>(config_.vocab_size),
+                             static_cast<int>(config_.hidden_size),
+                             weights_.dtype};
+  p.scale = static_cast<float>(config_.embedding_multiplier);
+  return p;
 }
 
 absl::Status LlamaForward::RunHead(const ForwardContext& context, bool fused) {
@@ -548,6 +605,7 @@ kernels::LmHeadParams LlamaForward::LmHeadFor(
   head.vocab_size = static_cast<int>(config_.vocab_size);
   head.dtype = weights_.dtype;
   head.linear_kernel = LinearKernelFor(head.num_rows);
+  head.softcap = static_cast<float>(config_.final_logit_softcapping);
   if (options_.kernel_options.greedy_head_fusion == GreedyHeadFusion::kOff)
     return head;
   head.greedy_tiles = act_.greedy_tiles;
@@ -638,6 +696,7 @@ kernels::PagedAttentionParams LlamaForward::AttentionParams(
   attn.query_row_stride = (heads + 2 * kv_heads) * head_dim;
   attn.dtype = weights_.dtype;
   attn.scale = AttentionScale(config_);
+  attn.softcap = static_cast<float>(config_.layer.attn_logit_softcapping);
   attn.workspace = act_.attention_workspace;
   // A uniform descriptor (a uniform decode key, in its graph or in its
   // warm-up runs; never a NONE step, whose descriptor is relaxed) means the

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/kernels/kernel_checks.h"
+#include "worker/model/float16.h"
 #include "worker/model/weight_upload.h"
 #include "worker/runtime/stream_fence.h"
 #include "worker/runtime/upload_ring.h"
@@ -68,6 +69,29 @@ struct WeightsLoad {
     }
     return buf;
   }
+
+  // A norm's weight [size]: as stored, or (NormWeight::kOnePlus) 1 + w,
+  // added in fp32 as transformers does, then rounded to w.dtype.
+  absl::StatusOr<DeviceBuffer> Norm(const std::string& name, int64_t size,
+                                    NormWeight kind, absl::string_view label) {
+    if (kind == NormWeight::kPlain) return Buffer({{name, {size}}}, label);
+    PDW_ASSIGN_OR_RETURN(std::vector<float> values,
+                         checkpoint.GetFloat32(name, {size}));
+    used.insert(name);
+    for (float& v : values) v += 1.0f;
+    const size_t bytes = static_cast<size_t>(size) * DTypeSize(w.dtype);
+    PDW_ASSIGN_OR_RETURN(DeviceBuffer buf, w.arena->Allocate(bytes, label));
+    if (w.dtype == DType::kFloat32) {
+      PDW_RETURN_IF_ERROR(stream.CopyToDevice(buf, values.data(), bytes));
+      return buf;
+    }
+    std::vector<uint16_t> bits(values.size());
+    for (size_t i = 0; i < values.size(); ++i) {
+      bits[i] = FloatToBFloat16Bits(values[i]);
+    }
+    PDW_RETURN_IF_ERROR(stream.CopyToDevice(buf, bits.data(), bytes));
+    return buf;
+  }
 };
 
 absl::Status LoadInto(const ModelConfig& c, WeightsLoad& load) {
@@ -80,9 +104,10 @@ absl::Status LoadInto(const ModelConfig& c, WeightsLoad& load) {
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
     LlamaLayerWeights L;
-    PDW_ASSIGN_OR_RETURN(
-        L.input_norm,
-        load.Buffer({{p + "input_layernorm.weight", {h}}}, "input_norm"));
+    const NormWeight nw = c.layer.norm_weight;
+    const bool sandwich = c.layer.norm_placement == NormPlacement::kSandwich;
+    PDW_ASSIGN_OR_RETURN(L.input_norm, load.Norm(p + "input_layernorm.weight",
+                                                 h, nw, "input_norm"));
     if (c.layer.qkv_tensors == ProjectionTensors::kFused) {
       PDW_ASSIGN_OR_RETURN(L.qkv,
                            load.Buffer({{p + "self_attn.qkv_proj.weight",
@@ -121,9 +146,21 @@ absl::Status LoadInto(const ModelConfig& c, WeightsLoad& load) {
           L.o_bias,
           load.Buffer({{p + "self_attn.o_proj.bias", {h}}}, "o_bias"));
     }
-    PDW_ASSIGN_OR_RETURN(
-        L.post_norm, load.Buffer({{p + "post_attention_layernorm.weight", {h}}},
+    if (sandwich) {
+      PDW_ASSIGN_OR_RETURN(L.post_attention_output_norm,
+                           load.Norm(p + "post_attention_layernorm.weight", h,
+                                     nw, "post_attention_output_norm"));
+      PDW_ASSIGN_OR_RETURN(
+          L.post_norm, load.Norm(p + "pre_feedforward_layernorm.weight", h, nw,
                                  "post_norm"));
+      PDW_ASSIGN_OR_RETURN(L.post_mlp_output_norm,
+                           load.Norm(p + "post_feedforward_layernorm.weight", h,
+                                     nw, "post_mlp_output_norm"));
+    } else {
+      PDW_ASSIGN_OR_RETURN(
+          L.post_norm,
+          load.Norm(p + "post_attention_layernorm.weight", h, nw, "post_norm"));
+    }
     if (c.layer.gate_up_tensors == ProjectionTensors::kFused) {
       PDW_ASSIGN_OR_RETURN(
           L.gate_up,
@@ -140,8 +177,9 @@ absl::Status LoadInto(const ModelConfig& c, WeightsLoad& load) {
         load.Buffer({{p + "mlp.down_proj.weight", {h, inter}}}, "down"));
     w.layers.push_back(L);
   }
-  PDW_ASSIGN_OR_RETURN(w.final_norm,
-                       load.Buffer({{"model.norm.weight", {h}}}, "final_norm"));
+  PDW_ASSIGN_OR_RETURN(
+      w.final_norm,
+      load.Norm("model.norm.weight", h, c.layer.norm_weight, "final_norm"));
   if (c.tie_word_embeddings) {
     w.lm_head = w.embed_tokens;
   } else {
@@ -187,6 +225,9 @@ size_t LlamaWeightBytes(const ModelConfig& c, DType dtype) {
                      bytes(h * c.intermediate_size);
   if (c.layer.qkv_bias) per_layer += bytes(qkv);
   if (c.layer.o_proj_bias) per_layer += bytes(h);
+  if (c.layer.norm_placement == NormPlacement::kSandwich) {
+    per_layer += 2 * bytes(h);
+  }
   if (c.layer.qk_norm == QkNorm::kPerHeadRms)
     per_layer += 2 * bytes(c.head_dim);
   size_t total =
@@ -202,6 +243,7 @@ size_t LlamaDecodeWeightBytes(const ModelConfig& c, DType dtype) {
       2 * h + qkv * h + h * c.q_size() + 3 * c.intermediate_size * h;
   if (c.layer.qkv_bias) per_layer += qkv;
   if (c.layer.o_proj_bias) per_layer += h;
+  if (c.layer.norm_placement == NormPlacement::kSandwich) per_layer += 2 * h;
   if (c.layer.qk_norm == QkNorm::kPerHeadRms) per_layer += 2 * c.head_dim;
   // Layers, the final norm, the LM head matrix and one embedding row.
   const int64_t elements =

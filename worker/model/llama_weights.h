@@ -1,6 +1,7 @@
-// LlamaWeights: a Llama-family checkpoint laid out in device memory the way
-// the forward wants it: fp32 on the CPU backend, bf16 on CUDA (whatever the
-// checkpoint's dtype; f32/f16 tensors are rounded to nearest even).
+// LlamaWeights: a checkpoint of any family (decoder_layer.h) laid out in
+// device memory the way the forward wants it: fp32 on the CPU backend, bf16
+// on CUDA (whatever the checkpoint's dtype; f32/f16 tensors are rounded to
+// nearest even). Gemma's (1 + w) norm weights are stored with the 1 added.
 #ifndef PDWORKER_WORKER_MODEL_LLAMA_WEIGHTS_H_
 #define PDWORKER_WORKER_MODEL_LLAMA_WEIGHTS_H_
 
@@ -32,9 +33,15 @@ struct LlamaLayerWeights {
   DeviceBuffer k_norm;
   DeviceBuffer o_proj;     // [hidden, q_size]
   DeviceBuffer o_bias;     // [hidden] or empty
-  DeviceBuffer post_norm;  // [hidden]
-  DeviceBuffer gate_up;    // [2 * intermediate, hidden]
-  DeviceBuffer down;       // [hidden, intermediate]
+  DeviceBuffer post_norm;  // [hidden]; the norm before the MLP
+                           // (Gemma's pre_feedforward_layernorm)
+  // NormPlacement::kSandwich (Gemma): the norms on the attention output
+  // (Gemma's post_attention_layernorm) and on the MLP output
+  // (post_feedforward_layernorm), each [hidden]; otherwise empty.
+  DeviceBuffer post_attention_output_norm;
+  DeviceBuffer post_mlp_output_norm;
+  DeviceBuffer gate_up;  // [2 * intermediate, hidden]
+  DeviceBuffer down;     // [hidden, intermediate]
 };
 
 struct LlamaWeights {

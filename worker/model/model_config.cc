@@ -448,6 +448,30 @@ std::string ModelConfig::CanonicalString() const {
   if (layer.qk_norm != QkNorm::kNone) {
     absl::StrAppend(&text, "qk_norm=", QkNormName(layer.qk_norm), ";");
   }
+  if (layer.norm_placement == NormPlacement::kSandwich) {
+    absl::StrAppend(&text, "sandwich_norms;");
+  }
+  if (layer.norm_weight == NormWeight::kOnePlus) {
+    absl::StrAppend(&text, "norm_one_plus;");
+  }
+  if (layer.activation != MlpActivation::kSilu) {
+    absl::StrAppend(&text, "act=", MlpActivationName(layer.activation), ";");
+  }
+  if (layer.query_pre_attn_scalar != 0) {
+    absl::StrAppendFormat(&text, "query_pre_attn_scalar=%.17g;",
+                          layer.query_pre_attn_scalar);
+  }
+  if (layer.attn_logit_softcapping != 0) {
+    absl::StrAppendFormat(&text, "attn_softcap=%.17g;",
+                          layer.attn_logit_softcapping);
+  }
+  if (embedding_multiplier != 1.0) {
+    absl::StrAppendFormat(&text, "embed_mult=%.17g;", embedding_multiplier);
+  }
+  if (final_logit_softcapping != 0) {
+    absl::StrAppendFormat(&text, "final_softcap=%.17g;",
+                          final_logit_softcapping);
+  }
   switch (rope_scaling.type) {
     case RopeScalingType::kNone:
       absl::StrAppend(&text, "rope=none;");
@@ -584,20 +608,25 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text) {
     config.torch_dtype = *parsed;
   }
 
-  if (const Json* act = Find(root, "hidden_act"); act != nullptr) {
-    if (!act->is_string()) {
-      return FieldError("hidden_act",
-                        absl::StrCat("must be a string, got ", Describe(*act)));
-    }
-    if (act->get<std::string>() != "silu") {
-      return FieldError("hidden_act",
-                        absl::StrCat("\"", act->get<std::string>(),
-                                     "\" is not supported; supported: silu"));
-    }
-  }
-
   if (absl::Status status = (*family)->parse(root, config); !status.ok()) {
     return status;
+  }
+  // The family decided the MLP's activation; the config must name it.
+  for (const char* key : {"hidden_act", "hidden_activation"}) {
+    const Json* act = Find(root, key);
+    if (act == nullptr) continue;
+    if (!act->is_string()) {
+      return FieldError(key,
+                        absl::StrCat("must be a string, got ", Describe(*act)));
+    }
+    const absl::string_view expected =
+        MlpActivationName(config.layer.activation);
+    if (act->get<std::string>() != expected) {
+      return FieldError(key, absl::StrCat("\"", act->get<std::string>(),
+                                          "\" is not supported for ",
+                                          ArchitectureName(config.architecture),
+                                          "; supported: ", expected));
+    }
   }
   if (absl::Status status = ParseTokenIds(root, &config); !status.ok()) {
     return status;

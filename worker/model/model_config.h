@@ -21,10 +21,10 @@ namespace pdworker {
 
 // config.json "architectures": the family (model_family.h) whose file read
 // the config.
-enum class Architecture { kLlama, kQwen2, kMistral, kQwen3, kPhi3 };
+enum class Architecture { kLlama, kQwen2, kMistral, kQwen3, kPhi3, kGemma2 };
 
 // "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM",
-// "Qwen3ForCausalLM", "Phi3ForCausalLM".
+// "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM".
 absl::string_view ArchitectureName(Architecture architecture);
 // config.json "model_type" of the family: "llama", "qwen2", ...
 absl::string_view ModelTypeName(Architecture architecture);
@@ -84,6 +84,11 @@ struct ModelConfig {
   // What the family's layer does differently from Llama's: attention biases,
   // q/k norm (the family file sets it).
   DecoderLayerSpec layer;
+  // Gemma: the input embeddings are multiplied by sqrt(hidden_size) (the
+  // tied LM head reads the table unscaled); 1 elsewhere.
+  double embedding_multiplier = 1.0;
+  // Gemma 2: logits x become cap * tanh(x / cap); 0: none.
+  double final_logit_softcapping = 0;
   // config.json "torch_dtype" (or "dtype"): the checkpoint's storage type.
   // Absent -> float32, transformers' default.
   DType torch_dtype = DType::kFloat32;

@@ -35,6 +35,7 @@ extern const ModelFamily kQwen2Family;
 extern const ModelFamily kMistralFamily;
 extern const ModelFamily kQwen3Family;
 extern const ModelFamily kPhi3Family;
+extern const ModelFamily kGemma2Family;
 
 // Every family pdworker serves, in the order errors list them.
 absl::Span<const ModelFamily* const> ModelFamilies();
