@@ -70,7 +70,8 @@ struct HostStep {
 // softcap * tanh(s / softcap) (Gemma 2).
 std::vector<double> ReferenceAttention(const HostStep& s, int heads,
                                        int kv_heads, int head_dim,
-                                       double scale = 0, double softcap = 0) {
+                                       double scale = 0, double softcap = 0,
+                                       int window = 0) {
   const int width = heads * head_dim;
   const int kv_width = kv_heads * head_dim;
   std::vector<double> out(static_cast<size_t>(s.batch.num_tokens) * width, 0.0);
@@ -86,6 +87,11 @@ std::vector<double> ReferenceAttention(const HostStep& s, int heads,
         std::vector<double> scores(position + 1);
         std::vector<const float*> values(position + 1);
         for (int pos = 0; pos <= position; ++pos) {
+          if (window > 0 && pos <= position - window) {
+            scores[pos] = -std::numeric_limits<double>::infinity();
+            values[pos] = nullptr;
+            continue;
+          }
           const int block =
               s.block_tables[r * kMaxBlocksPerSeq + pos / kBlockSize];
           const size_t base =
@@ -109,7 +115,8 @@ std::vector<double> ReferenceAttention(const HostStep& s, int heads,
         for (int d = 0; d < head_dim; ++d) {
           double acc = 0.0;
           for (int pos = 0; pos <= position; ++pos) {
-            acc += scores[pos] / sum * values[pos][d];
+            if (values[pos] != nullptr)
+              acc += scores[pos] / sum * values[pos][d];
           }
           out[(t * heads + h) * head_dim + d] = acc;
         }
@@ -290,6 +297,35 @@ TEST_P(PagedAttentionTest, ScaleAndSoftcapMatchTheReference) {
     EXPECT_THAT(LaunchPagedAttention(stream(), p),
                 IsInvalidArgumentMentioning("softcap"));
   }
+}
+
+// A sliding window (Mistral's, Gemma's): each query sees its last `window`
+// positions only, in both routines, across block boundaries. CPU only.
+TEST_P(PagedAttentionTest, SlidingWindowMasksOlderPositions) {
+  if (stream().kind() != DeviceKind::kCpu) GTEST_SKIP() << "CPU only";
+  for (const TestBatch& batch : {kMixed, kDecodeK3}) {
+    for (const int window : {1, 5, 9}) {
+      SCOPED_TRACE(window);
+      const HostStep s = WriteStep(batch, 400 + window);
+      PagedAttentionParams p = ParamsFor(batch);
+      p.sliding_window = window;
+      ASSERT_TRUE((batch.uniform_query_len > 0
+                       ? LaunchPagedAttentionUniformDecode(stream(), p)
+                       : LaunchPagedAttention(stream(), p))
+                      .ok());
+      const std::vector<float> out = Output(batch.num_tokens);
+      EXPECT_LE(MaxAbsDiff(out, ReferenceAttention(s, heads_, kv_heads_,
+                                                   head_dim_, 0, 0, window)),
+                kTolerance);
+      EXPECT_GT(
+          MaxAbsDiff(out, ReferenceAttention(s, heads_, kv_heads_, head_dim_)),
+          10 * kTolerance);
+    }
+  }
+  PagedAttentionParams bad = ParamsFor(kMixed);
+  bad.sliding_window = -1;
+  EXPECT_THAT(LaunchPagedAttention(stream(), bad),
+              IsInvalidArgumentMentioning("sliding_window"));
 }
 
 TEST_P(PagedAttentionTest, MixedDecodesAndAChunkStartingMidSequence) {

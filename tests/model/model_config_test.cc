@@ -235,7 +235,13 @@ TEST(ModelConfigTest, ParsesEveryTinyShape) {
         EXPECT_GT(c.layer.attn_logit_softcapping, 0);
         EXPECT_GT(c.final_logit_softcapping, 0);
         EXPECT_EQ(c.embedding_multiplier, 8.0);  // sqrt(64)
-        EXPECT_EQ(c.sliding_window, 256);
+        EXPECT_EQ(c.sliding_window, 16);
+        EXPECT_EQ(c.sliding_layers, (std::vector<bool>{true, false}));
+        break;
+      case TinyShape::kMistralWindow:
+        EXPECT_EQ(c.architecture, Architecture::kMistral);
+        EXPECT_EQ(c.sliding_window, 8);
+        EXPECT_EQ(c.sliding_layers, (std::vector<bool>{true, true}));
         break;
       case TinyShape::kSmall:
       case TinyShape::kLlama1B:

@@ -156,6 +156,7 @@ TEST(ModelFamilyTest, Qwen3KeysChangeTheLayer) {
   const ModelConfig windowed = ParseOrDie(WithQwen3([](Json& j) {
     j["use_sliding_window"] = true;
     j["sliding_window"] = 4096;
+    j["max_window_layers"] = 0;  // every layer
   }));
   EXPECT_EQ(windowed.sliding_window, 4096);
   EXPECT_NE(windowed.Fingerprint(), ParseOrDie(kQwen3Config).Fingerprint());
@@ -306,6 +307,67 @@ TEST(ModelFamilyTest, Gemma2DefaultsNullsAndRefusals) {
   };
   for (const Bad& b : bad) {
     auto parsed = ParseModelConfig(with(b.edit));
+    ASSERT_FALSE(parsed.ok()) << b.names;
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(parsed.status().message(), HasSubstr(b.names));
+  }
+}
+
+// Which layers slide: Qwen's max_window_layers, and config.json's
+// layer_types over the family's choice; a window no layer uses is dropped.
+TEST(ModelFamilyTest, SlidingLayersFollowTheConfig) {
+  const ModelConfig qwen = ParseOrDie(WithQwen3([](Json& j) {
+    j["num_hidden_layers"] = 4;
+    j["use_sliding_window"] = true;
+    j["sliding_window"] = 64;
+    j["max_window_layers"] = 2;
+  }));
+  EXPECT_EQ(qwen.sliding_layers, (std::vector<bool>{false, false, true, true}));
+  EXPECT_FALSE(qwen.SlidesAt(1));
+  EXPECT_TRUE(qwen.SlidesAt(2));
+  EXPECT_THAT(qwen.CanonicalString(), HasSubstr("window_layers=0011;"));
+  const ModelConfig typed = ParseOrDie(WithQwen3([](Json& j) {
+    j["num_hidden_layers"] = 3;
+    j["use_sliding_window"] = true;
+    j["sliding_window"] = 64;
+    j["layer_types"] = {"sliding_attention", "full_attention",
+                        "sliding_attention"};
+  }));
+  EXPECT_EQ(typed.sliding_layers, (std::vector<bool>{true, false, true}));
+  // Every layer past the model's: no layer slides, so no window.
+  const ModelConfig unused = ParseOrDie(WithQwen3([](Json& j) {
+    j["use_sliding_window"] = true;
+    j["sliding_window"] = 64;
+    j["max_window_layers"] = 28;
+  }));
+  EXPECT_FALSE(unused.sliding_window.has_value());
+  EXPECT_TRUE(unused.sliding_layers.empty());
+
+  struct Bad {
+    std::function<void(Json&)> edit;
+    const char* names;
+  };
+  const Bad bad[] = {
+      {[](Json& j) { j["layer_types"] = {"full_attention"}; }, "layer_types"},
+      {[](Json& j) {
+         j["num_hidden_layers"] = 1;
+         j["layer_types"] = {"chunked_attention"};
+       },
+       "layer_types[0]"},
+      {[](Json& j) {
+         j["num_hidden_layers"] = 1;
+         j["layer_types"] = {"sliding_attention"};
+       },
+       "sliding_window is not set"},
+      {[](Json& j) {
+         j["use_sliding_window"] = true;
+         j["sliding_window"] = 64;
+         j["max_window_layers"] = "2";
+       },
+       "max_window_layers"},
+  };
+  for (const Bad& b : bad) {
+    auto parsed = ParseModelConfig(WithQwen3(b.edit));
     ASSERT_FALSE(parsed.ok()) << b.names;
     EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(parsed.status().message(), HasSubstr(b.names));

@@ -441,10 +441,16 @@ std::vector<Vector> HandWrittenLogits(const ModelConfig& c, const Checkpoint& w,
       Vector attention(static_cast<size_t>(heads * d), 0.0);
       for (int64_t head = 0; head < heads; ++head) {
         const int64_t kv = head / group;
-        // Scores against keys 0..pos (causal), softmax, weighted values.
-        Vector scores(pos + 1);
+        // Scores against keys 0..pos (causal; a sliding layer only the last
+        // `window` of them), softmax, weighted values.
+        const size_t first =
+            c.SlidesAt(layer) &&
+                    pos + 1 > static_cast<size_t>(*c.sliding_window)
+                ? pos + 1 - static_cast<size_t>(*c.sliding_window)
+                : 0;
+        Vector scores(pos + 1, -1e300);
         double max_score = -1e300;
-        for (size_t j = 0; j <= pos; ++j) {
+        for (size_t j = first; j <= pos; ++j) {
           double dot = 0;
           for (int64_t i = 0; i < d; ++i) {
             dot += q[pos][head * d + i] * k[j][kv * d + i];
@@ -534,7 +540,8 @@ TEST_P(ReferenceShapeTest, MatchesAPlainLoopsForward) {
 INSTANTIATE_TEST_SUITE_P(EveryShape, ReferenceShapeTest,
                          ::testing::Values("gqa", "tied", "qkv_bias",
                                            "head_dim", "llama3_rope", "qwen3",
-                                           "linear_rope", "yarn_rope", "phi3"),
+                                           "linear_rope", "yarn_rope", "phi3",
+                                           "mistral_window"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });

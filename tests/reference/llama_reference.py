@@ -140,6 +140,25 @@ class Config:
             self.qkv_bias, self.o_bias = bias, bias
         if self.num_heads % self.num_kv_heads != 0:
             raise ReferenceError("num_attention_heads % num_key_value_heads")
+        # Sliding windows, per layer, as transformers decides them.
+        layers = range(self.num_layers)
+        window = None
+        slides = [False] * self.num_layers
+        if self.architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):
+            window = raw.get("sliding_window")
+            slides = [True] * self.num_layers
+        elif self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            if raw.get("use_sliding_window", False):
+                window = raw.get("sliding_window")
+                first = raw.get("max_window_layers", 28)
+                slides = [i >= first for i in layers]
+        elif self.gemma2:
+            window = self.sliding_window
+            slides = [i % 2 == 0 for i in layers]
+        if raw.get("layer_types") is not None:
+            slides = [t == "sliding_attention" for t in raw["layer_types"]]
+        self.window = int(window) if window else None
+        self.sliding_layers = slides if self.window else [False] * len(slides)
 
 
 def load_config(model_dir):
@@ -413,12 +432,10 @@ class Model:
             scale = 1.0 / math.sqrt(D)
             if gemma:
                 scale = cfg.query_pre_attn_scalar ** -0.5
-                # Even layers slide: key j is visible to query i when
-                # i - j < window.
-                if layer % 2 == 0 and cfg.sliding_window:
-                    window = np.tril(np.full((n, n), -np.inf),
-                                     k=-int(cfg.sliding_window))
-                    mask = causal + window
+            if cfg.sliding_layers[layer]:
+                # Key j is visible to query i when i - j < window.
+                mask = causal + np.tril(np.full((n, n), -np.inf),
+                                        k=-cfg.window)
             attn = np.empty((n, H, D))
             for head in range(H):
                 kv = head // group

@@ -495,6 +495,29 @@ TEST(DecodeMegakernelGpuTest, ModelsItCannotRunAreRefused) {
   }
 }
 
+// No windowed CUDA attention yet: a sliding-window model's default
+// max_model_len is its window there, and a longer one is refused naming it.
+TEST(CudaRefusalGpuTest, ASlidingWindowCapsMaxModelLen) {
+  auto device = CreateDevice(DeviceKind::kCuda);
+  if (!device.ok()) {
+    GTEST_SKIP() << "CUDA backend not available here ("
+                 << device.status().message() << ")";
+  }
+  auto dir = TinyModelDir(TinyShape::kMistralWindow);
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  ModelRunnerOptions options = SmallOptions(R"({"cudagraph_mode":"NONE"})");
+  options.max_model_len = 0;
+  auto runner = ModelRunner::Create(**device, *dir, options);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  EXPECT_EQ((*runner)->max_model_len(), 8);
+  runner->reset();
+  options.max_model_len = 9;
+  auto refused = ModelRunner::Create(**device, *dir, options);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("window 8"), std::string::npos)
+      << refused.status();
+}
+
 // A model whose layer the CUDA kernels do not implement is refused at
 // Create, naming the feature, never run without it.
 TEST(CudaRefusalGpuTest, LayersWithoutCudaKernelsAreRefusedByName) {

@@ -164,7 +164,8 @@ TEST_P(ModelFamilyServerTest, AnotherFamilysDecodeWorkerRefusesTheKv) {
 
 INSTANTIATE_TEST_SUITE_P(Families, ModelFamilyServerTest,
                          ::testing::Values(TinyShape::kQwen3, TinyShape::kPhi3,
-                                           TinyShape::kGemma2),
+                                           TinyShape::kGemma2,
+                                           TinyShape::kMistralWindow),
                          [](const ::testing::TestParamInfo<TinyShape>& info) {
                            return std::string(TinyShapeName(info.param));
                          });

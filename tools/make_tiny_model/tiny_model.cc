@@ -213,6 +213,23 @@ TinyDims DimsFor(TinyShape shape) {
               TinyDims::Rope::kDefault,
               false,
               true};
+    case TinyShape::kMistralWindow:
+      // Mistral v0.1's layout (GQA, no biases, every layer windowed) with a
+      // window of 8 tokens, so the tests' prompts and generations leave it.
+      return {"MistralForCausalLM",
+              "mistral",
+              64,
+              128,
+              2,
+              4,
+              2,
+              0,
+              256,
+              10000.0,
+              1e-5,
+              false,
+              false,
+              false};
   }
   return DimsFor(TinyShape::kGqa);
 }
@@ -229,6 +246,10 @@ constexpr int64_t kLlama3OriginalMaxPositions = 64;
 // and logits, which are a few units.
 constexpr double kGemma2AttnSoftcap = 2.0;
 constexpr double kGemma2FinalSoftcap = 3.0;
+// Windows shorter than the tests' sequences (prompts of up to ~20 tokens,
+// 8 to 32 generated), so the masks matter.
+constexpr int64_t kGemma2Window = 16;
+constexpr int64_t kMistralWindow = 8;
 
 // linear: positions interpolated by 2.
 constexpr double kLinearFactor = 2.0;
@@ -373,9 +394,10 @@ std::vector<float> Generate(const TensorSpec& spec, uint64_t seed) {
 }  // namespace
 
 std::vector<TinyShape> AllTinyShapes() {
-  return {TinyShape::kGqa,        TinyShape::kTied,       TinyShape::kQkvBias,
-          TinyShape::kHeadDim,    TinyShape::kLlama3Rope, TinyShape::kQwen3,
-          TinyShape::kLinearRope, TinyShape::kYarnRope,   TinyShape::kPhi3};
+  return {TinyShape::kGqa,        TinyShape::kTied,         TinyShape::kQkvBias,
+          TinyShape::kHeadDim,    TinyShape::kLlama3Rope,   TinyShape::kQwen3,
+          TinyShape::kLinearRope, TinyShape::kYarnRope,     TinyShape::kPhi3,
+          TinyShape::kGemma2,     TinyShape::kMistralWindow};
 }
 
 absl::string_view TinyShapeName(TinyShape shape) {
@@ -408,6 +430,8 @@ absl::string_view TinyShapeName(TinyShape shape) {
       return "phi3";
     case TinyShape::kGemma2:
       return "gemma2";
+    case TinyShape::kMistralWindow:
+      return "mistral_window";
   }
   return "unknown";
 }
@@ -423,7 +447,8 @@ absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown tiny model shape \"", name,
       "\"; known: gqa, tied, qkv_bias, head_dim, llama3_rope, qwen3, "
-      "linear_rope, yarn_rope, phi3, gemma2, small, llama_1b, llama_0p5b, "
+      "linear_rope, yarn_rope, phi3, gemma2, mistral_window, small, llama_1b, "
+      "llama_0p5b, "
       "head_dim_64"));
 }
 
@@ -480,15 +505,18 @@ std::string TinyModelConfigJson(const TinyModelOptions& options) {
   }
   if (d.gemma2) {
     // Gemma-2-9B's keys; caps small enough that tanh bends the tiny model's
-    // scores and logits, a window longer than the tests' sequences.
+    // scores and logits, a window shorter than the tests' sequences.
     config["hidden_act"] = "gelu_pytorch_tanh";
     config["hidden_activation"] = "gelu_pytorch_tanh";
     config["query_pre_attn_scalar"] = 24;
     config["attn_logit_softcapping"] = kGemma2AttnSoftcap;
     config["final_logit_softcapping"] = kGemma2FinalSoftcap;
-    config["sliding_window"] = 256;
+    config["sliding_window"] = kGemma2Window;
     config["cache_implementation"] = "hybrid";
     config["attention_dropout"] = 0.0;
+  }
+  if (options.shape == TinyShape::kMistralWindow) {
+    config["sliding_window"] = kMistralWindow;
   }
   if (d.rope == TinyDims::Rope::kLinear) {
     config["rope_scaling"] = {{"rope_type", "linear"},

@@ -52,14 +52,17 @@ enum class TinyShape {
   // Phi3ForCausalLM (Phi-4's layout): fused qkv_proj and gate_up_proj.
   kPhi3,
   // Gemma2ForCausalLM: sandwich (1 + w) norms, GeGLU, sqrt(hidden) embedding
-  // scale, query_pre_attn_scalar 24, soft-capping, tied, a 256 window.
+  // scale, query_pre_attn_scalar 24, soft-capping, tied, a 16-token window
+  // on the even layers.
   kGemma2,
+  // MistralForCausalLM with an 8-token sliding window on every layer.
+  kMistralWindow,
 };
 
 std::vector<TinyShape> AllTinyShapes();
 // "gqa", "tied", "qkv_bias", "head_dim", "llama3_rope", "qwen3",
-// "linear_rope", "yarn_rope", "phi3", "gemma2", "small", "llama_1b",
-// "llama_0p5b", "head_dim_64".
+// "linear_rope", "yarn_rope", "phi3", "gemma2", "mistral_window", "small",
+// "llama_1b", "llama_0p5b", "head_dim_64".
 absl::string_view TinyShapeName(TinyShape shape);
 absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name);
 

@@ -93,9 +93,10 @@ constexpr int kMaxHeadsPerPass = 8;
 // Blocks whose id is outside the cache are skipped (a corrupt block table
 // must not read out of bounds; the KV cache manager never writes one).
 // Writes zeros for a head that attended to nothing.
+// Positions before `window_start` are masked (a sliding window).
 void AttendHeads(const PagedAttentionParams& p, const float* q, int num_q,
                  int kv_head, const int32_t* block_table, int context_len,
-                 float* out) {
+                 int window_start, float* out) {
   const int head_dim = p.head_dim;
   const int64_t kv_row = static_cast<int64_t>(p.num_kv_heads) * head_dim;
   const int64_t head_offset = static_cast<int64_t>(kv_head) * head_dim;
@@ -115,7 +116,7 @@ void AttendHeads(const PagedAttentionParams& p, const float* q, int num_q,
 
   const int num_context_blocks =
       (context_len + p.block_size - 1) / p.block_size;
-  for (int b = 0; b < num_context_blocks; ++b) {
+  for (int b = window_start / p.block_size; b < num_context_blocks; ++b) {
     const int32_t block_id = block_table[b];
     if (block_id < 0 || block_id >= p.num_blocks) continue;
     const int n = std::min(p.block_size, context_len - b * p.block_size);
@@ -125,7 +126,12 @@ void AttendHeads(const PagedAttentionParams& p, const float* q, int num_q,
 
     float block_max[kMaxHeadsPerPass];
     std::fill(block_max, block_max + num_q, kNegInf);
-    for (int j = 0; j < n; ++j) {
+    // Positions of this block before the window: masked (exp gives 0).
+    const int first_visible = std::max(0, window_start - b * p.block_size);
+    for (int j = 0; j < first_visible; ++j) {
+      for (int h = 0; h < num_q; ++h) scores[h][j] = kNegInf;
+    }
+    for (int j = first_visible; j < n; ++j) {
       const float* k = keys + j * kv_row;
       for (int h = 0; h < num_q; ++h) {
         scores[h][j] = Dot(q + h * head_dim, k, head_dim) * p.scale;
@@ -182,6 +188,11 @@ void AttendToken(const PagedAttentionParams& p, int token, int request,
     std::fill(out, out + row_elements, 0.0f);
     return;
   }
+  // A sliding window: the last `sliding_window` positions, its own included.
+  const int64_t window_start =
+      p.sliding_window > 0
+          ? std::max<int64_t>(0, last_position + 1 - p.sliding_window)
+          : 0;
   const float* q = p.query.as<const float>() +
                    static_cast<int64_t>(token) * p.query_row_stride;
   const int32_t* block_table =
@@ -194,6 +205,7 @@ void AttendToken(const PagedAttentionParams& p, int token, int request,
     const int num_q = std::min(group - h % group, kMaxHeadsPerPass);
     AttendHeads(p, q + static_cast<int64_t>(h) * p.head_dim, num_q, h / group,
                 block_table, static_cast<int>(context_len),
+                static_cast<int>(window_start),
                 out + static_cast<int64_t>(h) * p.head_dim);
     h += num_q;
   }
@@ -289,6 +301,15 @@ absl::Status CheckAndResolve(const Stream& stream, const char* op,
     return absl::InvalidArgumentError(
         absl::StrFormat("%s: softcap must be finite and >= 0 (0: none), got %g",
                         op, p.softcap));
+  }
+  if (p.sliding_window < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: sliding_window must be >= 0 (0: none), got %d", op,
+                        p.sliding_window));
+  }
+  if (on_cuda && p.sliding_window > 0) {
+    return absl::UnimplementedError(
+        absl::StrFormat("%s: sliding_window has no CUDA kernel yet", op));
   }
   if (on_cuda && p.softcap > 0.0f) {
     return absl::UnimplementedError(absl::StrFormat(

@@ -199,6 +199,11 @@ struct PagedAttentionParams {
   // softcap * tanh(s / softcap) before the softmax; 0 means none. The CPU
   // kernel only (the CUDA kernels refuse it).
   float softcap = 0.0f;
+  // > 0: a query at position i sees only positions > i - sliding_window
+  // (the last sliding_window tokens, its own included; Mistral's, Gemma's
+  // and transformers' mask); 0: the whole context. The CPU kernel only (the
+  // CUDA kernels refuse it).
+  int sliding_window = 0;
   // Uniform decode only: query tokens per request (k >= 1); request r owns
   // rows [r·k, (r + 1)·k) and num_tokens / k (<= max_num_seqs) requests are
   // processed, padding requests (seq_len 0) included.

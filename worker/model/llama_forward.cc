@@ -697,6 +697,11 @@ kernels::PagedAttentionParams LlamaForward::AttentionParams(
   attn.dtype = weights_.dtype;
   attn.scale = AttentionScale(config_);
   attn.softcap = static_cast<float>(config_.layer.attn_logit_softcapping);
+  // The CPU kernel masks to the window; on CUDA (no windowed kernel yet)
+  // ModelRunner keeps sequences within it, where the mask changes nothing.
+  if (config_.SlidesAt(layer) && stream_.kind() == DeviceKind::kCpu) {
+    attn.sliding_window = static_cast<int>(*config_.sliding_window);
+  }
   attn.workspace = act_.attention_workspace;
   // A uniform descriptor (a uniform decode key, in its graph or in its
   // warm-up runs; never a NONE step, whose descriptor is relaxed) means the

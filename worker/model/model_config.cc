@@ -1,5 +1,6 @@
 #include "worker/model/model_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <fstream>
@@ -370,6 +371,53 @@ absl::Status RefuseUnsupportedFeatures(const Json& root) {
   return absl::OkStatus();
 }
 
+// Which layers slide: the family's choice (every layer when it chose none),
+// or config.json's "layer_types" (transformers >= 4.54 writes it) where
+// present. A window no layer uses is dropped.
+absl::Status ResolveSlidingLayers(const Json& root, ModelConfig& config) {
+  const size_t layers = static_cast<size_t>(config.num_hidden_layers);
+  if (const Json* types = Find(root, "layer_types"); types != nullptr) {
+    if (!types->is_array() || types->size() != layers) {
+      return FieldError("layer_types",
+                        absl::StrCat("must list one entry per layer (", layers,
+                                     "), got ", Describe(*types)));
+    }
+    std::vector<bool> slides;
+    for (size_t i = 0; i < layers; ++i) {
+      const Json& type = (*types)[i];
+      if (type == "sliding_attention") {
+        slides.push_back(true);
+      } else if (type == "full_attention") {
+        slides.push_back(false);
+      } else {
+        return FieldError(absl::StrCat("layer_types[", i, "]"),
+                          absl::StrCat("must be \"sliding_attention\" or "
+                                       "\"full_attention\", got ",
+                                       Describe(type)));
+      }
+    }
+    const bool any =
+        std::find(slides.begin(), slides.end(), true) != slides.end();
+    if (any && !config.sliding_window.has_value()) {
+      return FieldError("layer_types",
+                        "names sliding_attention layers but sliding_window "
+                        "is not set");
+    }
+    config.sliding_layers = std::move(slides);
+  }
+  if (!config.sliding_window.has_value()) {
+    config.sliding_layers.clear();
+    return absl::OkStatus();
+  }
+  if (config.sliding_layers.empty()) config.sliding_layers.assign(layers, true);
+  if (std::find(config.sliding_layers.begin(), config.sliding_layers.end(),
+                true) == config.sliding_layers.end()) {
+    config.sliding_window.reset();
+    config.sliding_layers.clear();
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Validate(const ModelConfig& config) {
   const std::pair<absl::string_view, int64_t> positive[] = {
       {"hidden_size", config.hidden_size},
@@ -495,6 +543,14 @@ std::string ModelConfig::CanonicalString() const {
   }
   if (sliding_window.has_value()) {
     absl::StrAppendFormat(&text, "window=%d;", *sliding_window);
+    // Only when some layer does not slide: every-layer windows keep the
+    // string they had before per-layer windows existed.
+    if (std::find(sliding_layers.begin(), sliding_layers.end(), false) !=
+        sliding_layers.end()) {
+      std::string layers;
+      for (const bool slides : sliding_layers) layers += slides ? '1' : '0';
+      absl::StrAppend(&text, "window_layers=", layers, ";");
+    }
   }
   return text;
 }
@@ -611,6 +667,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text) {
   if (absl::Status status = (*family)->parse(root, config); !status.ok()) {
     return status;
   }
+  PDW_RETURN_IF_ERROR(ResolveSlidingLayers(root, config));
   // The family decided the MLP's activation; the config must name it.
   for (const char* key : {"hidden_act", "hidden_activation"}) {
     const Json* act = Find(root, key);

@@ -102,11 +102,22 @@ struct ModelConfig {
   enum class EosSource { kNone, kConfig, kGenerationConfig };
   EosSource eos_source = EosSource::kNone;
   // Mistral's "sliding_window" (and Qwen2's and Qwen3's when
-  // "use_sliding_window" is true): attention only sees this many previous
-  // tokens. The forward does not implement windows yet; within one, full
-  // attention is the same computation, so ModelRunner caps max_model_len to
-  // it (and refuses a longer explicit one).
+  // "use_sliding_window" is true, Gemma 2's, Phi-3's): a sliding layer's
+  // query sees only the last this-many positions, its own included. The CPU
+  // attention masks to it; the CUDA kernels have no window yet, so there
+  // ModelRunner caps max_model_len to it (within the window full attention
+  // is the same computation) and refuses a longer explicit one.
   std::optional<int64_t> sliding_window;
+  // With sliding_window: one entry per layer, true where the window applies
+  // (every layer for Mistral and Phi-3, the layers from max_window_layers on
+  // for Qwen2/Qwen3, the even layers for Gemma 2; config.json's layer_types
+  // when it lists them). Empty without a window.
+  std::vector<bool> sliding_layers;
+  bool SlidesAt(int64_t layer) const {
+    return sliding_window.has_value() && layer >= 0 &&
+           layer < static_cast<int64_t>(sliding_layers.size()) &&
+           sliding_layers[layer];
+  }
 
   // Derived sizes.
   int64_t q_size() const { return num_attention_heads * head_dim; }

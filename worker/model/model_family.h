@@ -45,10 +45,8 @@ const ModelFamily* FindModelFamily(absl::string_view architecture_name);
 const ModelFamily& FamilyOf(Architecture architecture);
 
 // Qwen2's and Qwen3's "use_sliding_window" (default false) with
-// "sliding_window" (then required, positive) into config.sliding_window.
-// "max_window_layers" (the layers from which on the window applies) is not
-// read: the window is recorded as applying to every layer, which only errs
-// on the safe side (ModelRunner caps max_model_len to it).
+// "sliding_window" (then required, positive) into config.sliding_window,
+// applying to the layers from "max_window_layers" (default 28) on.
 absl::Status ParseQwenSlidingWindow(const config_json::Json& root,
                                     ModelConfig& config);
 

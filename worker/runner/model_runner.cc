@@ -102,24 +102,29 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
                      c.max_position_embeddings));
   }
 
-  // The forward attends to the whole context: a sliding-window model is only
-  // exact while sequences stay within the window. With no --max_model_len
-  // the default is capped to the window (vLLM did the same before it ran
-  // windows); a longer explicit one is refused.
-  if (c.sliding_window.has_value() && options.max_model_len <= 0 &&
+  // The CPU attention masks sliding layers to their window; the CUDA kernels
+  // attend to the whole context, which is only exact while sequences stay
+  // within the window. There, with no --max_model_len, the default is capped
+  // to the window (vLLM did the same before it ran windows); a longer
+  // explicit one is refused.
+  const bool windows_unsupported =
+      c.sliding_window.has_value() && device.kind() != DeviceKind::kCpu;
+  if (windows_unsupported && options.max_model_len <= 0 &&
       r->max_model_len_ > *c.sliding_window) {
     LOG(WARNING) << "the model uses sliding-window attention (window "
-                 << *c.sliding_window
-                 << " tokens), which pdworker does not implement yet: "
-                    "max_model_len defaults to the window, not "
+                 << *c.sliding_window << " tokens), which the "
+                 << DeviceKindName(device.kind())
+                 << " kernels do not implement yet: max_model_len defaults to "
+                    "the window, not "
                  << r->max_model_len_;
     r->max_model_len_ = static_cast<int>(*c.sliding_window);
   }
-  if (c.sliding_window.has_value() && r->max_model_len_ > *c.sliding_window) {
+  if (windows_unsupported && r->max_model_len_ > *c.sliding_window) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the model uses sliding-window attention (window ", *c.sliding_window,
-        " tokens), which pdworker does not implement; set max_model_len <= ",
-        *c.sliding_window));
+        " tokens), which the ", DeviceKindName(device.kind()),
+        " kernels do not implement yet; set max_model_len <= ",
+        *c.sliding_window, " (or serve it with --device=cpu)"));
   }
 
   // Graph plan: role defaults + compilation config, then the attention

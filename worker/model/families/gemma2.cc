@@ -67,6 +67,10 @@ absl::Status ParseGemma2(const Json& root, ModelConfig& config) {
           "sliding_window", absl::StrCat("must be an integer, got ", window));
     }
     config.sliding_window = static_cast<int64_t>(window);
+    // Gemma2DecoderLayer: the even layers slide.
+    for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
+      config.sliding_layers.push_back(i % 2 == 0);
+    }
   }
   config.embedding_multiplier =
       std::sqrt(static_cast<double>(config.hidden_size));

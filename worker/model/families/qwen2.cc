@@ -1,7 +1,9 @@
 // Qwen2ForCausalLM (Qwen2, Qwen2.5): transformers' Qwen2Attention hard-codes
 // bias=True on q/k/v and False on o (there is no attention_bias key), and a
-// sliding window when use_sliding_window is set.
+// sliding window on the layers from max_window_layers on when
+// use_sliding_window is set.
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "worker/model/model_family.h"
 
 namespace pdworker {
@@ -19,6 +21,19 @@ absl::Status ParseQwenSlidingWindow(const config_json::Json& root,
         "sliding_window", absl::StrCat("must be positive, got ", *window));
   }
   config.sliding_window = *window;
+  // transformers' Qwen2/Qwen3: the window applies from max_window_layers
+  // (default 28) on.
+  int64_t first = 28;
+  if (const config_json::Json* value =
+          config_json::Find(root, "max_window_layers");
+      value != nullptr) {
+    PDW_ASSIGN_OR_RETURN(first,
+                         config_json::AsInt(*value, "max_window_layers"));
+  }
+  config.sliding_layers.clear();
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
+    config.sliding_layers.push_back(i >= first);
+  }
   return absl::OkStatus();
 }
 
