@@ -238,6 +238,16 @@ TEST(ModelConfigTest, ParsesEveryTinyShape) {
         EXPECT_EQ(c.sliding_window, 16);
         EXPECT_EQ(c.sliding_layers, (std::vector<bool>{true, false}));
         break;
+      case TinyShape::kGemma3:
+        EXPECT_EQ(c.architecture, Architecture::kGemma3);
+        EXPECT_EQ(c.layer.qk_norm, QkNorm::kPerHeadRms);
+        EXPECT_EQ(c.layer.norm_placement, NormPlacement::kSandwich);
+        EXPECT_EQ(c.layer.attn_logit_softcapping, 0);
+        EXPECT_EQ(c.final_logit_softcapping, 0);
+        EXPECT_EQ(c.local_rope_theta, 10000.0);
+        EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kLinear);
+        EXPECT_EQ(c.sliding_layers, (std::vector<bool>{true, false, true}));
+        break;
       case TinyShape::kMistralWindow:
         EXPECT_EQ(c.architecture, Architecture::kMistral);
         EXPECT_EQ(c.sliding_window, 8);
@@ -595,12 +605,23 @@ std::vector<InvalidCase> InvalidCases() {
       {"rope_parameters_not_object",
        set("rope_parameters", 10000.0),
        {"rope_parameters", "object"}},
-      {"rope_parameters_per_layer_type",
+      {"rope_parameters_unknown_layer_type",
+       set("rope_parameters",
+           {{"full_attention", {{"rope_type", "default"}, {"rope_theta", 1e6}}},
+            {"chunked_attention",
+             {{"rope_type", "default"}, {"rope_theta", 1e4}}}}),
+       {"rope_parameters.chunked_attention", "layer type"}},
+      {"rope_parameters_without_full_attention",
+       set("rope_parameters",
+           {{"sliding_attention",
+             {{"rope_type", "default"}, {"rope_theta", 1e4}}}}),
+       {"rope_parameters.full_attention", "missing"}},
+      {"rope_parameters_scaled_sliding_layers",
        set("rope_parameters",
            {{"full_attention", {{"rope_type", "default"}, {"rope_theta", 1e6}}},
             {"sliding_attention",
-             {{"rope_type", "default"}, {"rope_theta", 1e4}}}}),
-       {"rope_parameters.full_attention", "per-layer-type"}},
+             {{"rope_type", "linear"}, {"factor", 2.0}, {"rope_theta", 1e4}}}}),
+       {"rope_parameters.sliding_attention.rope_type", "default"}},
       {"rope_parameters_without_type",
        set("rope_parameters", {{"rope_theta", 1e6}}),
        {"rope_parameters.rope_type", "missing"}},

@@ -118,6 +118,41 @@ constexpr char kGemma2Config[] = R"({
   "vocab_size": 256000
 })";
 
+// google/gemma-3-1b-it config.json as published: one full layer in six,
+// the local layers' RoPE base, no caps.
+constexpr char kGemma3Config[] = R"({
+  "architectures": ["Gemma3ForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "attn_logit_softcapping": null,
+  "bos_token_id": 2,
+  "cache_implementation": "hybrid",
+  "eos_token_id": [1, 106],
+  "final_logit_softcapping": null,
+  "head_dim": 256,
+  "hidden_activation": "gelu_pytorch_tanh",
+  "hidden_size": 1152,
+  "initializer_range": 0.02,
+  "intermediate_size": 6912,
+  "max_position_embeddings": 32768,
+  "model_type": "gemma3_text",
+  "num_attention_heads": 4,
+  "num_hidden_layers": 26,
+  "num_key_value_heads": 1,
+  "pad_token_id": 0,
+  "query_pre_attn_scalar": 256,
+  "rms_norm_eps": 1e-06,
+  "rope_local_base_freq": 10000,
+  "rope_scaling": null,
+  "rope_theta": 1000000,
+  "sliding_window": 512,
+  "sliding_window_pattern": 6,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.50.0.dev0",
+  "use_cache": true,
+  "vocab_size": 262144
+})";
+
 ModelConfig ParseOrDie(const std::string& text) {
   auto config = ParseModelConfig(text);
   EXPECT_TRUE(config.ok()) << config.status();
@@ -374,6 +409,53 @@ TEST(ModelFamilyTest, SlidingLayersFollowTheConfig) {
   }
 }
 
+TEST(ModelFamilyTest, Gemma3AsPublished) {
+  const ModelConfig c = ParseOrDie(kGemma3Config);
+  EXPECT_EQ(c.architecture, Architecture::kGemma3);
+  EXPECT_EQ(ModelTypeName(c.architecture), "gemma3_text");
+  EXPECT_EQ(c.layer.qk_norm, QkNorm::kPerHeadRms);
+  EXPECT_EQ(c.layer.norm_weight, NormWeight::kOnePlus);
+  EXPECT_EQ(c.layer.attn_logit_softcapping, 0);
+  EXPECT_EQ(c.final_logit_softcapping, 0);
+  EXPECT_EQ(c.rope_theta, 1e6);
+  EXPECT_EQ(c.local_rope_theta, 1e4);
+  EXPECT_EQ(c.sliding_window, 512);
+  ASSERT_EQ(c.sliding_layers.size(), 26u);
+  for (int i = 0; i < 26; ++i) {
+    EXPECT_EQ(c.SlidesAt(i), (i + 1) % 6 != 0) << i;
+  }
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.eos_token_ids, (std::vector<int64_t>{1, 106}));
+}
+
+// transformers 5 writes Gemma 3's two RoPEs into rope_parameters keyed by
+// layer type (and layer_types instead of the pattern): the same model.
+TEST(ModelFamilyTest, Gemma3InTransformers5Layout) {
+  Json v5 = Json::parse(kGemma3Config);
+  v5.erase("rope_theta");
+  v5.erase("rope_scaling");
+  v5.erase("rope_local_base_freq");
+  v5.erase("sliding_window_pattern");
+  v5["rope_parameters"] = {
+      {"full_attention", {{"rope_type", "default"}, {"rope_theta", 1e6}}},
+      {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 1e4}}}};
+  for (int i = 0; i < 26; ++i) {
+    v5["layer_types"].push_back((i + 1) % 6 != 0 ? "sliding_attention"
+                                                 : "full_attention");
+  }
+  const ModelConfig c = ParseOrDie(v5.dump());
+  const ModelConfig v4 = ParseOrDie(kGemma3Config);
+  EXPECT_EQ(c.local_rope_theta, 1e4);
+  EXPECT_EQ(c.rope_theta, 1e6);
+  EXPECT_EQ(c.sliding_layers, v4.sliding_layers);
+  EXPECT_EQ(c.Fingerprint(), v4.Fingerprint());
+  // Both spellings of the local base, disagreeing: refused.
+  v5["rope_local_base_freq"] = 5000;
+  auto refused = ParseModelConfig(v5.dump());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(), HasSubstr("rope_local_base_freq"));
+}
+
 // The same shape under another family is another model: the layer spec is
 // part of the fingerprint, so a Qwen2 worker never takes a Qwen3's KV.
 TEST(ModelFamilyTest, TheFamilyIsPartOfTheFingerprint) {
@@ -387,7 +469,8 @@ TEST(ModelFamilyTest, TheFamilyIsPartOfTheFingerprint) {
     }));
     EXPECT_EQ(c.architecture, family->architecture);
     EXPECT_EQ(c.layer.qk_norm == QkNorm::kPerHeadRms,
-              family->architecture == Architecture::kQwen3);
+              family->architecture == Architecture::kQwen3 ||
+                  family->architecture == Architecture::kGemma3);
     fingerprints.insert(c.Fingerprint());
   }
   EXPECT_EQ(fingerprints.size(), ModelFamilies().size());
@@ -419,14 +502,16 @@ TEST(ModelFamilyTest, TheTableFindsEveryFamilyOnce) {
 
 // An architecture no family reads is refused listing the ones that exist.
 TEST(ModelFamilyTest, AnUnknownArchitectureListsTheSupportedOnes) {
-  auto parsed = ParseModelConfig(
-      WithQwen3([](Json& j) { j["architectures"] = {"Gemma3ForCausalLM"}; }));
+  auto parsed = ParseModelConfig(WithQwen3([](Json& j) {
+    j["architectures"] = {"Gemma3ForConditionalGeneration"};
+  }));
   ASSERT_FALSE(parsed.ok());
   for (const ModelFamily* family : ModelFamilies()) {
     EXPECT_THAT(parsed.status().message(),
                 HasSubstr(std::string(family->architecture_name)));
   }
-  EXPECT_THAT(parsed.status().message(), HasSubstr("Gemma3ForCausalLM"));
+  EXPECT_THAT(parsed.status().message(),
+              HasSubstr("Gemma3ForConditionalGeneration"));
 }
 
 // Keys that announce what no family runs are refused naming the key, in

@@ -70,7 +70,8 @@ class ReferenceError(Exception):
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM",
                            "MistralForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "Gemma2ForCausalLM")
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                           "Gemma3ForCausalLM")
 
 
 class Config:
@@ -108,7 +109,11 @@ class Config:
         # softmax scale query_pre_attn_scalar^-1/2, attention and final
         # logits soft-capped, even layers windowed; Gemma2Config's defaults
         # where a key is absent.
-        self.gemma2 = self.architecture == "Gemma2ForCausalLM"
+        # Gemma3 (Gemma3ForCausalLM): Gemma 2's layer, no caps by default,
+        # (1 + w) q/k norms, sliding layers by layer_types or
+        # sliding_window_pattern, their RoPE base rope_local_base_freq.
+        self.gemma3 = self.architecture == "Gemma3ForCausalLM"
+        self.gemma2 = self.architecture == "Gemma2ForCausalLM" or self.gemma3
         act = raw.get("hidden_activation", raw.get("hidden_act", "silu"))
         if act != ("gelu_pytorch_tanh" if self.gemma2 else "silu"):
             raise ReferenceError("unsupported hidden_act %r" % (act,))
@@ -117,13 +122,20 @@ class Config:
                 self.head_dim = 256
             self.query_pre_attn_scalar = float(
                 raw.get("query_pre_attn_scalar", 256))
-            self.attn_softcap = raw.get("attn_logit_softcapping", 50.0)
-            self.final_softcap = raw.get("final_logit_softcapping", 30.0)
+            cap = None if self.gemma3 else 50.0
+            self.attn_softcap = raw.get("attn_logit_softcapping", cap)
+            cap = None if self.gemma3 else 30.0
+            self.final_softcap = raw.get("final_logit_softcapping", cap)
+            self.local_rope_theta = (float(raw.get("rope_local_base_freq",
+                                                   10000.0))
+                                     if self.gemma3 else None)
             self.sliding_window = raw.get("sliding_window", 4096)
             self.tie_word_embeddings = bool(raw.get("tie_word_embeddings",
                                                     True))
-        # Qwen3Attention: q_norm / k_norm (Qwen3RMSNorm(head_dim)) per head.
-        self.qk_norm = self.architecture == "Qwen3ForCausalLM"
+        # Qwen3Attention: q_norm / k_norm (Qwen3RMSNorm(head_dim)) per head;
+        # Gemma3Attention likewise with Gemma3RMSNorm (1 + w).
+        self.qk_norm = self.architecture in ("Qwen3ForCausalLM",
+                                             "Gemma3ForCausalLM")
         # Phi3Attention: one qkv_proj, sliced q | k | v; Phi3MLP: one
         # gate_up_proj, chunked gate | up; no biases.
         self.fused = self.architecture == "Phi3ForCausalLM"
@@ -131,7 +143,7 @@ class Config:
             # Qwen2Attention: q/k/v always biased, o never.
             self.qkv_bias, self.o_bias = True, False
         elif self.architecture in ("MistralForCausalLM", "Phi3ForCausalLM",
-                                   "Gemma2ForCausalLM"):
+                                   "Gemma2ForCausalLM", "Gemma3ForCausalLM"):
             self.qkv_bias, self.o_bias = False, False
         else:
             # LlamaAttention and Qwen3Attention: bias=config.attention_bias
@@ -152,6 +164,10 @@ class Config:
                 window = raw.get("sliding_window")
                 first = raw.get("max_window_layers", 28)
                 slides = [i >= first for i in layers]
+        elif self.gemma3:
+            window = self.sliding_window
+            pattern = raw.get("sliding_window_pattern", 6)
+            slides = [(i + 1) % pattern != 0 for i in layers]
         elif self.gemma2:
             window = self.sliding_window
             slides = [i % 2 == 0 for i in layers]
@@ -393,6 +409,13 @@ class Model:
         emb = np.concatenate([freqs, freqs], axis=-1)       # [n, D]
         cos = np.cos(emb) * self.attention_factor
         sin = np.sin(emb) * self.attention_factor
+        if cfg.gemma2 and cfg.local_rope_theta is not None:
+            # Gemma 3's sliding layers: plain RoPE on their own base.
+            local = 1.0 / (cfg.local_rope_theta ** (
+                np.arange(0, D, 2, dtype=np.float64) / D))
+            local_emb = np.concatenate([np.outer(positions, local)] * 2,
+                                       axis=-1)
+            local_cos, local_sin = np.cos(local_emb), np.sin(local_emb)
         causal = np.triu(np.full((n, n), -np.inf), k=1)     # [q, k]
         group = H // KVH
         gemma = cfg.gemma2
@@ -422,12 +445,19 @@ class Model:
                 v = self._linear(x, p + "self_attn.v_proj", KVH * D, hidden,
                                  cfg.qkv_bias).reshape(n, KVH, D)
             if cfg.qk_norm:
-                q = rms_norm(q, self._get(p + "self_attn.q_norm.weight", (D,)),
-                             cfg.rms_norm_eps)
-                k = rms_norm(k, self._get(p + "self_attn.k_norm.weight", (D,)),
-                             cfg.rms_norm_eps)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+                qw = self._get(p + "self_attn.q_norm.weight", (D,))
+                kw = self._get(p + "self_attn.k_norm.weight", (D,))
+                if gemma:
+                    qw, kw = 1.0 + qw, 1.0 + kw
+                q = rms_norm(q, qw, cfg.rms_norm_eps)
+                k = rms_norm(k, kw, cfg.rms_norm_eps)
+            if (gemma and cfg.local_rope_theta is not None and
+                    cfg.sliding_layers[layer]):
+                q = apply_rope(q, local_cos, local_sin)
+                k = apply_rope(k, local_cos, local_sin)
+            else:
+                q = apply_rope(q, cos, sin)
+                k = apply_rope(k, cos, sin)
             mask = causal
             scale = 1.0 / math.sqrt(D)
             if gemma:

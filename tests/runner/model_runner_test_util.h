@@ -28,7 +28,7 @@ inline absl::StatusOr<std::string> TinyModelDir(TinyShape shape) {
 }
 
 // The test shapes the CUDA backend runs: all but Qwen3 (per-head q/k norm)
-// and Gemma 2 (sandwich norms, GeGLU, soft-capping, the embedding
+// and Gemma 2 and 3 (sandwich norms, GeGLU, soft-capping, the embedding
 // multiplier), which have no CUDA kernels yet (LlamaForward::Create refuses
 // them by name; model_runner_gpu_test checks the refusal), and the 8-token
 // window of mistral_window (no windowed CUDA attention: the runner caps
@@ -37,7 +37,7 @@ inline std::vector<TinyShape> CudaTinyShapes() {
   std::vector<TinyShape> shapes;
   for (const TinyShape shape : AllTinyShapes()) {
     if (shape != TinyShape::kQwen3 && shape != TinyShape::kGemma2 &&
-        shape != TinyShape::kMistralWindow) {
+        shape != TinyShape::kGemma3 && shape != TinyShape::kMistralWindow) {
       shapes.push_back(shape);
     }
   }

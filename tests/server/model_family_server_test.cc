@@ -165,7 +165,8 @@ TEST_P(ModelFamilyServerTest, AnotherFamilysDecodeWorkerRefusesTheKv) {
 INSTANTIATE_TEST_SUITE_P(Families, ModelFamilyServerTest,
                          ::testing::Values(TinyShape::kQwen3, TinyShape::kPhi3,
                                            TinyShape::kGemma2,
-                                           TinyShape::kMistralWindow),
+                                           TinyShape::kMistralWindow,
+                                           TinyShape::kGemma3),
                          [](const ::testing::TestParamInfo<TinyShape>& info) {
                            return std::string(TinyShapeName(info.param));
                          });

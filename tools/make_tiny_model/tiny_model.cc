@@ -230,6 +230,17 @@ TinyDims DimsFor(TinyShape shape) {
               false,
               false,
               false};
+    case TinyShape::kGemma3: {
+      // Gemma-3's text layout scaled down: Gemma 2's layer with q/k norms,
+      // 3 layers (sliding, full, sliding), no caps.
+      TinyDims d = DimsFor(TinyShape::kGemma2);
+      d.architecture = "Gemma3ForCausalLM";
+      d.model_type = "gemma3_text";
+      d.layers = 3;
+      d.rope_theta = 1000000.0;
+      d.qk_norm = true;
+      return d;
+    }
   }
   return DimsFor(TinyShape::kGqa);
 }
@@ -329,8 +340,8 @@ std::vector<TensorSpec> TensorsFor(const TinyDims& d) {
     specs.push_back(
         {p + "self_attn.o_proj.weight", {d.hidden, q_size}, Init::kMatrix});
     if (d.qk_norm) {
-      specs.push_back({p + "self_attn.q_norm.weight", {head_dim}, Init::kNorm});
-      specs.push_back({p + "self_attn.k_norm.weight", {head_dim}, Init::kNorm});
+      specs.push_back({p + "self_attn.q_norm.weight", {head_dim}, norm});
+      specs.push_back({p + "self_attn.k_norm.weight", {head_dim}, norm});
     }
     specs.push_back({p + "post_attention_layernorm.weight", {d.hidden}, norm});
     if (d.gemma2) {
@@ -394,10 +405,11 @@ std::vector<float> Generate(const TensorSpec& spec, uint64_t seed) {
 }  // namespace
 
 std::vector<TinyShape> AllTinyShapes() {
-  return {TinyShape::kGqa,        TinyShape::kTied,         TinyShape::kQkvBias,
-          TinyShape::kHeadDim,    TinyShape::kLlama3Rope,   TinyShape::kQwen3,
-          TinyShape::kLinearRope, TinyShape::kYarnRope,     TinyShape::kPhi3,
-          TinyShape::kGemma2,     TinyShape::kMistralWindow};
+  return {
+      TinyShape::kGqa,        TinyShape::kTied,          TinyShape::kQkvBias,
+      TinyShape::kHeadDim,    TinyShape::kLlama3Rope,    TinyShape::kQwen3,
+      TinyShape::kLinearRope, TinyShape::kYarnRope,      TinyShape::kPhi3,
+      TinyShape::kGemma2,     TinyShape::kMistralWindow, TinyShape::kGemma3};
 }
 
 absl::string_view TinyShapeName(TinyShape shape) {
@@ -432,6 +444,8 @@ absl::string_view TinyShapeName(TinyShape shape) {
       return "gemma2";
     case TinyShape::kMistralWindow:
       return "mistral_window";
+    case TinyShape::kGemma3:
+      return "gemma3";
   }
   return "unknown";
 }
@@ -447,7 +461,8 @@ absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown tiny model shape \"", name,
       "\"; known: gqa, tied, qkv_bias, head_dim, llama3_rope, qwen3, "
-      "linear_rope, yarn_rope, phi3, gemma2, mistral_window, small, llama_1b, "
+      "linear_rope, yarn_rope, phi3, gemma2, mistral_window, gemma3, small, "
+      "llama_1b, "
       "llama_0p5b, "
       "head_dim_64"));
 }
@@ -514,6 +529,15 @@ std::string TinyModelConfigJson(const TinyModelOptions& options) {
     config["sliding_window"] = kGemma2Window;
     config["cache_implementation"] = "hybrid";
     config["attention_dropout"] = 0.0;
+  }
+  if (options.shape == TinyShape::kGemma3) {
+    // Gemma 3 4B's keys: no caps, the local layers' base beside a linearly
+    // scaled global RoPE, one full layer in every two.
+    config["attn_logit_softcapping"] = nullptr;
+    config["final_logit_softcapping"] = nullptr;
+    config["rope_local_base_freq"] = 10000.0;
+    config["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 8.0}};
+    config["sliding_window_pattern"] = 2;
   }
   if (options.shape == TinyShape::kMistralWindow) {
     config["sliding_window"] = kMistralWindow;

@@ -57,12 +57,16 @@ enum class TinyShape {
   kGemma2,
   // MistralForCausalLM with an 8-token sliding window on every layer.
   kMistralWindow,
+  // Gemma3ForCausalLM ("gemma3_text"): Gemma 2's layer with (1 + w) q/k
+  // norms, sliding layers 0 and 2 with their own RoPE base (1e4) beside the
+  // full layer's linearly scaled 1e6, no soft-capping.
+  kGemma3,
 };
 
 std::vector<TinyShape> AllTinyShapes();
 // "gqa", "tied", "qkv_bias", "head_dim", "llama3_rope", "qwen3",
-// "linear_rope", "yarn_rope", "phi3", "gemma2", "mistral_window", "small",
-// "llama_1b", "llama_0p5b", "head_dim_64".
+// "linear_rope", "yarn_rope", "phi3", "gemma2", "mistral_window", "gemma3",
+// "small", "llama_1b", "llama_0p5b", "head_dim_64".
 absl::string_view TinyShapeName(TinyShape shape);
 absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name);
 

@@ -146,7 +146,9 @@ size_t LlamaForward::ActivationBytes(const ModelConfig& c,
          Aligned(t * c.q_size() * e) +
          Aligned(t * 2 * c.intermediate_size * e) +
          Aligned(t * c.intermediate_size * e) + Aligned(s * c.hidden_size * e) +
-         Aligned(s * c.vocab_size * f) + Aligned(c.head_dim / 2 * f) +
+         Aligned(s * c.vocab_size * f) +
+         Aligned(c.head_dim / 2 * f) *
+             (c.local_rope_theta.has_value() ? 2 : 1) +
          Aligned(AttentionWorkspaceBytes(c, o, kind)) +
          Aligned(HeadTilesBytes(kind)) + Aligned(MegakernelBytes(c, o, kind));
 }
@@ -254,6 +256,20 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
   const std::vector<float> inv_freq = kernels::ComputeRopeInvFreq(rope);
   PDW_RETURN_IF_ERROR(stream.CopyToDevice(act.inv_freq, inv_freq.data(),
                                           inv_freq.size() * sizeof(float)));
+  if (config.local_rope_theta.has_value()) {
+    // Gemma 3's sliding layers: plain RoPE on their own base.
+    kernels::RopeConfig local;
+    local.head_dim = rope.head_dim;
+    local.theta = *config.local_rope_theta;
+    PDW_RETURN_IF_ERROR(kernels::ValidateRopeConfig(local));
+    PDW_ASSIGN_OR_RETURN(
+        act.local_inv_freq,
+        a.Allocate(floats(config.head_dim / 2), "local_inv_freq"));
+    const std::vector<float> local_freq = kernels::ComputeRopeInvFreq(local);
+    PDW_RETURN_IF_ERROR(stream.CopyToDevice(act.local_inv_freq,
+                                            local_freq.data(),
+                                            local_freq.size() * sizeof(float)));
+  }
   const size_t workspace_bytes = AttentionWorkspaceBytes(config, options, kind);
   if (workspace_bytes > 0) {
     PDW_ASSIGN_OR_RETURN(act.attention_workspace,
@@ -645,7 +661,9 @@ kernels::RopeKvCacheParams LlamaForward::RopeParams(int layer,
   kernels::RopeKvCacheParams rope;
   rope.positions = step_.positions;
   rope.slot_mapping = step_.slot_mapping;
-  rope.inv_freq = act_.inv_freq;
+  rope.inv_freq = config_.SlidesAt(layer) && !act_.local_inv_freq.empty()
+                      ? act_.local_inv_freq
+                      : act_.inv_freq;
   rope.query = qkv;
   rope.key = qkv.Slice(q_size * element, row_bytes - q_size * element);
   rope.value = qkv.Slice((q_size + kv_size) * element,

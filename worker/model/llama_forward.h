@@ -129,6 +129,9 @@ struct LlamaActivations {
   DeviceBuffer gathered;  // [max_seqs, hidden]
   DeviceBuffer logits;    // [max_seqs, vocab], fp32
   DeviceBuffer inv_freq;  // [head_dim / 2], fp32
+  // Gemma 3 (ModelConfig::local_rope_theta): the sliding layers' table,
+  // [head_dim / 2] fp32; otherwise empty (every layer reads inv_freq).
+  DeviceBuffer local_inv_freq;
   // CUDA only: the decode attention's split-K partials, sized for the
   // largest uniform decode batch (PagedAttentionWorkspaceBytes). Empty on
   // the CPU backend.

@@ -130,12 +130,11 @@ absl::Status LoadInto(const ModelConfig& c, WeightsLoad& load) {
                       "qkv_bias"));
     }
     if (c.layer.qk_norm == QkNorm::kPerHeadRms) {
-      PDW_ASSIGN_OR_RETURN(
-          L.q_norm, load.Buffer({{p + "self_attn.q_norm.weight", {c.head_dim}}},
-                                "q_norm"));
-      PDW_ASSIGN_OR_RETURN(
-          L.k_norm, load.Buffer({{p + "self_attn.k_norm.weight", {c.head_dim}}},
-                                "k_norm"));
+      // Gemma 3's q/k norms are (1 + w) like its other norms.
+      PDW_ASSIGN_OR_RETURN(L.q_norm, load.Norm(p + "self_attn.q_norm.weight",
+                                               c.head_dim, nw, "q_norm"));
+      PDW_ASSIGN_OR_RETURN(L.k_norm, load.Norm(p + "self_attn.k_norm.weight",
+                                               c.head_dim, nw, "k_norm"));
     }
     PDW_ASSIGN_OR_RETURN(
         L.o_proj,

@@ -247,16 +247,47 @@ absl::Status ParseRope(const Json& root, ModelConfig* config) {
         absl::StrCat("must be an object or null, got ", Describe(*params)));
   }
   // Models with several attention types key rope_parameters by layer type
-  // ({"full_attention": {...}, "sliding_attention": {...}}); none we serve.
+  // ({"full_attention": {...}, "sliding_attention": {...}}; Gemma 3 in
+  // transformers 5): the full layers' object is the model's RoPE, and the
+  // sliding layers' base, where it differs, is local_rope_theta (plain RoPE
+  // only: what Gemma 3's local layers run).
+  std::string params_name = "rope_parameters";
+  bool per_layer_type = false;
   for (const auto& [key, entry] : params->items()) {
-    if (entry.is_object()) {
-      return FieldError(
-          absl::StrCat("rope_parameters.", key),
-          "is per-layer-type RoPE, which is not supported; expected one "
-          "object with rope_type and rope_theta");
+    if (!entry.is_object()) continue;
+    per_layer_type = true;
+    if (key != "full_attention" && key != "sliding_attention") {
+      return FieldError(absl::StrCat("rope_parameters.", key),
+                        "is a layer type pdworker does not know; expected "
+                        "full_attention and sliding_attention");
     }
   }
-  auto scaling = ParseRopeObject(*params, "rope_parameters");
+  if (per_layer_type) {
+    const Json* full = Find(*params, "full_attention");
+    if (full == nullptr || !full->is_object()) {
+      return FieldError("rope_parameters.full_attention",
+                        "is missing (per-layer-type RoPE needs it)");
+    }
+    if (const Json* sliding = Find(*params, "sliding_attention");
+        sliding != nullptr) {
+      PDW_ASSIGN_OR_RETURN(
+          const RopeScaling local,
+          ParseRopeObject(*sliding, "rope_parameters.sliding_attention"));
+      if (local.type != RopeScalingType::kNone) {
+        return FieldError("rope_parameters.sliding_attention.rope_type",
+                          "must be \"default\": sliding layers with scaled "
+                          "RoPE are not supported");
+      }
+      if (const Json* theta = Find(*sliding, "rope_theta"); theta != nullptr) {
+        PDW_ASSIGN_OR_RETURN(
+            config->local_rope_theta,
+            AsNumber(*theta, "rope_parameters.sliding_attention.rope_theta"));
+      }
+    }
+    params = full;
+    params_name = "rope_parameters.full_attention";
+  }
+  auto scaling = ParseRopeObject(*params, params_name);
   if (!scaling.ok()) return scaling.status();
   if (legacy_scaling.has_value() && !SameScaling(*legacy_scaling, *scaling)) {
     return FieldError("rope_scaling",
@@ -264,7 +295,7 @@ absl::Status ParseRope(const Json& root, ModelConfig* config) {
   }
   config->rope_scaling = *scaling;
   if (const Json* theta = Find(*params, "rope_theta"); theta != nullptr) {
-    auto value = AsNumber(*theta, "rope_parameters.rope_theta");
+    auto value = AsNumber(*theta, params_name + ".rope_theta");
     if (!value.ok()) return value.status();
     if (legacy_theta.has_value() && *legacy_theta != *value) {
       return FieldError(
@@ -450,6 +481,11 @@ absl::Status Validate(const ModelConfig& config) {
     return FieldError("rms_norm_eps", absl::StrCat("must be positive, got ",
                                                    config.rms_norm_eps));
   }
+  if (config.local_rope_theta.has_value() && !(*config.local_rope_theta > 0)) {
+    return FieldError(
+        "rope_local_base_freq",
+        absl::StrCat("must be positive, got ", *config.local_rope_theta));
+  }
   if (!(config.rope_theta > 0)) {
     return FieldError("rope_theta", absl::StrCat("must be positive, got ",
                                                  config.rope_theta));
@@ -540,6 +576,9 @@ std::string ModelConfig::CanonicalString() const {
           rope_scaling.beta_fast, rope_scaling.beta_slow,
           rope_scaling.truncate ? 1 : 0, rope_scaling.attention_factor);
       break;
+  }
+  if (local_rope_theta.has_value()) {
+    absl::StrAppendFormat(&text, "local_theta=%.17g;", *local_rope_theta);
   }
   if (sliding_window.has_value()) {
     absl::StrAppendFormat(&text, "window=%d;", *sliding_window);

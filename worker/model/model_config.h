@@ -21,10 +21,19 @@ namespace pdworker {
 
 // config.json "architectures": the family (model_family.h) whose file read
 // the config.
-enum class Architecture { kLlama, kQwen2, kMistral, kQwen3, kPhi3, kGemma2 };
+enum class Architecture {
+  kLlama,
+  kQwen2,
+  kMistral,
+  kQwen3,
+  kPhi3,
+  kGemma2,
+  kGemma3,
+};
 
 // "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM",
-// "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM".
+// "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+// "Gemma3ForCausalLM".
 absl::string_view ArchitectureName(Architecture architecture);
 // config.json "model_type" of the family: "llama", "qwen2", ...
 absl::string_view ModelTypeName(Architecture architecture);
@@ -77,6 +86,10 @@ struct ModelConfig {
   double rms_norm_eps = 0;
   double rope_theta = 10000.0;
   RopeScaling rope_scaling;
+  // Gemma 3: the sliding layers rotate with this base and plain RoPE
+  // (rope_local_base_freq), the full layers with rope_theta and
+  // rope_scaling. Unset: every layer rotates alike.
+  std::optional<double> local_rope_theta;
   int64_t vocab_size = 0;
   int64_t max_position_embeddings = 0;  // longest supported sequence, tokens
   // true: there is no lm_head.weight; logits = hidden @ embed_tokens^T.

@@ -36,6 +36,7 @@ extern const ModelFamily kMistralFamily;
 extern const ModelFamily kQwen3Family;
 extern const ModelFamily kPhi3Family;
 extern const ModelFamily kGemma2Family;
+extern const ModelFamily kGemma3Family;
 
 // Every family pdworker serves, in the order errors list them.
 absl::Span<const ModelFamily* const> ModelFamilies();
@@ -49,6 +50,20 @@ const ModelFamily& FamilyOf(Architecture architecture);
 // applying to the layers from "max_window_layers" (default 28) on.
 absl::Status ParseQwenSlidingWindow(const config_json::Json& root,
                                     ModelConfig& config);
+
+// Gemma 2's and Gemma 3's layer (families/gemma2.cc): sandwich (1 + w)
+// norms, GeGLU, the sqrt(hidden) embedding multiplier, no attention_bias,
+// query_pre_attn_scalar, the caps and sliding_window, with the configs'
+// defaults where a key is absent (head_dim 256, query_pre_attn_scalar 256,
+// window 4096, tied embeddings; the caps below; null: none). The sliding
+// layers are the caller's.
+struct GemmaDefaults {
+  double attn_logit_softcapping = 0;
+  double final_logit_softcapping = 0;
+};
+absl::Status ParseGemmaLayer(const config_json::Json& root,
+                             const GemmaDefaults& defaults,
+                             ModelConfig& config);
 
 }  // namespace pdworker
 

@@ -16,9 +16,10 @@
 #include "worker/model/model_family.h"
 
 namespace pdworker {
-namespace {
 
 using config_json::Json;
+
+namespace {
 
 // A positive number, `fallback` when the key is absent, 0 when it is null.
 absl::StatusOr<double> OptionalPositive(const Json& root, const char* key,
@@ -34,13 +35,17 @@ absl::StatusOr<double> OptionalPositive(const Json& root, const char* key,
   return value;
 }
 
-absl::Status ParseGemma2(const Json& root, ModelConfig& config) {
+}  // namespace
+
+absl::Status ParseGemmaLayer(const Json& root, const GemmaDefaults& defaults,
+                             ModelConfig& config) {
   PDW_ASSIGN_OR_RETURN(
       const bool attention_bias,
       config_json::OptionalBool(root, "attention_bias", false));
   if (attention_bias) {
     return config_json::FieldError(
-        "attention_bias", "= true is not supported for Gemma2ForCausalLM");
+        "attention_bias", absl::StrCat("= true is not supported for ",
+                                       ArchitectureName(config.architecture)));
   }
   if (config_json::Find(root, "head_dim") == nullptr) config.head_dim = 256;
   if (config_json::Find(root, "tie_word_embeddings") == nullptr) {
@@ -56,9 +61,11 @@ absl::Status ParseGemma2(const Json& root, ModelConfig& config) {
                                    "must be a positive number, got null");
   }
   PDW_ASSIGN_OR_RETURN(config.layer.attn_logit_softcapping,
-                       OptionalPositive(root, "attn_logit_softcapping", 50));
+                       OptionalPositive(root, "attn_logit_softcapping",
+                                        defaults.attn_logit_softcapping));
   PDW_ASSIGN_OR_RETURN(config.final_logit_softcapping,
-                       OptionalPositive(root, "final_logit_softcapping", 30));
+                       OptionalPositive(root, "final_logit_softcapping",
+                                        defaults.final_logit_softcapping));
   PDW_ASSIGN_OR_RETURN(const double window,
                        OptionalPositive(root, "sliding_window", 4096));
   if (window > 0) {
@@ -67,13 +74,24 @@ absl::Status ParseGemma2(const Json& root, ModelConfig& config) {
           "sliding_window", absl::StrCat("must be an integer, got ", window));
     }
     config.sliding_window = static_cast<int64_t>(window);
-    // Gemma2DecoderLayer: the even layers slide.
+  }
+  config.embedding_multiplier =
+      std::sqrt(static_cast<double>(config.hidden_size));
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::Status ParseGemma2(const Json& root, ModelConfig& config) {
+  PDW_RETURN_IF_ERROR(ParseGemmaLayer(
+      root, {/*attn_logit_softcapping=*/50, /*final_logit_softcapping=*/30},
+      config));
+  // Gemma2DecoderLayer: the even layers slide.
+  if (config.sliding_window.has_value()) {
     for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
       config.sliding_layers.push_back(i % 2 == 0);
     }
   }
-  config.embedding_multiplier =
-      std::sqrt(static_cast<double>(config.hidden_size));
   return absl::OkStatus();
 }
 

@@ -6,8 +6,8 @@ namespace pdworker {
 absl::Span<const ModelFamily* const> ModelFamilies() {
   // Addresses of constants: constant-initialized, nothing runs at startup.
   static const ModelFamily* const kFamilies[] = {
-      &kLlamaFamily, &kQwen2Family, &kMistralFamily,
-      &kQwen3Family, &kPhi3Family,  &kGemma2Family};
+      &kLlamaFamily, &kQwen2Family,  &kMistralFamily, &kQwen3Family,
+      &kPhi3Family,  &kGemma2Family, &kGemma3Family};
   return kFamilies;
 }
 
