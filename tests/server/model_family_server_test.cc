@@ -143,6 +143,44 @@ TEST_P(ModelFamilyServerTest,
   EXPECT_EQ(Tokens(rest.complete), *expected);
 }
 
+// The step-level Forward API: two prompts prefilled in one step, then
+// decoded together one token per call, give the reference's greedy tokens.
+TEST_P(ModelFamilyServerTest, ForwardStepsGiveTheReferenceTokens) {
+  const std::string dir = ModelDir(GetParam());
+  auto worker = Start(Role::kBoth, dir);
+  ASSERT_NE(worker, nullptr);
+  const std::vector<std::vector<int32_t>> prompts = {
+      {7, 70, 170, 17, 71, 117, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13},
+      {200, 100, 50, 25}};
+  constexpr int kSteps = 6;
+  std::vector<std::vector<int32_t>> expected;
+  for (const auto& prompt : prompts) {
+    auto tokens = model_testing::RunReferenceGreedy(dir, prompt, kSteps);
+    ASSERT_TRUE(tokens.ok()) << tokens.status();
+    expected.push_back(*tokens);
+  }
+  std::vector<std::vector<int32_t>> got(prompts.size());
+  std::vector<std::vector<int32_t>> next = prompts;
+  for (int step = 0; step < kSteps; ++step) {
+    std::vector<v1::SequenceInput> inputs;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      inputs.push_back(
+          server_testing::Input(absl::StrCat("f", i), next[i], step == 0));
+    }
+    v1::ForwardResponse response;
+    const grpc::Status status = server_testing::Forward(
+        *worker->stub, server_testing::Request(std::move(inputs)), &response);
+    ASSERT_TRUE(status.ok()) << step << ": " << status.error_message();
+    ASSERT_EQ(response.sequences_size(), static_cast<int>(prompts.size()));
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const int32_t token = response.sequences(i).token_id();
+      got[i].push_back(token);
+      next[i] = {token};
+    }
+  }
+  EXPECT_EQ(got, expected);
+}
+
 // A decode worker of another family (the Llama gqa shape) must not decode
 // from this family's KV: the handle's model fingerprint differs.
 TEST_P(ModelFamilyServerTest, AnotherFamilysDecodeWorkerRefusesTheKv) {
