@@ -248,6 +248,12 @@ TEST(ModelConfigTest, ParsesEveryTinyShape) {
         EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kLinear);
         EXPECT_EQ(c.sliding_layers, (std::vector<bool>{true, false, true}));
         break;
+      case TinyShape::kGemma3Multimodal:
+        EXPECT_EQ(c.architecture, Architecture::kGemma3);
+        EXPECT_EQ(c.tensor_prefix, "language_model.");
+        EXPECT_EQ(c.eos_token_ids, std::vector<int64_t>{2});
+        EXPECT_EQ(c.sliding_layers, (std::vector<bool>{true, false, true}));
+        break;
       case TinyShape::kMistralWindow:
         EXPECT_EQ(c.architecture, Architecture::kMistral);
         EXPECT_EQ(c.sliding_window, 8);

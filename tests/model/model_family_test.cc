@@ -428,6 +428,69 @@ TEST(ModelFamilyTest, Gemma3AsPublished) {
   EXPECT_EQ(c.eos_token_ids, (std::vector<int64_t>{1, 106}));
 }
 
+// google/gemma-3-4b-it config.json as published: the text model's few
+// keys under text_config (the rest are Gemma3TextConfig's defaults), a
+// vision tower beside it.
+constexpr char kGemma3MultimodalConfig[] = R"({
+  "architectures": ["Gemma3ForConditionalGeneration"],
+  "boi_token_index": 255999,
+  "eoi_token_index": 256000,
+  "eos_token_id": [1, 106],
+  "image_token_index": 262144,
+  "initializer_range": 0.02,
+  "mm_tokens_per_image": 256,
+  "model_type": "gemma3",
+  "text_config": {
+    "hidden_size": 2560,
+    "intermediate_size": 10240,
+    "model_type": "gemma3_text",
+    "num_hidden_layers": 34,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    "sliding_window": 1024
+  },
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.50.0.dev0",
+  "vision_config": {
+    "hidden_size": 1152,
+    "image_size": 896,
+    "intermediate_size": 4304,
+    "model_type": "siglip_vision_model",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 27,
+    "patch_size": 14,
+    "vision_use_head": false
+  }
+})";
+
+TEST(ModelFamilyTest, Gemma3MultimodalServesItsTextModel) {
+  const ModelConfig c = ParseOrDie(kGemma3MultimodalConfig);
+  EXPECT_EQ(c.architecture, Architecture::kGemma3);
+  EXPECT_EQ(c.tensor_prefix, "language_model.");
+  EXPECT_EQ(
+      c.ignored_tensor_prefixes,
+      (std::vector<std::string>{"vision_tower.", "multi_modal_projector."}));
+  EXPECT_EQ(c.hidden_size, 2560);
+  EXPECT_EQ(c.num_hidden_layers, 34);
+  EXPECT_EQ(c.num_attention_heads, 8);  // defaults from here on
+  EXPECT_EQ(c.num_key_value_heads, 4);
+  EXPECT_EQ(c.head_dim, 256);
+  EXPECT_EQ(c.vocab_size, 262208);
+  EXPECT_EQ(c.max_position_embeddings, 131072);
+  EXPECT_EQ(c.rope_theta, 1e6);
+  EXPECT_EQ(c.local_rope_theta, 1e4);
+  EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kLinear);
+  EXPECT_EQ(c.rope_scaling.factor, 8.0);
+  EXPECT_EQ(c.sliding_window, 1024);
+  EXPECT_EQ(c.layer.qk_norm, QkNorm::kPerHeadRms);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.torch_dtype, DType::kBFloat16);
+  EXPECT_EQ(c.eos_token_ids, (std::vector<int64_t>{1, 106}));
+  auto missing = ParseModelConfig(R"({"architectures":
+      ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"})");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_THAT(missing.status().message(), HasSubstr("text_config"));
+}
+
 // transformers 5 writes Gemma 3's two RoPEs into rope_parameters keyed by
 // layer type (and layer_types instead of the pattern): the same model.
 TEST(ModelFamilyTest, Gemma3InTransformers5Layout) {
@@ -503,7 +566,7 @@ TEST(ModelFamilyTest, TheTableFindsEveryFamilyOnce) {
 // An architecture no family reads is refused listing the ones that exist.
 TEST(ModelFamilyTest, AnUnknownArchitectureListsTheSupportedOnes) {
   auto parsed = ParseModelConfig(WithQwen3([](Json& j) {
-    j["architectures"] = {"Gemma3ForConditionalGeneration"};
+    j["architectures"] = {"Llama4ForConditionalGeneration"};
   }));
   ASSERT_FALSE(parsed.ok());
   for (const ModelFamily* family : ModelFamilies()) {
@@ -511,7 +574,7 @@ TEST(ModelFamilyTest, AnUnknownArchitectureListsTheSupportedOnes) {
                 HasSubstr(std::string(family->architecture_name)));
   }
   EXPECT_THAT(parsed.status().message(),
-              HasSubstr("Gemma3ForConditionalGeneration"));
+              HasSubstr("Llama4ForConditionalGeneration"));
 }
 
 // Keys that announce what no family runs are refused naming the key, in

@@ -177,9 +177,37 @@ class Config:
         self.sliding_layers = slides if self.window else [False] * len(slides)
 
 
+# transformers' Gemma3TextConfig defaults, for a Gemma3ForConditionalGeneration
+# checkpoint's text_config (which leaves most keys out).
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "attention_bias": False,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "final_logit_softcapping": None, "attn_logit_softcapping": None,
+    "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6,
+}
+
+
 def load_config(model_dir):
+    """(Config, tensor name prefix)."""
     with open(os.path.join(model_dir, "config.json"), "r") as f:
-        return Config(json.load(f))
+        raw = json.load(f)
+    if "Gemma3ForConditionalGeneration" in (raw.get("architectures") or []):
+        # The text model of a multimodal checkpoint: its keys under
+        # text_config, its tensors under language_model.
+        text = dict(GEMMA3_TEXT_DEFAULTS)
+        text.update(raw["text_config"])
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id",
+                    "torch_dtype", "tie_word_embeddings"):
+            if key not in text and key in raw:
+                text[key] = raw[key]
+        text["architectures"] = ["Gemma3ForCausalLM"]
+        return Config(text), "language_model."
+    return Config(raw), ""
 
 
 # ----------------------------------------------------------------------------
@@ -366,7 +394,7 @@ def softcap(x, cap):
 
 class Model:
     def __init__(self, model_dir):
-        self.cfg = load_config(model_dir)
+        self.cfg, self.prefix = load_config(model_dir)
         self.w = load_weights(model_dir)
         cfg = self.cfg
         self.embed = self._get("model.embed_tokens.weight",
@@ -380,6 +408,7 @@ class Model:
         self.inv_freq, self.attention_factor = rope_inv_freq(cfg)
 
     def _get(self, name, shape):
+        name = self.prefix + name
         if name not in self.w:
             raise ReferenceError("missing tensor %s" % name)
         t = self.w[name]

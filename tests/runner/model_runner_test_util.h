@@ -37,7 +37,8 @@ inline std::vector<TinyShape> CudaTinyShapes() {
   std::vector<TinyShape> shapes;
   for (const TinyShape shape : AllTinyShapes()) {
     if (shape != TinyShape::kQwen3 && shape != TinyShape::kGemma2 &&
-        shape != TinyShape::kGemma3 && shape != TinyShape::kMistralWindow) {
+        shape != TinyShape::kGemma3 && shape != TinyShape::kGemma3Multimodal &&
+        shape != TinyShape::kMistralWindow) {
       shapes.push_back(shape);
     }
   }

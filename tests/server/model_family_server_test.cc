@@ -204,7 +204,8 @@ INSTANTIATE_TEST_SUITE_P(Families, ModelFamilyServerTest,
                          ::testing::Values(TinyShape::kQwen3, TinyShape::kPhi3,
                                            TinyShape::kGemma2,
                                            TinyShape::kMistralWindow,
-                                           TinyShape::kGemma3),
+                                           TinyShape::kGemma3,
+                                           TinyShape::kGemma3Multimodal),
                          [](const ::testing::TestParamInfo<TinyShape>& info) {
                            return std::string(TinyShapeName(info.param));
                          });

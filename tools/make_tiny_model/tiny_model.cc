@@ -44,6 +44,9 @@ struct TinyDims {
   // Gemma 2: four norms per layer, stored as w in x̂ * (1 + w), GeGLU,
   // query_pre_attn_scalar, soft-capping, a window.
   bool gemma2 = false;
+  // Gemma3ForConditionalGeneration: the text model under "text_config" and
+  // "language_model.", beside vision tower tensors.
+  bool multimodal = false;
 };
 
 // Small enough that the float64 reference and the CPU forward take
@@ -230,6 +233,11 @@ TinyDims DimsFor(TinyShape shape) {
               false,
               false,
               false};
+    case TinyShape::kGemma3Multimodal: {
+      TinyDims d = DimsFor(TinyShape::kGemma3);
+      d.multimodal = true;
+      return d;
+    }
     case TinyShape::kGemma3: {
       // Gemma-3's text layout scaled down: Gemma 2's layer with q/k norms,
       // 3 layers (sliding, full, sliding), no caps.
@@ -370,6 +378,17 @@ std::vector<TensorSpec> TensorsFor(const TinyDims& d) {
   if (!d.tied) {
     specs.push_back({"lm_head.weight", {d.vocab, d.hidden}, Init::kMatrix});
   }
+  if (d.multimodal) {
+    for (TensorSpec& spec : specs) spec.name = "language_model." + spec.name;
+    // Stand-ins for the towers pdworker leaves unread.
+    specs.push_back({"multi_modal_projector.mm_input_projection_weight",
+                     {8, d.hidden},
+                     Init::kMatrix});
+    specs.push_back(
+        {"vision_tower.vision_model.embeddings.patch_embedding.weight",
+         {8, 3, 2, 2},
+         Init::kMatrix});
+  }
   return specs;
 }
 
@@ -405,11 +424,19 @@ std::vector<float> Generate(const TensorSpec& spec, uint64_t seed) {
 }  // namespace
 
 std::vector<TinyShape> AllTinyShapes() {
-  return {
-      TinyShape::kGqa,        TinyShape::kTied,          TinyShape::kQkvBias,
-      TinyShape::kHeadDim,    TinyShape::kLlama3Rope,    TinyShape::kQwen3,
-      TinyShape::kLinearRope, TinyShape::kYarnRope,      TinyShape::kPhi3,
-      TinyShape::kGemma2,     TinyShape::kMistralWindow, TinyShape::kGemma3};
+  return {TinyShape::kGqa,
+          TinyShape::kTied,
+          TinyShape::kQkvBias,
+          TinyShape::kHeadDim,
+          TinyShape::kLlama3Rope,
+          TinyShape::kQwen3,
+          TinyShape::kLinearRope,
+          TinyShape::kYarnRope,
+          TinyShape::kPhi3,
+          TinyShape::kGemma2,
+          TinyShape::kMistralWindow,
+          TinyShape::kGemma3,
+          TinyShape::kGemma3Multimodal};
 }
 
 absl::string_view TinyShapeName(TinyShape shape) {
@@ -446,6 +473,8 @@ absl::string_view TinyShapeName(TinyShape shape) {
       return "mistral_window";
     case TinyShape::kGemma3:
       return "gemma3";
+    case TinyShape::kGemma3Multimodal:
+      return "gemma3_multimodal";
   }
   return "unknown";
 }
@@ -461,9 +490,8 @@ absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown tiny model shape \"", name,
       "\"; known: gqa, tied, qkv_bias, head_dim, llama3_rope, qwen3, "
-      "linear_rope, yarn_rope, phi3, gemma2, mistral_window, gemma3, small, "
-      "llama_1b, "
-      "llama_0p5b, "
+      "linear_rope, yarn_rope, phi3, gemma2, mistral_window, gemma3, "
+      "gemma3_multimodal, small, llama_1b, llama_0p5b, "
       "head_dim_64"));
 }
 
@@ -530,7 +558,8 @@ std::string TinyModelConfigJson(const TinyModelOptions& options) {
     config["cache_implementation"] = "hybrid";
     config["attention_dropout"] = 0.0;
   }
-  if (options.shape == TinyShape::kGemma3) {
+  if (options.shape == TinyShape::kGemma3 ||
+      options.shape == TinyShape::kGemma3Multimodal) {
     // Gemma 3 4B's keys: no caps, the local layers' base beside a linearly
     // scaled global RoPE, one full layer in every two.
     config["attn_logit_softcapping"] = nullptr;
@@ -552,6 +581,27 @@ std::string TinyModelConfigJson(const TinyModelOptions& options) {
         {"type", "yarn"},
         {"factor", kYarnFactor},
         {"original_max_position_embeddings", kYarnOriginalMaxPositions}};
+  }
+  if (d.multimodal) {
+    // Gemma 3 4B's layout: the text model's keys under text_config, the
+    // token ids and dtype at the top level only.
+    Json text = config;
+    for (const char* key :
+         {"architectures", "torch_dtype", "bos_token_id", "eos_token_id"}) {
+      text.erase(key);
+    }
+    config = {
+        {"architectures", {"Gemma3ForConditionalGeneration"}},
+        {"model_type", "gemma3"},
+        {"text_config", text},
+        {"vision_config",
+         {{"model_type", "siglip_vision_model"}, {"hidden_size", 8}}},
+        {"mm_tokens_per_image", 4},
+        {"image_token_index", 255},
+        {"bos_token_id", 1},
+        {"eos_token_id", 2},
+        {"torch_dtype", config["torch_dtype"]},
+    };
   }
   return config.dump(2) + "\n";
 }

@@ -61,12 +61,16 @@ enum class TinyShape {
   // norms, sliding layers 0 and 2 with their own RoPE base (1e4) beside the
   // full layer's linearly scaled 1e6, no soft-capping.
   kGemma3,
+  // The same text model as a Gemma3ForConditionalGeneration checkpoint:
+  // config under text_config, tensors under language_model., two stand-in
+  // vision tensors pdworker must leave unread.
+  kGemma3Multimodal,
 };
 
 std::vector<TinyShape> AllTinyShapes();
 // "gqa", "tied", "qkv_bias", "head_dim", "llama3_rope", "qwen3",
 // "linear_rope", "yarn_rope", "phi3", "gemma2", "mistral_window", "gemma3",
-// "small", "llama_1b", "llama_0p5b", "head_dim_64".
+// "gemma3_multimodal", "small", "llama_1b", "llama_0p5b", "head_dim_64".
 absl::string_view TinyShapeName(TinyShape shape);
 absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name);
 

@@ -1,5 +1,6 @@
 #include "worker/model/llama_weights.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
@@ -43,7 +44,9 @@ struct WeightsLoad {
   Stream& stream;
   UploadRing& ring;
   LlamaWeights& w;
-  // Every tensor name read so far (RefuseUnusedTensors).
+  // Prepended to every name (ModelConfig::tensor_prefix).
+  std::string prefix = {};
+  // Every tensor name read so far, prefix included (RefuseUnusedTensors).
   std::set<std::string> used = {};
 
   absl::StatusOr<DeviceBuffer> Buffer(
@@ -51,7 +54,8 @@ struct WeightsLoad {
       absl::string_view label) {
     std::vector<const TensorInfo*> tensors;
     size_t bytes = 0;
-    for (const auto& [name, shape] : parts) {
+    for (const auto& [short_name, shape] : parts) {
+      const std::string name = prefix + short_name;
       PDW_ASSIGN_OR_RETURN(const TensorInfo* t,
                            checkpoint.FindWithShape(name, shape));
       tensors.push_back(t);
@@ -76,8 +80,8 @@ struct WeightsLoad {
                                     NormWeight kind, absl::string_view label) {
     if (kind == NormWeight::kPlain) return Buffer({{name, {size}}}, label);
     PDW_ASSIGN_OR_RETURN(std::vector<float> values,
-                         checkpoint.GetFloat32(name, {size}));
-    used.insert(name);
+                         checkpoint.GetFloat32(prefix + name, {size}));
+    used.insert(prefix + name);
     for (float& v : values) v += 1.0f;
     const size_t bytes = static_cast<size_t>(size) * DTypeSize(w.dtype);
     PDW_ASSIGN_OR_RETURN(DeviceBuffer buf, w.arena->Allocate(bytes, label));
@@ -200,8 +204,19 @@ absl::Status RefuseUnusedTensors(const ModelConfig& c,
                                  const std::set<std::string>& used) {
   for (const std::string& name : checkpoint.TensorNames()) {
     if (used.count(name) > 0) continue;
-    if (c.tie_word_embeddings && name == "lm_head.weight") continue;
+    if (c.tie_word_embeddings && name == c.tensor_prefix + "lm_head.weight") {
+      continue;
+    }
     if (absl::EndsWith(name, "rotary_emb.inv_freq")) continue;
+    // A multimodal checkpoint's other towers: served by nobody here, on
+    // purpose (the text model is what pdworker serves).
+    if (std::any_of(c.ignored_tensor_prefixes.begin(),
+                    c.ignored_tensor_prefixes.end(),
+                    [&name](const std::string& prefix) {
+                      return absl::StartsWith(name, prefix);
+                    })) {
+      continue;
+    }
     return absl::InvalidArgumentError(absl::StrCat(
         checkpoint.FileOf(name), ": tensor \"", name, "\" is not used by ",
         ArchitectureName(c.architecture),
@@ -270,7 +285,7 @@ absl::StatusOr<LlamaWeights> LoadLlamaWeights(const ModelConfig& c,
   // copies queued out of the ring's blocks into the arena have run, so none
   // reads freed staging or writes a freed arena.
   StreamFence uploaded(stream);
-  WeightsLoad load{checkpoint, stream, *ring, w};
+  WeightsLoad load{checkpoint, stream, *ring, w, c.tensor_prefix};
   PDW_RETURN_IF_ERROR(LoadInto(c, load));
   PDW_RETURN_IF_ERROR(RefuseUnusedTensors(c, checkpoint, load.used));
   PDW_RETURN_IF_ERROR(uploaded.Wait());

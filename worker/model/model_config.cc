@@ -613,7 +613,28 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text) {
         absl::StrCat(kPrefix, "must be a JSON object, got ", root.type_name()));
   }
 
+  // A multimodal checkpoint whose text model is served alone: parse the
+  // nested text config, remember where its tensors sit.
+  const TextModelWrapper* wrapper = nullptr;
+  if (const Json* archs = Find(root, "architectures");
+      archs != nullptr && archs->is_array()) {
+    for (const Json& entry : *archs) {
+      if (!entry.is_string()) continue;
+      wrapper = FindTextModelWrapper(entry.get<std::string>());
+      if (wrapper != nullptr) break;
+    }
+  }
+  if (wrapper != nullptr) {
+    PDW_ASSIGN_OR_RETURN(root, wrapper->text_config(root));
+  }
+
   ModelConfig config;
+  if (wrapper != nullptr) {
+    config.tensor_prefix = std::string(wrapper->tensor_prefix);
+    for (const absl::string_view prefix : wrapper->ignored_prefixes) {
+      config.ignored_tensor_prefixes.emplace_back(prefix);
+    }
+  }
   auto family = ParseArchitectures(root);
   if (!family.ok()) return family.status();
   config.architecture = (*family)->architecture;

@@ -132,6 +132,14 @@ struct ModelConfig {
            sliding_layers[layer];
   }
 
+  // A multimodal checkpoint's text model (model_family.h's
+  // TextModelWrapper): every tensor name is this + the text model's name
+  // ("language_model." + "model.layers.0..."); tensors under
+  // ignored_tensor_prefixes (the other towers) are not read. Empty for a
+  // text checkpoint.
+  std::string tensor_prefix;
+  std::vector<std::string> ignored_tensor_prefixes;
+
   // Derived sizes.
   int64_t q_size() const { return num_attention_heads * head_dim; }
   int64_t kv_size() const { return num_key_value_heads * head_dim; }

@@ -13,6 +13,7 @@
 #define PDWORKER_WORKER_MODEL_MODEL_FAMILY_H_
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "worker/model/config_json.h"
@@ -28,6 +29,25 @@ struct ModelFamily {
   // (whose shared fields are already parsed).
   absl::Status (*parse)(const config_json::Json& root, ModelConfig& config);
 };
+
+// A multimodal checkpoint whose text model pdworker serves alone: its
+// config.json nests the text model's under "text_config" (keys absent there
+// take the text config class's defaults), its text tensors sit under
+// `tensor_prefix`, and the other towers' tensors (`ignored_prefixes`) are
+// left unread.
+struct TextModelWrapper {
+  absl::string_view architecture_name;  // "Gemma3ForConditionalGeneration"
+  absl::string_view tensor_prefix;      // "language_model."
+  absl::Span<const absl::string_view> ignored_prefixes;
+  // The text model's config.json, naming its family in "architectures".
+  absl::StatusOr<config_json::Json> (*text_config)(
+      const config_json::Json& root);
+};
+extern const TextModelWrapper kGemma3MultimodalWrapper;
+
+// The wrapper named `architecture_name`, or nullptr.
+const TextModelWrapper* FindTextModelWrapper(
+    absl::string_view architecture_name);
 
 // One per file in worker/model/families/.
 extern const ModelFamily kLlamaFamily;

@@ -54,7 +54,58 @@ absl::Status ParseGemma3(const Json& root, ModelConfig& config) {
   return absl::OkStatus();
 }
 
+// Gemma3ForConditionalGeneration (Gemma 3 4B, 12B, 27B): the text model's
+// keys under "text_config", most of them left to Gemma3TextConfig's
+// defaults (below); the token ids and dtype at the top level.
+absl::StatusOr<Json> Gemma3TextConfig(const Json& root) {
+  const Json* text = config_json::Find(root, "text_config");
+  if (text == nullptr || !text->is_object()) {
+    return config_json::FieldError(
+        "text_config",
+        "must be an object (Gemma3ForConditionalGeneration "
+        "nests the text model's config there)");
+  }
+  // transformers' Gemma3TextConfig defaults (the 1B's shape).
+  Json config = {
+      {"vocab_size", 262208},
+      {"hidden_size", 2304},
+      {"intermediate_size", 9216},
+      {"num_hidden_layers", 26},
+      {"num_attention_heads", 8},
+      {"num_key_value_heads", 4},
+      {"head_dim", 256},
+      {"hidden_activation", "gelu_pytorch_tanh"},
+      {"max_position_embeddings", 131072},
+      {"rms_norm_eps", 1e-6},
+      {"rope_theta", 1000000.0},
+      {"attention_bias", false},
+      {"query_pre_attn_scalar", 256},
+      {"sliding_window", 4096},
+      {"final_logit_softcapping", nullptr},
+      {"attn_logit_softcapping", nullptr},
+      {"rope_local_base_freq", 10000.0},
+      {"sliding_window_pattern", 6},
+  };
+  for (const auto& [key, value] : text->items()) config[key] = value;
+  for (const char* key : {"eos_token_id", "bos_token_id", "pad_token_id",
+                          "torch_dtype", "dtype", "tie_word_embeddings"}) {
+    if (config.contains(key)) continue;
+    if (const Json* value = config_json::Find(root, key); value != nullptr) {
+      config[key] = *value;
+    }
+  }
+  config["architectures"] = {"Gemma3ForCausalLM"};
+  return config;
+}
+
+constexpr absl::string_view kGemma3IgnoredPrefixes[] = {
+    "vision_tower.", "multi_modal_projector."};
+
 }  // namespace
+
+const TextModelWrapper kGemma3MultimodalWrapper = {
+    "Gemma3ForConditionalGeneration", "language_model.", kGemma3IgnoredPrefixes,
+    &Gemma3TextConfig};
 
 const ModelFamily kGemma3Family = {Architecture::kGemma3, "Gemma3ForCausalLM",
                                    "gemma3_text", &ParseGemma3};

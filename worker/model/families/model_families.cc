@@ -18,6 +18,16 @@ const ModelFamily* FindModelFamily(absl::string_view architecture_name) {
   return nullptr;
 }
 
+const TextModelWrapper* FindTextModelWrapper(
+    absl::string_view architecture_name) {
+  static const TextModelWrapper* const kWrappers[] = {
+      &kGemma3MultimodalWrapper};
+  for (const TextModelWrapper* wrapper : kWrappers) {
+    if (wrapper->architecture_name == architecture_name) return wrapper;
+  }
+  return nullptr;
+}
+
 const ModelFamily& FamilyOf(Architecture architecture) {
   for (const ModelFamily* family : ModelFamilies()) {
     if (family->architecture == architecture) return *family;
