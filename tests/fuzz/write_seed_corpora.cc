@@ -102,6 +102,35 @@ void WriteModelConfig() {
   "max_window_layers": 2, "quantization_config": null})";
   Write("model_config_fuzz", "llama3", Byte(0) + llama);
   Write("model_config_fuzz", "qwen3", Byte(0) + qwen3);
+  // The families with their own keys: Gemma 2's caps and defaults, Gemma 3's
+  // nested multimodal config and per-layer-type RoPE, Phi-3's window,
+  // Qwen2.5's YaRN.
+  Write("model_config_fuzz", "gemma2", Byte(0) + R"({
+  "architectures": ["Gemma2ForCausalLM"], "hidden_size": 64,
+  "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+  "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-06,
+  "vocab_size": 300, "max_position_embeddings": 1024,
+  "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 24,
+  "attn_logit_softcapping": 50.0, "final_logit_softcapping": null,
+  "sliding_window": 16})");
+  Write("model_config_fuzz", "gemma3_multimodal", Byte(0) + R"({
+  "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+  "text_config": {"hidden_size": 64, "intermediate_size": 96,
+    "num_hidden_layers": 3, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 300,
+    "layer_types": ["sliding_attention", "full_attention",
+                    "sliding_attention"],
+    "rope_parameters": {"full_attention": {"rope_type": "linear",
+      "factor": 8.0, "rope_theta": 1000000.0}, "sliding_attention": {
+      "rope_type": "default", "rope_theta": 10000.0}}},
+  "eos_token_id": [1, 106]})");
+  Write("model_config_fuzz", "phi3_yarn", Byte(0) + R"({
+  "architectures": ["Phi3ForCausalLM"], "hidden_size": 64,
+  "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+  "num_key_value_heads": 2, "rms_norm_eps": 1e-05, "vocab_size": 300,
+  "max_position_embeddings": 4096, "sliding_window": 2047,
+  "rope_scaling": {"type": "yarn", "factor": 4.0,
+    "original_max_position_embeddings": 1024, "beta_fast": 16}})");
   Write("model_config_fuzz", "qwen2", Byte(0) + qwen);
   Write("model_config_fuzz", "mistral", Byte(0) + mistral);
   Write("model_config_fuzz", "generation_list",
