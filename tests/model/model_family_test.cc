@@ -485,6 +485,12 @@ TEST(ModelFamilyTest, Gemma3MultimodalServesItsTextModel) {
   EXPECT_TRUE(c.tie_word_embeddings);
   EXPECT_EQ(c.torch_dtype, DType::kBFloat16);
   EXPECT_EQ(c.eos_token_ids, (std::vector<int64_t>{1, 106}));
+  // A quantized multimodal checkpoint says so at the top level: refused.
+  Json quantized = Json::parse(kGemma3MultimodalConfig);
+  quantized["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}};
+  auto refused = ParseModelConfig(quantized.dump());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(), HasSubstr("quantization_config"));
   auto missing = ParseModelConfig(R"({"architectures":
       ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"})");
   ASSERT_FALSE(missing.ok());

@@ -87,8 +87,12 @@ absl::StatusOr<Json> Gemma3TextConfig(const Json& root) {
       {"sliding_window_pattern", 6},
   };
   for (const auto& [key, value] : text->items()) config[key] = value;
-  for (const char* key : {"eos_token_id", "bos_token_id", "pad_token_id",
-                          "torch_dtype", "dtype", "tie_word_embeddings"}) {
+  // The top-level keys that describe the text model too; a quantized
+  // checkpoint's quantization_config among them, so it is refused as for a
+  // text checkpoint rather than lost with the wrapper.
+  for (const char* key :
+       {"eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype", "dtype",
+        "tie_word_embeddings", "quantization_config"}) {
     if (config.contains(key)) continue;
     if (const Json* value = config_json::Find(root, key); value != nullptr) {
       config[key] = *value;
