@@ -62,6 +62,18 @@ absl::StatusOr<double> RequiredNumber(const Json& object,
   return AsNumber(*value, name);
 }
 
+absl::StatusOr<std::optional<int64_t>> OptionalPositiveInt(
+    const Json& object, const std::string& field) {
+  const Json* value = Find(object, field);
+  if (value == nullptr) return std::nullopt;
+  absl::StatusOr<int64_t> parsed = AsInt(*value, field);
+  if (!parsed.ok()) return parsed.status();
+  if (*parsed <= 0) {
+    return FieldError(field, absl::StrCat("must be positive, got ", *parsed));
+  }
+  return *parsed;
+}
+
 absl::StatusOr<bool> OptionalBool(const Json& object, const std::string& field,
                                   bool default_value) {
   const Json* value = Find(object, field);

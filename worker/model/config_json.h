@@ -6,6 +6,7 @@
 #define PDWORKER_WORKER_MODEL_CONFIG_JSON_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -37,6 +38,10 @@ absl::StatusOr<int64_t> RequiredInt(const Json& object,
 absl::StatusOr<double> RequiredNumber(const Json& object,
                                       const std::string& field,
                                       absl::string_view path = "");
+
+// Absent or null gives nullopt; otherwise a positive integer.
+absl::StatusOr<std::optional<int64_t>> OptionalPositiveInt(
+    const Json& object, const std::string& field);
 
 // Absent or null gives `default_value`.
 absl::StatusOr<bool> OptionalBool(const Json& object, const std::string& field,

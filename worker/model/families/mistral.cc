@@ -1,7 +1,7 @@
 // MistralForCausalLM: no attention biases (transformers' MistralAttention has
 // none; an attention_bias of true is refused rather than ignored), and v0.1's
 // sliding window.
-#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "worker/model/model_family.h"
 
 namespace pdworker {
@@ -15,17 +15,8 @@ absl::Status ParseMistral(const config_json::Json& root, ModelConfig& config) {
     return config_json::FieldError(
         "attention_bias", "= true is not supported for MistralForCausalLM");
   }
-  if (const config_json::Json* window =
-          config_json::Find(root, "sliding_window");
-      window != nullptr) {
-    auto value = config_json::AsInt(*window, "sliding_window");
-    if (!value.ok()) return value.status();
-    if (*value <= 0) {
-      return config_json::FieldError(
-          "sliding_window", absl::StrCat("must be positive, got ", *value));
-    }
-    config.sliding_window = *value;
-  }
+  PDW_ASSIGN_OR_RETURN(config.sliding_window, config_json::OptionalPositiveInt(
+                                                  root, "sliding_window"));
   return absl::OkStatus();
 }
 

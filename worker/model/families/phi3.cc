@@ -4,7 +4,7 @@
 // sliding_window is recorded. The longrope scaling of the 128k variants and
 // Phi-4-mini's partial_rotary_factor are refused where every family reads
 // them (ParseModelConfig).
-#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "worker/model/model_family.h"
 
 namespace pdworker {
@@ -20,17 +20,8 @@ absl::Status ParsePhi3(const config_json::Json& root, ModelConfig& config) {
   }
   config.layer.qkv_tensors = ProjectionTensors::kFused;
   config.layer.gate_up_tensors = ProjectionTensors::kFused;
-  if (const config_json::Json* window =
-          config_json::Find(root, "sliding_window");
-      window != nullptr) {
-    auto value = config_json::AsInt(*window, "sliding_window");
-    if (!value.ok()) return value.status();
-    if (*value <= 0) {
-      return config_json::FieldError(
-          "sliding_window", absl::StrCat("must be positive, got ", *value));
-    }
-    config.sliding_window = *value;
-  }
+  PDW_ASSIGN_OR_RETURN(config.sliding_window, config_json::OptionalPositiveInt(
+                                                  root, "sliding_window"));
   return absl::OkStatus();
 }
 
