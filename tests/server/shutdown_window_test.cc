@@ -164,8 +164,11 @@ TEST(ShutdownWindowTest, RoutersSendingThroughTheShutdownSeeUnavailable) {
     // The routers were still sending when the worker stopped serving them.
     EXPECT_THAT(o.log, HasSubstr("calls still arriving"));
     EXPECT_GT(o.refused_by_worker, 0);
-    EXPECT_GT(o.connection_unavailable, 0);
   }
+  // Calls after the process exited fail on the connection. Whether a trial's
+  // clients send one before they are told to stop is timing (a TSan CI run
+  // had a trial with none): the premise holds over the trials together.
+  EXPECT_GT(connection, 0);
   EXPECT_EQ(cancelled, 0);
   RecordProperty("calls", calls);
   RecordProperty("refused_by_worker", refused);
