@@ -25,12 +25,13 @@
 #include "worker/runtime/host_memory.h"
 #include "worker/runtime/testing/stream_gate.h"
 #include "worker/runtime/testing/test_ops.h"
+#include "worker/runtime/upload_ring.h"
 
 namespace pdworker {
 namespace {
 
-using ::testing::ElementsAreArray;
 using testing::DelayedOpener;
+using ::testing::ElementsAreArray;
 using testing::Gate;
 using ::testing::HasSubstr;
 
@@ -343,6 +344,38 @@ TEST_P(ThreadedCpuStreamTest, DestructionFinishesQueuedWork) {
   EXPECT_FALSE(timed_out.load());
 }
 
+// An upload ring whose copy is queued but whose event cannot be recorded
+// (a launch error) must not hand that block out while the copy still reads
+// it: Upload returns the error only once the copy has run.
+TEST_P(ThreadedCpuStreamTest, UploadRingWaitsForACopyItCouldNotMark) {
+  absl::StatusOr<std::unique_ptr<UploadRing>> ring =
+      UploadRing::Create(*device_, kN * sizeof(float), 1);
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  DeviceBuffer x = NewFloats(kN);
+  Gate gate;
+  std::atomic<bool> timed_out{false};
+  ASSERT_TRUE(BlockOn(stream(), gate, &timed_out).ok());
+  auto* block = static_cast<float*>(*(*ring)->Next());
+  std::fill(block, block + kN, 4.0f);
+  // Pass the copy, fail the event record behind it.
+  ASSERT_TRUE(stream().FailEnqueue(1, absl::InternalError("record")).ok());
+  {
+    DelayedOpener opener(gate, kOpenDelay);
+    const absl::Status uploaded =
+        (*ring)->Upload(stream(), x, kN * sizeof(float));
+    EXPECT_EQ(uploaded.code(), absl::StatusCode::kInternal);
+    // The copy ran before Upload returned (not merely before the opener
+    // is joined): the block may be rewritten now.
+    EXPECT_EQ(Peek(x), std::vector<float>(kN, 4.0f));
+  }
+  auto* again = static_cast<float*>(*(*ring)->Next());
+  EXPECT_EQ(again, block);
+  std::fill(again, again + kN, 5.0f);
+  ASSERT_TRUE(stream().Synchronize().ok());
+  EXPECT_EQ(Peek(x), std::vector<float>(kN, 4.0f));
+  EXPECT_FALSE(timed_out.load());
+}
+
 TEST_P(ThreadedCpuStreamTest, WorkEnqueuedBeforeAFaultStillRuns) {
   DeviceBuffer x = NewFloats(kN);
   Gate gate;
@@ -411,6 +444,45 @@ TEST_P(CpuStreamFaultTest, InjectFaultRejectsOkAndCapture) {
             absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(stream().EndCapture().ok()) << "the capture stays valid";
   EXPECT_TRUE(stream().Synchronize().ok()) << "nothing was injected";
+}
+
+// The hook the runner's error-path tests use: the call `n` calls after
+// arming fails with the error and enqueues nothing; the calls before and
+// after it enqueue as usual; captures are not counted.
+TEST_P(CpuStreamFaultTest, FailEnqueueFailsExactlyTheNthCall) {
+  DeviceBuffer x = NewFloats(kN);
+  ASSERT_TRUE(stream().BeginCapture().ok());
+  ASSERT_TRUE(stream().FailEnqueue(2, absl::InternalError("launch")).ok());
+  ASSERT_TRUE(test_ops::Fill(stream(), x, 3.0f).ok()) << "captured: no count";
+  absl::StatusOr<std::unique_ptr<CapturedGraph>> graph = stream().EndCapture();
+  ASSERT_TRUE(graph.ok()) << graph.status();
+  ASSERT_TRUE(test_ops::Fill(stream(), x, 1.0f).ok());
+  const std::vector<float> twos(kN, 2.0f);
+  ASSERT_TRUE(stream().CopyToDevice(x, twos.data(), x.size_bytes()).ok());
+  EXPECT_TRUE(stream().EnqueueFailureArmed());
+  const absl::Status replay = (*graph)->Replay();
+  EXPECT_EQ(replay.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(replay.message(), "launch");
+  EXPECT_FALSE(stream().EnqueueFailureArmed()) << "once";
+  ASSERT_TRUE(stream().Synchronize().ok()) << "not a device fault";
+  EXPECT_EQ(Peek(x), twos) << "the failed replay ran nothing";
+  ASSERT_TRUE((*graph)->Replay().ok());
+  ASSERT_TRUE(stream().Synchronize().ok());
+  EXPECT_EQ(Peek(x), std::vector<float>(kN, 3.0f));
+
+  std::unique_ptr<Event> event = NewEvent();
+  ASSERT_TRUE(event != nullptr);
+  ASSERT_TRUE(stream().FailEnqueue(0, absl::UnavailableError("record")).ok());
+  EXPECT_EQ(stream().RecordEvent(*event).code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_FALSE(event->Synchronize().ok()) << "the event was never recorded";
+  ASSERT_TRUE(stream().FailEnqueue(0, absl::InternalError("x")).ok());
+  stream().DisarmEnqueueFailure();
+  EXPECT_TRUE(stream().RecordEvent(*event).ok());
+  EXPECT_EQ(stream().FailEnqueue(0, absl::OkStatus()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(stream().FailEnqueue(-1, absl::InternalError("x")).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 std::string ExecutionName(

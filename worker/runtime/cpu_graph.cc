@@ -7,8 +7,7 @@ namespace pdworker {
 absl::Status CpuGraph::Replay() {
   absl::Status allowed = stream_.CheckReplayAllowed();
   if (!allowed.ok()) return allowed;
-  stream_.EnqueueReplay(ops_);
-  return absl::OkStatus();
+  return stream_.EnqueueReplay(ops_);
 }
 
 }  // namespace pdworker

@@ -24,15 +24,37 @@ absl::Status CpuStream::InjectFault(const absl::Status& fault) {
   return absl::OkStatus();
 }
 
-void CpuStream::EnqueueReplay(
+absl::Status CpuStream::FailEnqueue(int calls_to_pass,
+                                    const absl::Status& error) {
+  if (error.ok() || calls_to_pass < 0) {
+    return absl::InvalidArgumentError(
+        "FailEnqueue: needs a non-OK error and a count >= 0");
+  }
+  fail_countdown_ = calls_to_pass;
+  fail_error_ = error;
+  return absl::OkStatus();
+}
+
+absl::Status CpuStream::TakeEnqueueFailure() {
+  if (fail_countdown_ < 0 || IsCapturing()) return absl::OkStatus();
+  if (fail_countdown_-- > 0) return absl::OkStatus();
+  return fail_error_;
+}
+
+absl::Status CpuStream::EnqueueReplay(
     std::shared_ptr<const std::vector<RecordedOp>> ops) {
+  absl::Status failure = TakeEnqueueFailure();
+  if (!failure.ok()) return failure;
   queue_.EnqueueWork([ops = std::move(ops)] {
     const OpContext context;  // CPU ops need no native handles.
     for (const RecordedOp& recorded : *ops) recorded.op(context);
   });
+  return absl::OkStatus();
 }
 
 absl::Status CpuStream::DoLaunch(absl::string_view name, Op op) {
+  absl::Status failure = TakeEnqueueFailure();
+  if (!failure.ok()) return failure;
   if (IsCapturing()) {
     recording_.push_back(RecordedOp{std::string(name), std::move(op)});
   } else {
@@ -43,6 +65,8 @@ absl::Status CpuStream::DoLaunch(absl::string_view name, Op op) {
 
 absl::Status CpuStream::DoCopyToDevice(DeviceBuffer dst, const void* src,
                                        size_t size_bytes) {
+  absl::Status failure = TakeEnqueueFailure();
+  if (!failure.ok()) return failure;
   void* to = dst.data();
   if (queue_.execution() == CpuStreamExecution::kInline) {
     queue_.EnqueueWork(
@@ -61,6 +85,8 @@ absl::Status CpuStream::DoCopyToDevice(DeviceBuffer dst, const void* src,
 
 absl::Status CpuStream::DoCopyToDeviceAsync(DeviceBuffer dst, const void* src,
                                             size_t size_bytes) {
+  absl::Status failure = TakeEnqueueFailure();
+  if (!failure.ok()) return failure;
   // Not staged: with the threaded queue the bytes are read when the copy
   // runs, as a DMA from pinned memory would, so a caller that rewrites
   // `src` too early sees the same corruption on this backend.
@@ -79,6 +105,8 @@ absl::Status CpuStream::DoCopyToHost(void* dst, DeviceBuffer src,
 
 absl::Status CpuStream::DoCopyToHostAsync(void* dst, DeviceBuffer src,
                                           size_t size_bytes) {
+  absl::Status failure = TakeEnqueueFailure();
+  if (!failure.ok()) return failure;
   const void* from = src.data();
   queue_.EnqueueWork(
       [dst, from, size_bytes] { std::memcpy(dst, from, size_bytes); });
@@ -87,6 +115,7 @@ absl::Status CpuStream::DoCopyToHostAsync(void* dst, DeviceBuffer src,
 
 absl::Status CpuStream::DoCopyOnDevice(DeviceBuffer dst, DeviceBuffer src,
                                        size_t size_bytes) {
+  // Counted once, by the launch below.
   void* to = dst.data();
   const void* from = src.data();
   // memmove, so overlapping views at least do not corrupt memory.
@@ -96,6 +125,8 @@ absl::Status CpuStream::DoCopyOnDevice(DeviceBuffer dst, DeviceBuffer src,
 }
 
 absl::Status CpuStream::DoRecordEvent(Event& event) {
+  absl::Status failure = TakeEnqueueFailure();
+  if (!failure.ok()) return failure;
   queue_.EnqueueTask(static_cast<CpuEvent&>(event).Record());
   return absl::OkStatus();
 }

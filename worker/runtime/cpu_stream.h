@@ -43,8 +43,23 @@ class CpuStream final : public Stream {
   // while capturing (nothing is recorded, the capture stays valid).
   absl::Status InjectFault(const absl::Status& fault);
 
+  // Test hook for error paths that fail after work was queued: the eager
+  // enqueueing call (launch, copy, event record or graph replay) that comes
+  // `calls_to_pass` such calls from now returns `error` and enqueues
+  // nothing; the calls before it, and after it, are unaffected. Unlike
+  // InjectFault this fails the caller at once (as a CUDA launch error
+  // would), with everything it queued before still queued. One armed
+  // failure at a time (arming again replaces it); DisarmEnqueueFailure
+  // drops it. Calls while capturing are not counted. INVALID_ARGUMENT for
+  // an OK `error` or a negative count.
+  absl::Status FailEnqueue(int calls_to_pass, const absl::Status& error);
+  void DisarmEnqueueFailure() { fail_countdown_ = -1; }
+  // Whether the armed failure has not fired yet.
+  bool EnqueueFailureArmed() const { return fail_countdown_ >= 0; }
+
   // For CpuGraph::Replay: runs `ops` in stream order as one task.
-  void EnqueueReplay(std::shared_ptr<const std::vector<RecordedOp>> ops);
+  absl::Status EnqueueReplay(
+      std::shared_ptr<const std::vector<RecordedOp>> ops);
 
  protected:
   absl::Status DoLaunch(absl::string_view name, Op op) override;
@@ -65,8 +80,13 @@ class CpuStream final : public Stream {
       CaptureEnd end) override;
 
  private:
+  // FailEnqueue's countdown: called by every eager enqueueing call.
+  absl::Status TakeEnqueueFailure();
+
   // Touched only by the thread using the stream (capture is host-side).
   std::vector<RecordedOp> recording_;
+  int fail_countdown_ = -1;  // -1: nothing armed
+  absl::Status fail_error_;
   // Last member: destroyed first, so queued work finishes while the rest of
   // the stream still exists.
   CpuWorkQueue queue_;

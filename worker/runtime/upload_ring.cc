@@ -41,7 +41,13 @@ absl::Status UploadRing::Upload(Stream& stream, DeviceBuffer dst,
   absl::Status status = stream.CopyToDeviceAsync(dst, b.host, size_bytes);
   if (!status.ok()) return status;
   status = stream.RecordEvent(*b.copied);
-  if (!status.ok()) return status;
+  if (!status.ok()) {
+    // The copy is queued but nothing marks when it has run: wait for it
+    // here, or Next() could hand the block out while the copy still reads
+    // it. (A faulted stream returns at once: it runs nothing more.)
+    stream.Synchronize().IgnoreError();
+    return status;
+  }
   b.recorded = true;
   return absl::OkStatus();
 }
