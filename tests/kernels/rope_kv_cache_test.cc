@@ -76,6 +76,29 @@ TEST(RopeInvFreqTest, Llama3ScalingMatchesReference) {
   EXPECT_EQ(inv_freq[0], 1.0f);
 }
 
+// LongRoPE: each pair's plain frequency divided by its own factor
+// (transformers' 1 / (ext_factors * base^(2i/dim))), over the rotary dim.
+TEST(RopeInvFreqTest, LongropeDividesEachPairByItsFactor) {
+  RopeConfig config;
+  config.head_dim = 12;  // the rotary dim: 12 of a head of 16
+  config.theta = 10000.0;
+  config.scaling = RopeScalingType::kLongrope;
+  config.pair_factors = {1.0, 1.5, 2.5, 5.0, 9.0, 16.0};
+  const std::vector<float> inv_freq = ComputeRopeInvFreq(config);
+  ASSERT_EQ(inv_freq.size(), 6u);
+  for (int i = 0; i < 6; ++i) {
+    const double expected =
+        1.0 / (config.pair_factors[i] * std::pow(10000.0, 2.0 * i / 12.0));
+    EXPECT_NEAR(inv_freq[i], expected, 1e-7 * expected) << i;
+  }
+  config.pair_factors.pop_back();
+  EXPECT_THAT(ValidateRopeConfig(config),
+              IsInvalidArgumentMentioning("one factor per pair"));
+  config.pair_factors = {1.0, 1.5, 2.5, 0.0, 9.0, 16.0};
+  EXPECT_THAT(ValidateRopeConfig(config),
+              IsInvalidArgumentMentioning("positive"));
+}
+
 TEST(RopeInvFreqTest, ValidateRejectsBadConfigs) {
   RopeConfig config;
   config.head_dim = 63;
@@ -384,6 +407,89 @@ TEST_F(RopeKvCacheTest, QkNormWeightsComeTogetherWithTheirShape) {
   EXPECT_THAT(LaunchRopeKvCache(stream(), bad),
               IsInvalidArgumentMentioning("qk_norm_epsilon"));
   bad.qk_norm_epsilon = 1e-6f;
+  EXPECT_TRUE(LaunchRopeKvCache(stream(), bad).ok());
+}
+
+// Partial rotary (Phi-4-mini): only each head's first rotary_dim values
+// rotate, as pairs (i, i + rotary_dim / 2), with cos and sin times
+// rotary_scale; the rest of the head, and v, keep their bits.
+TEST_F(RopeKvCacheTest, PartialRotaryRotatesTheLeadingValuesOnly) {
+  constexpr int kRotary = 12;
+  constexpr float kScale = 1.25f;
+  const int d = shape_.head_dim;
+  RopeConfig config;
+  config.head_dim = kRotary;
+  config.theta = 10000.0;
+  const std::vector<float> inv_freq = ComputeRopeInvFreq(config);
+  // The reference: HF's apply_rotary_pos_emb on x[..., :rotary] with cos
+  // and sin scaled (transformers' attention_scaling), x[..., rotary:] as is.
+  auto reference = [&](const std::vector<float>& x, int heads) {
+    std::vector<float> leading, trailing;
+    for (size_t row = 0; row < x.size() / d; ++row) {
+      leading.insert(leading.end(), x.begin() + row * d,
+                     x.begin() + row * d + kRotary);
+    }
+    const std::vector<double> rotated = ReferenceRope(
+        leading, shape_.num_tokens, heads, kRotary, kPositionsA, inv_freq);
+    std::vector<double> out(x.size());
+    for (size_t row = 0; row < x.size() / d; ++row) {
+      for (int i = 0; i < d; ++i) {
+        out[row * d + i] = i < kRotary ? kScale * rotated[row * kRotary + i]
+                                       : double{x[row * d + i]};
+      }
+    }
+    return out;
+  };
+  RopeKvCacheParams p = p_;
+  p.inv_freq = Upload(inv_freq);
+  p.rotary_dim = kRotary;
+  p.rotary_scale = kScale;
+  WriteStep(kPositionsA, kSlotsA);
+  ASSERT_TRUE(LaunchRopeKvCache(stream(), p).ok());
+  const std::vector<float> q = Read<float>(p.query);
+  const std::vector<float> k = Read<float>(p.key);
+  EXPECT_LE(MaxAbsDiff(q, reference(q_, shape_.num_heads)), 4e-6);
+  EXPECT_LE(MaxAbsDiff(k, reference(k_, shape_.num_kv_heads)), 4e-6);
+  for (size_t row = 0; row < q.size() / d; ++row) {
+    for (int i = kRotary; i < d; ++i) {
+      ASSERT_EQ(q[row * d + i], q_[row * d + i]) << "unrotated values move";
+    }
+  }
+  EXPECT_EQ(Read<float>(p.value), v_);
+  const std::vector<float> key_cache = Read<float>(p.key_cache);
+  const int w = shape_.kv_width();
+  for (int t = 0; t < shape_.num_tokens; ++t) {
+    if (kSlotsA[t] < 0) continue;
+    for (int i = 0; i < w; ++i) {
+      EXPECT_EQ(key_cache[kSlotsA[t] * w + i], k[t * w + i]);
+    }
+  }
+  // The whole head rotating gives other values: the test can fail.
+  EXPECT_GT(MaxAbsDiff(q, ReferenceRope(q_, shape_.num_tokens, shape_.num_heads,
+                                        d, kPositionsA, inv_freq_)),
+            1e-2);
+}
+
+TEST_F(RopeKvCacheTest, PartialRotaryChecksItsDimensionScaleAndTable) {
+  RopeKvCacheParams bad = p_;
+  bad.rotary_dim = 11;
+  EXPECT_THAT(LaunchRopeKvCache(stream(), bad),
+              IsInvalidArgumentMentioning("rotary_dim"));
+  bad.rotary_dim = shape_.head_dim + 2;
+  EXPECT_THAT(LaunchRopeKvCache(stream(), bad),
+              IsInvalidArgumentMentioning("rotary_dim"));
+  bad = p_;
+  bad.rotary_scale = 0;
+  EXPECT_THAT(LaunchRopeKvCache(stream(), bad),
+              IsInvalidArgumentMentioning("rotary_scale"));
+  // inv_freq holds rotary_dim / 2 entries: a shorter table is refused, a
+  // head_dim / 2 one serves a rotary_dim below it.
+  bad = p_;
+  bad.rotary_dim = 12;
+  bad.inv_freq = AllocElements<float>(5);
+  EXPECT_THAT(LaunchRopeKvCache(stream(), bad),
+              IsInvalidArgumentMentioning("inv_freq"));
+  bad.inv_freq = AllocElements<float>(6);
   EXPECT_TRUE(LaunchRopeKvCache(stream(), bad).ok());
 }
 

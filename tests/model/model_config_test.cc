@@ -254,6 +254,20 @@ TEST(ModelConfigTest, ParsesEveryTinyShape) {
         EXPECT_EQ(c.eos_token_ids, std::vector<int64_t>{2});
         EXPECT_EQ(c.sliding_layers, (std::vector<bool>{true, false, true}));
         break;
+      case TinyShape::kPhi4Mini:
+        EXPECT_EQ(c.architecture, Architecture::kPhi3);
+        EXPECT_EQ(c.head_dim, 16);
+        EXPECT_EQ(c.RotaryDim(), 12);
+        EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kLongrope);
+        EXPECT_EQ(c.rope_scaling.original_max_position_embeddings, 32);
+        EXPECT_EQ(c.rope_scaling.short_factor.size(), 6u);
+        EXPECT_EQ(c.rope_scaling.long_factor.size(), 6u);
+        // sqrt(1 + ln(512 / 32) / ln(32)), transformers' default.
+        EXPECT_DOUBLE_EQ(c.rope_scaling.attention_factor,
+                         std::sqrt(1 + std::log(16.0) / std::log(32.0)));
+        EXPECT_FALSE(c.rope_scaling.long_factor_active)
+            << "the runner picks the list from max_model_len";
+        break;
       case TinyShape::kMistralWindow:
         EXPECT_EQ(c.architecture, Architecture::kMistral);
         EXPECT_EQ(c.sliding_window, 8);
@@ -515,12 +529,42 @@ std::vector<InvalidCase> InvalidCases() {
       {"architectures_not_list",
        set("architectures", "LlamaForCausalLM"),
        {"architectures", "list"}},
-      {"unsupported_rope_dynamic",
-       set("rope_scaling", {{"rope_type", "dynamic"}, {"factor", 4.0}}),
-       {"rope_scaling.rope_type", "dynamic", "llama3, linear, yarn"}},
-      {"unsupported_rope_longrope_old_key",
+      {"unsupported_rope_mrope",
+       set("rope_scaling", {{"rope_type", "mrope"}, {"factor", 4.0}}),
+       {"rope_scaling.rope_type", "mrope", "llama3, linear, yarn, dynamic"}},
+      {"dynamic_factor_below_one",
+       set("rope_scaling", {{"rope_type", "dynamic"}, {"factor", 0.5}}),
+       {"rope_scaling.factor", "at least 1"}},
+      {"longrope_old_key_without_factors",
        set("rope_scaling", {{"type", "longrope"}, {"factor", 2.0}}),
-       {"rope_scaling.type", "longrope"}},
+       {"rope_scaling.short_factor", "missing"}},
+      {"longrope_lists_of_different_lengths",
+       set("rope_scaling", {{"type", "longrope"},
+                            {"short_factor", {1.0, 1.0, 1.0, 1.0}},
+                            {"long_factor", {1.0, 2.0}}}),
+       {"rope_scaling.long_factor", "2 entries", "short_factor 4"}},
+      {"longrope_list_not_one_per_pair",
+       set("rope_scaling", {{"type", "su"},
+                            {"short_factor", {1.0, 1.0}},
+                            {"long_factor", {1.0, 2.0}}}),
+       {"rope_scaling.short_factor", "2 entries", "4 pairs"}},
+      {"longrope_factor_not_positive",
+       set("rope_scaling", {{"type", "longrope"},
+                            {"short_factor", {1.0, 1.0, 1.0, 1.0}},
+                            {"long_factor", {1.0, 2.0, 0.0, 4.0}}}),
+       {"rope_scaling.long_factor[2]", "positive"}},
+      {"longrope_mscale",
+       set("rope_scaling", {{"type", "longrope"},
+                            {"short_factor", {1.0, 1.0, 1.0, 1.0}},
+                            {"long_factor", {1.0, 2.0, 3.0, 4.0}},
+                            {"short_mscale", 1.2}}),
+       {"rope_scaling.short_mscale", "not supported"}},
+      {"partial_rotary_factor_above_one",
+       set("partial_rotary_factor", 1.5),
+       {"partial_rotary_factor", "(0, 1]"}},
+      {"partial_rotary_factor_odd",
+       set("partial_rotary_factor", 0.375),
+       {"partial_rotary_factor", "even", "got 3"}},
       {"linear_without_factor",
        set("rope_scaling", {{"rope_type", "linear"}}),
        {"rope_scaling.factor", "missing"}},
@@ -634,7 +678,7 @@ std::vector<InvalidCase> InvalidCases() {
       {"rope_parameters_longrope",
        set("rope_parameters",
            {{"rope_type", "longrope"}, {"rope_theta", 1e6}, {"factor", 4.0}}),
-       {"rope_parameters.rope_type", "longrope", "llama3"}},
+       {"rope_parameters.short_factor", "missing"}},
       {"rope_parameters_yarn_below_one",
        set("rope_parameters",
            {{"rope_type", "yarn"}, {"rope_theta", 1e6}, {"factor", 0.25}}),

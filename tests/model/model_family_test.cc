@@ -232,8 +232,8 @@ TEST(ModelFamilyTest, Phi4AsPublished) {
   EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kNone);
 }
 
-// Phi-3-mini-4k's window, and what the Phi-3 variants pdworker does not run:
-// the 128k variants' longrope, Phi-4-mini's partial rotary factor.
+// Phi-3-mini-4k's window, the 128k variants' longrope, Phi-4-mini's partial
+// rotary factor, and what pdworker refuses in a Phi-3 config.
 TEST(ModelFamilyTest, Phi3KeysAndRefusals) {
   auto with = [](const std::function<void(Json&)>& edit) {
     Json config = Json::parse(kPhi4Config);
@@ -244,23 +244,48 @@ TEST(ModelFamilyTest, Phi3KeysAndRefusals) {
               j["sliding_window"] = 2047;
             })).sliding_window,
             2047);
-  // partial_rotary_factor 1.0 is plain RoPE.
-  EXPECT_TRUE(ParseModelConfig(with([](Json& j) {
-                j["partial_rotary_factor"] = 1.0;
-              })).ok());
+  // partial_rotary_factor 1.0 is plain RoPE; 0.75 rotates 96 of 128.
+  EXPECT_EQ(ParseOrDie(with([](Json& j) {
+              j["partial_rotary_factor"] = 1.0;
+            })).RotaryDim(),
+            128);
+  EXPECT_EQ(ParseOrDie(with([](Json& j) {
+              j["partial_rotary_factor"] = 0.75;
+            })).RotaryDim(),
+            96);
+  // Phi-3-mini-128k's longrope: 48 factors per list over head_dim 96 (here
+  // Phi-4's 128: 64), the original context at the top level.
+  const ModelConfig longrope = ParseOrDie(with([](Json& j) {
+    j["max_position_embeddings"] = 131072;
+    j["original_max_position_embeddings"] = 4096;
+    j["rope_scaling"] = {{"type", "longrope"},
+                         {"short_factor", std::vector<double>(64, 1.1)},
+                         {"long_factor", std::vector<double>(64, 3.0)}};
+  }));
+  EXPECT_EQ(longrope.rope_scaling.type, RopeScalingType::kLongrope);
+  EXPECT_EQ(longrope.rope_scaling.original_max_position_embeddings, 4096);
+  EXPECT_DOUBLE_EQ(longrope.rope_scaling.attention_factor,
+                   std::sqrt(1 + std::log(32.0) / std::log(4096.0)));
   struct Bad {
     std::function<void(Json&)> edit;
     const char* names;
   };
   const Bad bad[] = {
-      {[](Json& j) { j["partial_rotary_factor"] = 0.75; },
+      {[](Json& j) { j["partial_rotary_factor"] = 0.0; },
        "partial_rotary_factor"},
       {[](Json& j) {
          j["rope_scaling"] = {{"type", "longrope"},
                               {"short_factor", {1.0, 1.0}},
                               {"long_factor", {1.0, 2.0}}};
        },
-       "longrope"},
+       "rope_scaling.short_factor has 2 entries; the model rotates 64 pairs"},
+      {[](Json& j) {
+         j["partial_rotary_factor"] = 0.75;
+         j["rope_scaling"] = {{"type", "longrope"},
+                              {"short_factor", std::vector<double>(64, 1.0)},
+                              {"long_factor", std::vector<double>(64, 1.0)}};
+       },
+       "the model rotates 48 pairs"},
       {[](Json& j) { j["attention_bias"] = true; }, "attention_bias"},
       {[](Json& j) { j["sliding_window"] = 0; }, "sliding_window"},
   };
@@ -270,6 +295,69 @@ TEST(ModelFamilyTest, Phi3KeysAndRefusals) {
     EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(parsed.status().message(), HasSubstr(b.names));
   }
+}
+
+// microsoft/Phi-4-mini-instruct's config.json keys and sizes (the factor
+// lists' 48 values are stand-ins of the published lengths): partial rotary
+// 0.75 of head_dim 128, longrope over an original context of 4096, tied.
+TEST(ModelFamilyTest, Phi4MiniAsPublished) {
+  Json j = {
+      {"architectures", {"Phi3ForCausalLM"}},
+      {"attention_bias", false},
+      {"attention_dropout", 0.0},
+      {"bos_token_id", 199999},
+      {"embd_pdrop", 0.0},
+      {"eos_token_id", 199999},
+      {"full_attn_mod", 1},
+      {"hidden_act", "silu"},
+      {"hidden_size", 3072},
+      {"initializer_range", 0.02},
+      {"intermediate_size", 8192},
+      {"interpolate_factor", 1},
+      {"lm_head_bias", false},
+      {"max_position_embeddings", 131072},
+      {"mlp_bias", false},
+      {"model_type", "phi3"},
+      {"num_attention_heads", 24},
+      {"num_hidden_layers", 32},
+      {"num_key_value_heads", 8},
+      {"original_max_position_embeddings", 4096},
+      {"pad_token_id", 199999},
+      {"partial_rotary_factor", 0.75},
+      {"resid_pdrop", 0.0},
+      {"rms_norm_eps", 1e-05},
+      {"rope_scaling",
+       {{"long_factor", std::vector<double>(48, 2.5)},
+        {"short_factor", std::vector<double>(48, 1.0)},
+        {"type", "longrope"}}},
+      {"rope_theta", 10000.0},
+      {"sliding_window", 262144},
+      {"tie_word_embeddings", true},
+      {"torch_dtype", "bfloat16"},
+      {"transformers_version", "4.45.0"},
+      {"use_cache", true},
+      {"vocab_size", 200064},
+  };
+  const ModelConfig c = ParseOrDie(j.dump());
+  EXPECT_EQ(c.architecture, Architecture::kPhi3);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(c.RotaryDim(), 96);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kLongrope);
+  EXPECT_EQ(c.rope_scaling.short_factor.size(), 48u);
+  EXPECT_DOUBLE_EQ(c.rope_scaling.attention_factor,
+                   std::sqrt(1 + std::log(32.0) / std::log(4096.0)));
+  // The list the worker runs is part of the fingerprint, as is the partial
+  // rotary dimension.
+  ModelConfig long_list = c;
+  long_list.rope_scaling.long_factor_active = true;
+  EXPECT_NE(c.Fingerprint(), long_list.Fingerprint());
+  EXPECT_THAT(long_list.CanonicalString(), HasSubstr("rope=longrope,long,"));
+  EXPECT_THAT(c.CanonicalString(), HasSubstr("rotary_dim=96;"));
+  ModelConfig other_inactive = long_list;
+  other_inactive.rope_scaling.short_factor[0] = 1.5;
+  EXPECT_EQ(long_list.Fingerprint(), other_inactive.Fingerprint())
+      << "the list not run does not change what K/V hold";
 }
 
 TEST(ModelFamilyTest, Gemma2AsPublished) {

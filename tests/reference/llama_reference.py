@@ -3,7 +3,8 @@
 
 Written from the Hugging Face transformers modelling code's *semantics*
 (LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM / Qwen3ForCausalLM /
-Phi3ForCausalLM, RoPE default / llama3 / linear / yarn), sharing no code
+Phi3ForCausalLM, RoPE default / llama3 / linear / yarn / dynamic / longrope,
+partial rotary), sharing no code
 with pdworker's C++: its own config.json reading, its own safetensors parser,
 numpy only (Debian's python3-numpy), run with /usr/bin/python3.
 
@@ -101,6 +102,13 @@ class Config:
                 theta = params["rope_theta"]
             self.rope_scaling = params
         self.rope_theta = float(theta) if theta is not None else 10000.0
+        # Phi-4-mini: RoPE on int(head_dim * partial_rotary_factor) values
+        # of each head (transformers' rope init reads it for every model).
+        self.rotary_dim = int(self.head_dim *
+                              float(raw.get("partial_rotary_factor") or 1.0))
+        # Phi-3's original context for longrope, at the config's top level.
+        self.original_max_position_embeddings = raw.get(
+            "original_max_position_embeddings")
         self.vocab_size = int(raw["vocab_size"])
         self.max_position_embeddings = int(raw["max_position_embeddings"])
         self.tie_word_embeddings = bool(raw.get("tie_word_embeddings", False))
@@ -285,7 +293,7 @@ def yarn_inv_freq(cfg, scaling, inv_freq):
     The explicit "factor" (what vLLM and transformers 5 use); the original
     context from "original_max_position_embeddings", else the config's.
     """
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim
     base = cfg.rope_theta
     factor = float(scaling["factor"])
     original = scaling.get("original_max_position_embeddings")
@@ -325,11 +333,42 @@ def yarn_inv_freq(cfg, scaling, inv_freq):
             inv_freq * extrapolation_factor), float(attention_factor)
 
 
-def rope_inv_freq(cfg):
+def longrope_inv_freq(cfg, scaling, inv_freq, max_model_len):
+    """transformers' _compute_longrope_parameters: (inv_freq,
+    attention_factor). The list: transformers takes long_factor for a
+    forward over more than the original context, short_factor otherwise;
+    vLLM (and pdworker) fix it once from max_model_len, so that cached K/V
+    keep their meaning. This follows vLLM's rule with `max_model_len`; the
+    two agree for every sequence longer than the original context."""
+    original = scaling.get("original_max_position_embeddings")
+    if original is None:
+        original = cfg.original_max_position_embeddings
+    if original is not None:
+        original = float(original)
+        factor = cfg.max_position_embeddings / original
+    else:
+        original = float(cfg.max_position_embeddings)
+        factor = float(scaling.get("factor") or 1.0)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (1.0 if factor <= 1.0 else
+                            math.sqrt(1.0 + math.log(factor) /
+                                      math.log(original)))
+    key = "long_factor" if max_model_len > original else "short_factor"
+    ext = np.asarray(scaling[key], dtype=np.float64)
+    if ext.shape != inv_freq.shape:
+        raise ReferenceError("%s has %d entries, expected %d" %
+                             (key, ext.size, inv_freq.size))
+    return inv_freq / ext, float(attention_factor)
+
+
+def rope_inv_freq(cfg, max_model_len=None):
     """(inv_freq, attention_factor): inv_freq[i] for the pairs
-    (i, i + head_dim/2), shape [head_dim/2]; cos and sin are multiplied by
-    attention_factor (1 but for yarn), as transformers does."""
-    dim = cfg.head_dim
+    (i, i + rotary_dim/2), shape [rotary_dim/2]; cos and sin are multiplied
+    by attention_factor (1 but for yarn and longrope), as transformers does.
+    max_model_len (default max_position_embeddings, as the worker's
+    default) picks longrope's list."""
+    dim = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2,
                                                    dtype=np.float64) / dim))
     scaling = cfg.rope_scaling
@@ -338,6 +377,14 @@ def rope_inv_freq(cfg):
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "default":
         return inv_freq, 1.0
+    if kind == "dynamic":
+        # transformers raises the base only past max_position_embeddings,
+        # which no sequence here reaches.
+        return inv_freq, 1.0
+    if kind in ("longrope", "su"):
+        if max_model_len is None:
+            max_model_len = cfg.max_position_embeddings
+        return longrope_inv_freq(cfg, scaling, inv_freq, max_model_len)
     if kind == "linear":
         return inv_freq / float(scaling["factor"]), 1.0
     if kind == "yarn":
@@ -372,10 +419,15 @@ def rms_norm(x, weight, eps):
 
 
 def apply_rope(x, cos, sin):
-    """x: [n, heads, head_dim]; cos/sin: [n, head_dim]. HF rotate_half."""
-    half = x.shape[-1] // 2
-    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """x: [n, heads, head_dim]; cos/sin: [n, rotary_dim]. HF rotate_half
+    on the first rotary_dim values; the rest pass (apply_rotary_pos_emb's
+    partial rotary)."""
+    rotary = cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary], x[..., rotary:]
+    half = rotary // 2
+    rotated = np.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+    return np.concatenate(
+        [x_rot * cos[:, None, :] + rotated * sin[:, None, :], x_pass], axis=-1)
 
 
 def silu(x):
@@ -440,8 +492,9 @@ class Model:
         sin = np.sin(emb) * self.attention_factor
         if cfg.gemma2 and cfg.local_rope_theta is not None:
             # Gemma 3's sliding layers: plain RoPE on their own base.
+            R = cfg.rotary_dim
             local = 1.0 / (cfg.local_rope_theta ** (
-                np.arange(0, D, 2, dtype=np.float64) / D))
+                np.arange(0, R, 2, dtype=np.float64) / R))
             local_emb = np.concatenate([np.outer(positions, local)] * 2,
                                        axis=-1)
             local_cos, local_sin = np.cos(local_emb), np.sin(local_emb)

@@ -551,6 +551,15 @@ TEST(CudaRefusalGpuTest, LayersWithoutCudaKernelsAreRefusedByName) {
     EXPECT_NE(runner.status().message().find(feature), std::string::npos)
         << feature << ": " << runner.status();
   }
+
+  auto phi4_mini = TinyModelDir(TinyShape::kPhi4Mini);
+  ASSERT_TRUE(phi4_mini.ok()) << phi4_mini.status();
+  runner = ModelRunner::Create(**device, *phi4_mini,
+                               SmallOptions(R"({"cudagraph_mode":"NONE"})"));
+  ASSERT_FALSE(runner.ok());
+  EXPECT_EQ(runner.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(runner.status().message().find("partial rotary"), std::string::npos)
+      << runner.status();
 }
 
 }  // namespace

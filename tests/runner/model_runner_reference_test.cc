@@ -3,11 +3,14 @@
 // padded batches on every tiny checkpoint shape, and greedy generation.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/model/reference_runner.h"
 #include "tests/runner/model_runner_test_util.h"
 
@@ -113,6 +116,97 @@ TEST_P(ReferenceTest, Greedy32TokensEqualReference) {
     got.push_back(step->sequences[0].token_id);
   }
   EXPECT_EQ(got, *expected);
+}
+
+// LongRoPE's other list: a Phi-4-mini checkpoint whose context is its
+// original one (max_position_embeddings 32 = original_max_position_
+// embeddings) runs short_factor, with an attention factor of 1, against the
+// reference's short list; its fingerprint differs from the long list's.
+TEST(LongropeReferenceTest, ShortFactorWithinTheOriginalContext) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir =
+      std::string(tmp ? tmp : "/tmp") + "/tiny_phi4_mini_short";
+  TinyModelOptions options;
+  options.shape = TinyShape::kPhi4Mini;
+  options.seed = 7;
+  options.max_position_embeddings = 32;
+  ASSERT_TRUE(WriteTinyModel(options, dir).ok());
+  CpuDevice device;
+  ModelRunnerOptions o = SmallOptions("{}");
+  o.max_model_len = 32;
+  auto runner = ModelRunner::Create(device, dir, o);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  ModelRunner& r = **runner;
+  EXPECT_FALSE(r.model_config().rope_scaling.long_factor_active);
+  EXPECT_EQ(r.model_config().rope_scaling.attention_factor, 1.0);
+  const std::vector<int32_t> prompt = {3, 14, 15, 92, 65, 35};
+  auto expected = model_testing::RunReferenceGreedy(dir, prompt, 16);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  std::vector<int32_t> got;
+  auto step = r.Execute({Seq("g", prompt)});
+  ASSERT_TRUE(step.ok()) << step.status();
+  got.push_back(step->sequences[0].token_id);
+  while (got.size() < 16) {
+    step = r.Execute({Seq("g", {got.back()})});
+    ASSERT_TRUE(step.ok()) << step.status();
+    got.push_back(step->sequences[0].token_id);
+  }
+  EXPECT_EQ(got, *expected);
+
+  // The long list (the default checkpoint, max_model_len 128 > 32).
+  auto long_dir = TinyModelDir(TinyShape::kPhi4Mini);
+  ASSERT_TRUE(long_dir.ok()) << long_dir.status();
+  CpuDevice long_device;
+  auto long_runner = ModelRunner::Create(long_device, *long_dir, o);
+  ASSERT_TRUE(long_runner.ok()) << long_runner.status();
+  EXPECT_FALSE((*long_runner)->model_config().rope_scaling.long_factor_active)
+      << "max_model_len 32 does not exceed the original context";
+  ModelRunnerOptions longer = o;
+  longer.max_model_len = 33;
+  CpuDevice longer_device;
+  auto longer_runner = ModelRunner::Create(longer_device, *long_dir, longer);
+  ASSERT_TRUE(longer_runner.ok()) << longer_runner.status();
+  EXPECT_TRUE((*longer_runner)->model_config().rope_scaling.long_factor_active);
+  EXPECT_NE((*long_runner)->model_config().Fingerprint(),
+            (*longer_runner)->model_config().Fingerprint());
+}
+
+// RoPE "dynamic" (NTK): transformers raises the base only for sequences
+// longer than max_position_embeddings, which max_model_len never exceeds,
+// so every served length runs plain RoPE: the same logits, bit for bit, as
+// the checkpoint without the key (and another fingerprint, since the
+// config differs).
+TEST(DynamicRopeTest, IsPlainRopeAtEveryServedLength) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = std::string(tmp ? tmp : "/tmp") + "/tiny_dynamic";
+  TinyModelOptions options;
+  options.shape = TinyShape::kGqa;
+  options.seed = 7;
+  ASSERT_TRUE(WriteTinyModel(options, dir).ok());
+  nlohmann::json config = nlohmann::json::parse(TinyModelConfigJson(options));
+  config["rope_scaling"] = {{"rope_type", "dynamic"}, {"factor", 4.0}};
+  {
+    std::ofstream out(dir + "/config.json");
+    out << config.dump(2);
+  }
+  auto plain_dir = TinyModelDir(TinyShape::kGqa);
+  ASSERT_TRUE(plain_dir.ok()) << plain_dir.status();
+  std::vector<std::vector<float>> logits;
+  std::vector<std::string> fingerprints;
+  for (const std::string& d : {dir, *plain_dir}) {
+    CpuDevice device;
+    auto runner = ModelRunner::Create(device, d, SmallOptions("{}"));
+    ASSERT_TRUE(runner.ok()) << runner.status();
+    std::vector<int32_t> prompt(60);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = (i * 37 + 5) % 256;
+    auto step = (*runner)->Execute({Seq("a", prompt)});
+    ASSERT_TRUE(step.ok()) << step.status();
+    logits.emplace_back();
+    ASSERT_TRUE((*runner)->ReadLogits(1, &logits.back()).ok());
+    fingerprints.push_back((*runner)->model_config().Fingerprint());
+  }
+  EXPECT_EQ(logits[0], logits[1]);
+  EXPECT_NE(fingerprints[0], fingerprints[1]);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllShapes, ReferenceTest,

@@ -200,15 +200,14 @@ TEST_P(ModelFamilyServerTest, AnotherFamilysDecodeWorkerRefusesTheKv) {
   EXPECT_EQ(other->server->engine().snapshot().kv.used_blocks, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, ModelFamilyServerTest,
-                         ::testing::Values(TinyShape::kQwen3, TinyShape::kPhi3,
-                                           TinyShape::kGemma2,
-                                           TinyShape::kMistralWindow,
-                                           TinyShape::kGemma3,
-                                           TinyShape::kGemma3Multimodal),
-                         [](const ::testing::TestParamInfo<TinyShape>& info) {
-                           return std::string(TinyShapeName(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Families, ModelFamilyServerTest,
+    ::testing::Values(TinyShape::kQwen3, TinyShape::kPhi3, TinyShape::kGemma2,
+                      TinyShape::kMistralWindow, TinyShape::kGemma3,
+                      TinyShape::kGemma3Multimodal, TinyShape::kPhi4Mini),
+    [](const ::testing::TestParamInfo<TinyShape>& info) {
+      return std::string(TinyShapeName(info.param));
+    });
 
 }  // namespace
 }  // namespace pdworker

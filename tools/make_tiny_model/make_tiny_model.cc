@@ -25,7 +25,7 @@ ABSL_FLAG(
     std::string, shape, "all",
     "gqa | tied | qkv_bias | head_dim | llama3_rope | qwen3 | linear_rope | "
     "yarn_rope | phi3 | gemma2 | mistral_window | gemma3 | gemma3_multimodal | "
-    "all (the test "
+    "phi4_mini | all (the test "
     "shapes), or a benchmark shape: small | llama_1b (Llama-3.2-1B "
     "dimensions, random weights, 2.5 GB with --dtype=bfloat16) | "
     "llama_0p5b (Qwen2.5-0.5B dimensions as a Llama, 1 GB), or the "

@@ -36,7 +36,7 @@ struct TinyDims {
   // Qwen3: self_attn.q_norm / k_norm [head_dim] per layer.
   bool qk_norm = false;
   // rope_scaling other than llama3's (see llama3_rope).
-  enum class Rope { kDefault, kLinear, kYarn };
+  enum class Rope { kDefault, kLinear, kYarn, kLongrope };
   Rope rope = Rope::kDefault;
   // Phi-3: self_attn.qkv_proj and mlp.gate_up_proj instead of the separate
   // projections.
@@ -47,6 +47,8 @@ struct TinyDims {
   // Gemma3ForConditionalGeneration: the text model under "text_config" and
   // "language_model.", beside vision tower tensors.
   bool multimodal = false;
+  // config.json "partial_rotary_factor" (written when not 1).
+  double partial_rotary_factor = 1.0;
 };
 
 // Small enough that the float64 reference and the CPU forward take
@@ -238,6 +240,13 @@ TinyDims DimsFor(TinyShape shape) {
       d.multimodal = true;
       return d;
     }
+    case TinyShape::kPhi4Mini: {
+      TinyDims d = DimsFor(TinyShape::kPhi3);
+      d.tied = true;
+      d.rope = TinyDims::Rope::kLongrope;
+      d.partial_rotary_factor = 0.75;
+      return d;
+    }
     case TinyShape::kGemma3: {
       // Gemma-3's text layout scaled down: Gemma 2's layer with q/k norms,
       // 3 layers (sliding, full, sliding), no caps.
@@ -279,6 +288,15 @@ constexpr double kLinearFactor = 2.0;
 // version (some derive the factor from that ratio) agrees.
 constexpr double kYarnFactor = 4.0;
 constexpr int64_t kYarnOriginalMaxPositions = 128;
+
+// longrope as Phi-4-mini writes it, scaled down: one factor per rotated pair
+// (12 of head_dim 16 rotate: 6 pairs), the long ones growing with the
+// wavelength as the published lists do; an original context of 32 under
+// max_position_embeddings 512 gives an attention factor of sqrt(1 + ln 16 /
+// ln 32) = 1.34, and the tests' max_model_len (128) runs the long list.
+constexpr double kLongropeShortFactor[] = {1.0, 1.02, 1.05, 1.1, 1.3, 1.6};
+constexpr double kLongropeLongFactor[] = {1.0, 1.5, 2.5, 5.0, 9.0, 16.0};
+constexpr int64_t kLongropeOriginalMaxPositions = 32;
 
 // splitmix64 (Steele, Lea, Flood 2014): tiny, fast, and fully specified, so
 // the weights are the same on every platform and compiler.
@@ -436,7 +454,8 @@ std::vector<TinyShape> AllTinyShapes() {
           TinyShape::kGemma2,
           TinyShape::kMistralWindow,
           TinyShape::kGemma3,
-          TinyShape::kGemma3Multimodal};
+          TinyShape::kGemma3Multimodal,
+          TinyShape::kPhi4Mini};
 }
 
 absl::string_view TinyShapeName(TinyShape shape) {
@@ -475,6 +494,8 @@ absl::string_view TinyShapeName(TinyShape shape) {
       return "gemma3";
     case TinyShape::kGemma3Multimodal:
       return "gemma3_multimodal";
+    case TinyShape::kPhi4Mini:
+      return "phi4_mini";
   }
   return "unknown";
 }
@@ -491,7 +512,7 @@ absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name) {
       "unknown tiny model shape \"", name,
       "\"; known: gqa, tied, qkv_bias, head_dim, llama3_rope, qwen3, "
       "linear_rope, yarn_rope, phi3, gemma2, mistral_window, gemma3, "
-      "gemma3_multimodal, small, llama_1b, llama_0p5b, "
+      "gemma3_multimodal, phi4_mini, small, llama_1b, llama_0p5b, "
       "head_dim_64"));
 }
 
@@ -581,6 +602,16 @@ std::string TinyModelConfigJson(const TinyModelOptions& options) {
         {"type", "yarn"},
         {"factor", kYarnFactor},
         {"original_max_position_embeddings", kYarnOriginalMaxPositions}};
+  }
+  if (d.rope == TinyDims::Rope::kLongrope) {
+    // Phi-4-mini's spelling: "type", the original context at the top level.
+    config["rope_scaling"] = {{"type", "longrope"},
+                              {"short_factor", kLongropeShortFactor},
+                              {"long_factor", kLongropeLongFactor}};
+    config["original_max_position_embeddings"] = kLongropeOriginalMaxPositions;
+  }
+  if (d.partial_rotary_factor != 1.0) {
+    config["partial_rotary_factor"] = d.partial_rotary_factor;
   }
   if (d.multimodal) {
     // Gemma 3 4B's layout: the text model's keys under text_config, the

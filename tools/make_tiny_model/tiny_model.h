@@ -65,12 +65,17 @@ enum class TinyShape {
   // config under text_config, tensors under language_model., two stand-in
   // vision tensors pdworker must leave unread.
   kGemma3Multimodal,
+  // Phi3ForCausalLM as Phi-4-mini writes it: partial_rotary_factor 0.75 (12
+  // of head_dim 16 rotate), longrope with six short and long factors over an
+  // original context of 32 (max_position_embeddings 512), tied embeddings.
+  kPhi4Mini,
 };
 
 std::vector<TinyShape> AllTinyShapes();
 // "gqa", "tied", "qkv_bias", "head_dim", "llama3_rope", "qwen3",
 // "linear_rope", "yarn_rope", "phi3", "gemma2", "mistral_window", "gemma3",
-// "gemma3_multimodal", "small", "llama_1b", "llama_0p5b", "head_dim_64".
+// "gemma3_multimodal", "phi4_mini", "small", "llama_1b", "llama_0p5b",
+// "head_dim_64".
 absl::string_view TinyShapeName(TinyShape shape);
 absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name);
 

@@ -23,11 +23,11 @@ namespace {
 constexpr char kOp[] = "rope_kv_cache";
 constexpr double kPi = 3.14159265358979323846;
 
-// Rotates `num_heads` heads of `head_dim` floats at `x` (contiguous heads)
-// by the per-pair cos/sin of one token.
-void RotateHeads(float* x, int num_heads, int head_dim, const float* cos_half,
-                 const float* sin_half) {
-  const int half = head_dim / 2;
+// Rotates the first `rotary_dim` of each of `num_heads` heads of `head_dim`
+// floats at `x` (contiguous heads) by the per-pair cos/sin of one token.
+void RotateHeads(float* x, int num_heads, int head_dim, int rotary_dim,
+                 const float* cos_half, const float* sin_half) {
+  const int half = rotary_dim / 2;
   for (int h = 0; h < num_heads; ++h) {
     float* lo = x + static_cast<int64_t>(h) * head_dim;
     float* hi = lo + half;
@@ -60,7 +60,8 @@ void RopeKvCacheCpu(const RopeKvCacheParams& p) {
   const int32_t* positions = p.positions.as<const int32_t>();
   const int32_t* slots = p.slot_mapping.as<const int32_t>();
   const float* inv_freq = p.inv_freq.as<const float>();
-  const int half = p.head_dim / 2;
+  const int rotary_dim = p.rotary_dim > 0 ? p.rotary_dim : p.head_dim;
+  const int half = rotary_dim / 2;
   const int64_t kv_row = static_cast<int64_t>(p.num_kv_heads) * p.head_dim;
   const int64_t num_slots = static_cast<int64_t>(p.num_blocks) * p.block_size;
   float cos_half[kMaxHeadDim / 2];
@@ -69,8 +70,8 @@ void RopeKvCacheCpu(const RopeKvCacheParams& p) {
     const float position = static_cast<float>(positions[t]);
     for (int i = 0; i < half; ++i) {
       const float angle = position * inv_freq[i];
-      cos_half[i] = std::cos(angle);
-      sin_half[i] = std::sin(angle);
+      cos_half[i] = std::cos(angle) * p.rotary_scale;
+      sin_half[i] = std::sin(angle) * p.rotary_scale;
     }
     float* q =
         p.query.as<float>() + static_cast<int64_t>(t) * p.query_row_stride;
@@ -83,8 +84,8 @@ void RopeKvCacheCpu(const RopeKvCacheParams& p) {
       NormalizeHeads(k, p.num_kv_heads, p.head_dim,
                      p.k_norm_weight.as<const float>(), p.qk_norm_epsilon);
     }
-    RotateHeads(q, p.num_heads, p.head_dim, cos_half, sin_half);
-    RotateHeads(k, p.num_kv_heads, p.head_dim, cos_half, sin_half);
+    RotateHeads(q, p.num_heads, p.head_dim, rotary_dim, cos_half, sin_half);
+    RotateHeads(k, p.num_kv_heads, p.head_dim, rotary_dim, cos_half, sin_half);
 
     const int64_t slot = slots[t];
     if (slot < 0 || slot >= num_slots) continue;  // padding token
@@ -162,6 +163,20 @@ absl::Status ValidateRopeConfig(const RopeConfig& config) {
           config.original_max_position_embeddings, config.theta));
     }
   }
+  if (config.scaling == RopeScalingType::kLongrope) {
+    if (config.pair_factors.size() !=
+        static_cast<size_t>(config.head_dim / 2)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "rope: longrope needs one factor per pair (%d), got %d",
+          config.head_dim / 2, config.pair_factors.size()));
+    }
+    for (const double f : config.pair_factors) {
+      if (!(f > 0.0) || std::isinf(f)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "rope: longrope factors must be positive and finite, got %g", f));
+      }
+    }
+  }
   if (config.scaling == RopeScalingType::kLlama3) {
     if (!(config.factor > 0.0)) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -216,6 +231,9 @@ std::vector<float> ComputeRopeInvFreq(const RopeConfig& config) {
     const double exponent = 2.0 * i / config.head_dim;
     double freq = 1.0 / std::pow(config.theta, exponent);
     if (config.scaling == RopeScalingType::kLinear) freq /= config.factor;
+    if (config.scaling == RopeScalingType::kLongrope) {
+      freq /= config.pair_factors[i];
+    }
     if (config.scaling == RopeScalingType::kYarn) {
       // 0 below the ramp (the fast pairs keep their frequency), 1 above it.
       const double ramp =
@@ -268,6 +286,25 @@ absl::StatusOr<RopeKvCacheParams> ResolveRopeKvCache(
         "kernel yet",
         kOp));
   }
+  const int rotary_dim = p.rotary_dim > 0 ? p.rotary_dim : p.head_dim;
+  if (rotary_dim % 2 != 0 || rotary_dim > p.head_dim || p.rotary_dim < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: rotary_dim must be even and in [0, head_dim=%d], "
+                        "got %d",
+                        kOp, p.head_dim, p.rotary_dim));
+  }
+  if (!(p.rotary_scale > 0) || std::isinf(p.rotary_scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: rotary_scale must be positive and finite, got %g",
+                        kOp, p.rotary_scale));
+  }
+  if (stream.kind() == DeviceKind::kCuda &&
+      (rotary_dim != p.head_dim || p.rotary_scale != 1.0f)) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "%s: rotary_dim < head_dim (partial rotary) and rotary_scale != 1 "
+        "have no CUDA kernel yet (got %d of %d, %g)",
+        kOp, rotary_dim, p.head_dim, p.rotary_scale));
+  }
   if (qk_norm && !(p.qk_norm_epsilon > 0)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("%s: qk_norm_epsilon must be positive, got %g", kOp,
@@ -302,8 +339,8 @@ absl::StatusOr<RopeKvCacheParams> ResolveRopeKvCache(
        CheckBuffer(kOp, "slot_mapping", p.slot_mapping, p.num_tokens,
                    sizeof(int32_t),
                    absl::StrFormat("[num_tokens=%d] int32", p.num_tokens)),
-       CheckBuffer(kOp, "inv_freq", p.inv_freq, p.head_dim / 2, sizeof(float),
-                   absl::StrFormat("[head_dim / 2=%d] fp32", p.head_dim / 2)),
+       CheckBuffer(kOp, "inv_freq", p.inv_freq, rotary_dim / 2, sizeof(float),
+                   absl::StrFormat("[rotary_dim / 2=%d] fp32", rotary_dim / 2)),
        CheckBuffer(
            kOp, "query", p.query,
            StridedElements(p.num_tokens, q_width, resolved.query_row_stride),

@@ -22,11 +22,12 @@ namespace kernels {
 
 // config.json "rope_scaling.rope_type"; absent means kNone.
 enum class RopeScalingType {
-  kNone,    // plain RoPE: inv_freq[i] = theta^(-2i / head_dim)
-  kLlama3,  // Llama 3.1+ frequency-dependent scaling (below)
-  kLinear,  // position interpolation: inv_freq[i] / factor
-  kYarn,    // YaRN's frequency blend (below); its attention factor is the
-            // caller's (it scales the attention's softmax scale)
+  kNone,      // plain RoPE: inv_freq[i] = theta^(-2i / head_dim)
+  kLlama3,    // Llama 3.1+ frequency-dependent scaling (below)
+  kLinear,    // position interpolation: inv_freq[i] / factor
+  kYarn,      // YaRN's frequency blend (below); its attention factor is the
+              // caller's (it scales the attention's softmax scale)
+  kLongrope,  // LongRoPE: inv_freq[i] / pair_factors[i]
 };
 
 struct RopeConfig {
@@ -54,6 +55,9 @@ struct RopeConfig {
   double beta_fast = 32.0;
   double beta_slow = 1.0;
   bool truncate = true;
+  // kLongrope: one positive divisor per pair, head_dim / 2 of them (the
+  // list config.json's short_factor or long_factor the model runs).
+  std::vector<double> pair_factors;
 };
 
 // INVALID_ARGUMENT naming the field when `config` is unusable (odd or too
@@ -104,6 +108,15 @@ struct RopeKvCacheParams {
   DeviceBuffer q_norm_weight;
   DeviceBuffer k_norm_weight;
   float qk_norm_epsilon = 0;
+  // Partial rotary (Phi-4-mini): only each head's first rotary_dim values
+  // rotate, as pairs (i, i + rotary_dim / 2), reading inv_freq[rotary_dim /
+  // 2]; the rest are left as they are. 0: head_dim. Even. CPU backend only
+  // (the CUDA kernels refuse another value by name).
+  int rotary_dim = 0;
+  // What cos and sin are multiplied by (a RoPE scaling's attention factor,
+  // which with every value rotating the caller folds into the softmax scale
+  // instead). 1 on CUDA, which refuses another value by name.
+  float rotary_scale = 1.0f;
   int num_tokens = 0;  // padded token count
   int num_heads = 0;
   int num_kv_heads = 0;

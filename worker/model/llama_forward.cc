@@ -59,7 +59,7 @@ size_t MegakernelBytes(const ModelConfig& c, const LlamaForwardOptions& o,
 
 kernels::RopeConfig RopeConfigFor(const ModelConfig& c) {
   kernels::RopeConfig rope;
-  rope.head_dim = static_cast<int>(c.head_dim);
+  rope.head_dim = static_cast<int>(c.RotaryDim());
   rope.theta = c.rope_theta;
   const RopeScaling& s = c.rope_scaling;
   rope.factor = s.factor;
@@ -72,7 +72,12 @@ kernels::RopeConfig RopeConfigFor(const ModelConfig& c) {
   rope.truncate = s.truncate;
   switch (s.type) {
     case RopeScalingType::kNone:
+    case RopeScalingType::kDynamic:  // plain at every length served
       rope.scaling = kernels::RopeScalingType::kNone;
+      break;
+    case RopeScalingType::kLongrope:
+      rope.scaling = kernels::RopeScalingType::kLongrope;
+      rope.pair_factors = s.active_factors();
       break;
     case RopeScalingType::kLlama3:
       rope.scaling = kernels::RopeScalingType::kLlama3;
@@ -87,17 +92,24 @@ kernels::RopeConfig RopeConfigFor(const ModelConfig& c) {
   return rope;
 }
 
-// The attention's softmax scale. YaRN multiplies the rotated q and k by its
+// YaRN and LongRoPE multiply the rotated q and k values by their
 // attention_factor (transformers scales cos and sin; vLLM its cos/sin
-// cache); q·k then carries its square, which the scale takes instead, so
-// the kernels and the KV cache stay those of plain RoPE.
+// cache). When every value rotates, q·k carries its square, which the
+// softmax scale takes instead, so the kernels and the KV cache stay those of
+// plain RoPE (and CUDA runs it); with partial rotary the unrotated values
+// are not scaled, so the RoPE op scales cos and sin itself (rotary_scale).
+bool FoldsAttentionFactor(const ModelConfig& c) {
+  return c.RotaryDim() == c.head_dim;
+}
+
+// The attention's softmax scale.
 float AttentionScale(const ModelConfig& c) {
   // Gemma 2 scales by query_pre_attn_scalar^-1/2 instead of head_dim's.
   const double scalar = c.layer.query_pre_attn_scalar > 0
                             ? c.layer.query_pre_attn_scalar
                             : static_cast<double>(c.head_dim);
   double scale = 1.0 / std::sqrt(scalar);
-  if (c.rope_scaling.type == RopeScalingType::kYarn) {
+  if (FoldsAttentionFactor(c)) {
     scale *= c.rope_scaling.attention_factor * c.rope_scaling.attention_factor;
   }
   return static_cast<float>(scale);
@@ -130,6 +142,11 @@ std::vector<std::string> CpuOnlyFeatures(const ModelConfig& c) {
   if (c.embedding_multiplier != 1.0) {
     features.push_back("the embedding multiplier");
   }
+  if (c.RotaryDim() != c.head_dim) {
+    features.push_back(
+        absl::StrCat("partial rotary (partial_rotary_factor: ", c.RotaryDim(),
+                     " of ", c.head_dim, " values rotate)"));
+  }
   return features;
 }
 
@@ -147,7 +164,7 @@ size_t LlamaForward::ActivationBytes(const ModelConfig& c,
          Aligned(t * 2 * c.intermediate_size * e) +
          Aligned(t * c.intermediate_size * e) + Aligned(s * c.hidden_size * e) +
          Aligned(s * c.vocab_size * f) +
-         Aligned(c.head_dim / 2 * f) *
+         Aligned(c.RotaryDim() / 2 * f) *
              (c.local_rope_theta.has_value() ? 2 : 1) +
          Aligned(AttentionWorkspaceBytes(c, o, kind)) +
          Aligned(HeadTilesBytes(kind)) + Aligned(MegakernelBytes(c, o, kind));
@@ -252,7 +269,7 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
   PDW_ASSIGN_OR_RETURN(act.logits,
                        a.Allocate(floats(s * config.vocab_size), "logits"));
   PDW_ASSIGN_OR_RETURN(act.inv_freq,
-                       a.Allocate(floats(config.head_dim / 2), "inv_freq"));
+                       a.Allocate(floats(config.RotaryDim() / 2), "inv_freq"));
   const std::vector<float> inv_freq = kernels::ComputeRopeInvFreq(rope);
   PDW_RETURN_IF_ERROR(stream.CopyToDevice(act.inv_freq, inv_freq.data(),
                                           inv_freq.size() * sizeof(float)));
@@ -264,7 +281,7 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
     PDW_RETURN_IF_ERROR(kernels::ValidateRopeConfig(local));
     PDW_ASSIGN_OR_RETURN(
         act.local_inv_freq,
-        a.Allocate(floats(config.head_dim / 2), "local_inv_freq"));
+        a.Allocate(floats(config.RotaryDim() / 2), "local_inv_freq"));
     const std::vector<float> local_freq = kernels::ComputeRopeInvFreq(local);
     PDW_RETURN_IF_ERROR(stream.CopyToDevice(act.local_inv_freq,
                                             local_freq.data(),
@@ -674,6 +691,13 @@ kernels::RopeKvCacheParams LlamaForward::RopeParams(int layer,
   rope.num_heads = heads;
   rope.num_kv_heads = kv_heads;
   rope.head_dim = head_dim;
+  if (config_.RotaryDim() != config_.head_dim) {
+    rope.rotary_dim = static_cast<int>(config_.RotaryDim());
+  }
+  if (!FoldsAttentionFactor(config_)) {
+    rope.rotary_scale =
+        static_cast<float>(config_.rope_scaling.attention_factor);
+  }
   rope.block_size = options_.block_size;
   rope.num_blocks = options_.num_blocks;
   rope.query_row_stride = qkv_stride;

@@ -140,18 +140,36 @@ absl::Status RefuseUnsupportedFeatures(const Json& root) {
   auto mlp_bias = OptionalBool(root, "mlp_bias", false);
   if (!mlp_bias.ok()) return mlp_bias.status();
   if (*mlp_bias) return FieldError("mlp_bias", "= true is not supported");
-  // Phi-4-mini, GLM, StableLM: RoPE on a leading part of each head only.
+  return absl::OkStatus();
+}
+
+// Phi-4-mini (and GLM, StableLM): RoPE on a leading part of each head only;
+// transformers rotates int(head_dim * partial_rotary_factor) values. Then
+// LongRoPE's factor lists must have one entry per rotated pair.
+absl::Status ResolveRotaryDim(const Json& root, ModelConfig& config) {
   if (const Json* partial = Find(root, "partial_rotary_factor");
-      partial != nullptr) {
+      partial != nullptr && !partial->is_null()) {
     PDW_ASSIGN_OR_RETURN(const double factor,
                          AsNumber(*partial, "partial_rotary_factor"));
-    if (factor != 1.0) {
-      return FieldError(
-          "partial_rotary_factor",
-          absl::StrCat("= ", factor,
-                       " is not supported: RoPE rotates every head_dim "
-                       "value (1.0)"));
+    const int64_t rotary =
+        static_cast<int64_t>(static_cast<double>(config.head_dim) * factor);
+    if (!(factor > 0 && factor <= 1) || rotary < 2 || rotary % 2 != 0) {
+      return FieldError("partial_rotary_factor",
+                        absl::StrCat("(", factor,
+                                     ") must be in (0, 1] and rotate an even "
+                                     "number of each head's ",
+                                     config.head_dim, " values, got ", rotary));
     }
+    if (rotary != config.head_dim) config.rotary_dim = rotary;
+  }
+  const RopeScaling& s = config.rope_scaling;
+  const size_t pairs = static_cast<size_t>(config.RotaryDim() / 2);
+  if (s.type == RopeScalingType::kLongrope && s.short_factor.size() != pairs) {
+    return FieldError("rope_scaling.short_factor",
+                      absl::StrCat("has ", s.short_factor.size(),
+                                   " entries; the model rotates ", pairs,
+                                   " pairs of each head (rotary dim ",
+                                   config.RotaryDim(), ")"));
   }
   return absl::OkStatus();
 }
@@ -316,6 +334,22 @@ std::string ModelConfig::CanonicalString() const {
           rope_scaling.beta_fast, rope_scaling.beta_slow,
           rope_scaling.truncate ? 1 : 0, rope_scaling.attention_factor);
       break;
+    case RopeScalingType::kDynamic:
+      absl::StrAppendFormat(&text, "rope=dynamic,%.17g;", rope_scaling.factor);
+      break;
+    case RopeScalingType::kLongrope:
+      // The list the worker runs: K/V depend on it, not on the other one.
+      absl::StrAppendFormat(&text, "rope=longrope,%s,%.17g",
+                            rope_scaling.long_factor_active ? "long" : "short",
+                            rope_scaling.attention_factor);
+      for (const double f : rope_scaling.active_factors()) {
+        absl::StrAppendFormat(&text, ",%.17g", f);
+      }
+      absl::StrAppend(&text, ";");
+      break;
+  }
+  if (rotary_dim > 0 && rotary_dim != head_dim) {
+    absl::StrAppendFormat(&text, "rotary_dim=%d;", rotary_dim);
   }
   if (local_rope_theta.has_value()) {
     absl::StrAppendFormat(&text, "local_theta=%.17g;", *local_rope_theta);
@@ -435,6 +469,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text) {
   if (absl::Status status = ParseRope(root, &config); !status.ok()) {
     return status;
   }
+  PDW_RETURN_IF_ERROR(ResolveRotaryDim(root, config));
   // YaRN without original_max_position_embeddings: transformers takes the
   // config's max_position_embeddings.
   if (config.rope_scaling.type == RopeScalingType::kYarn &&

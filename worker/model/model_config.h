@@ -44,9 +44,18 @@ enum class RopeScalingType {
   kLinear,  // position interpolation: inv_freq / factor
   kYarn,    // YaRN: interpolated low, extrapolated high frequencies, a
             // ramp between, and attention_factor on q and k
+  // Dynamic NTK: transformers raises the base only for sequences longer than
+  // max_position_embeddings, which max_model_len never exceeds here, so it
+  // is plain RoPE at every length served (vLLM's table is plain too).
+  kDynamic,
+  // Phi-3's LongRoPE: every rotated pair's frequency divided by its own
+  // factor (short_factor or long_factor), and attention_factor on the
+  // rotated q and k.
+  kLongrope,
 };
 
-// "default", "llama3", "linear", "yarn" (config.json's rope_type names).
+// "default", "llama3", "linear", "yarn", "dynamic", "longrope" (config.json's
+// rope_type names).
 absl::string_view RopeScalingTypeName(RopeScalingType type);
 
 // config.json "rope_scaling" (or transformers 5's "rope_parameters"). For
@@ -71,7 +80,24 @@ struct RopeScaling {
   double beta_fast = 0;
   double beta_slow = 0;
   bool truncate = true;
+  // yarn, longrope: what the rotated q and k values are multiplied by (1
+  // otherwise). longrope: "attention_factor", or sqrt(1 + ln(s) / ln(o)) for
+  // s = max_position_embeddings / original_max_position_embeddings (o) when
+  // s > 1, as transformers resolves it.
   double attention_factor = 1;
+  // longrope: one divisor per rotated pair (rotary_dim / 2 each). vLLM's
+  // rule picks one list for the worker's life, so that K/V already cached
+  // never changes meaning: long_factor when max_model_len exceeds
+  // original_max_position_embeddings (transformers switches per forward by
+  // the sequence's length instead). ModelRunner::Create sets
+  // long_factor_active from its max_model_len; it is part of the
+  // fingerprint.
+  std::vector<double> short_factor;
+  std::vector<double> long_factor;
+  bool long_factor_active = false;
+  const std::vector<double>& active_factors() const {
+    return long_factor_active ? long_factor : short_factor;
+  }
 };
 
 struct ModelConfig {
@@ -83,6 +109,11 @@ struct ModelConfig {
   int64_t num_key_value_heads = 0;  // K/V heads; query head h reads KV head
                                     // h / (num_attention_heads / this)
   int64_t head_dim = 0;  // per-head width; may differ from hidden/heads
+  // config.json "partial_rotary_factor" * head_dim (Phi-4-mini: 0.75 x 128):
+  // RoPE rotates each head's first rotary_dim values, as pairs (i, i +
+  // rotary_dim / 2); the rest pass unrotated. 0: head_dim.
+  int64_t rotary_dim = 0;
+  int64_t RotaryDim() const { return rotary_dim > 0 ? rotary_dim : head_dim; }
   double rms_norm_eps = 0;
   double rope_theta = 10000.0;
   RopeScaling rope_scaling;

@@ -86,6 +86,122 @@ absl::StatusOr<RopeScaling> ParseYarn(const Json& value,
   return scaling;
 }
 
+// LongRoPE (transformers' _compute_longrope_parameters, vLLM's
+// Phi3LongRoPEScaledRotaryEmbedding; "su" is its older name): the two factor
+// lists, and what the caller resolves against the config's lengths (the
+// original context and the attention factor, 0 here when absent).
+absl::StatusOr<RopeScaling> ParseLongrope(const Json& value,
+                                          const std::string& path) {
+  RopeScaling scaling;
+  scaling.type = RopeScalingType::kLongrope;
+  // Phi-3.5-MoE's per-list scales: its family is refused anyway (MoE), and
+  // transformers' dense Phi-3 does not read them.
+  for (const char* key : {"short_mscale", "long_mscale"}) {
+    if (const Json* v = Find(value, key); v != nullptr && !v->is_null()) {
+      return FieldError(path + key,
+                        "is not supported (dense Phi-3 models "
+                        "do not set it)");
+    }
+  }
+  auto factors = [&](const char* key,
+                     std::vector<double>* out) -> absl::Status {
+    const Json* list = Find(value, key);
+    if (list == nullptr) return FieldError(path + key, "is missing");
+    if (!list->is_array() || list->empty()) {
+      return FieldError(path + key, absl::StrCat("must be a list of numbers, "
+                                                 "got ",
+                                                 Describe(*list)));
+    }
+    for (size_t i = 0; i < list->size(); ++i) {
+      const std::string field = absl::StrCat(path, key, "[", i, "]");
+      PDW_ASSIGN_OR_RETURN(const double f, AsNumber((*list)[i], field));
+      if (!(f > 0) || std::isinf(f)) {
+        return FieldError(field,
+                          absl::StrCat("must be positive and finite, got ", f));
+      }
+      out->push_back(f);
+    }
+    return absl::OkStatus();
+  };
+  PDW_RETURN_IF_ERROR(factors("short_factor", &scaling.short_factor));
+  PDW_RETURN_IF_ERROR(factors("long_factor", &scaling.long_factor));
+  if (scaling.short_factor.size() != scaling.long_factor.size()) {
+    return FieldError(
+        path + "long_factor",
+        absl::StrCat("has ", scaling.long_factor.size(),
+                     " entries, short_factor ", scaling.short_factor.size()));
+  }
+  if (const Json* v = Find(value, "original_max_position_embeddings");
+      v != nullptr && !v->is_null()) {
+    PDW_ASSIGN_OR_RETURN(
+        scaling.original_max_position_embeddings,
+        RequiredInt(value, "original_max_position_embeddings", path));
+    if (scaling.original_max_position_embeddings <= 0) {
+      return FieldError(path + "original_max_position_embeddings",
+                        absl::StrCat("must be positive, got ",
+                                     scaling.original_max_position_embeddings));
+    }
+  }
+  if (const Json* v = Find(value, "factor"); v != nullptr && !v->is_null()) {
+    PDW_ASSIGN_OR_RETURN(scaling.factor, AsNumber(*v, path + "factor"));
+    if (!(scaling.factor > 0)) {
+      return FieldError(path + "factor",
+                        absl::StrCat("must be positive, got ", scaling.factor));
+    }
+  }
+  scaling.attention_factor = 0;  // resolved by ResolveLongrope when absent
+  if (const Json* v = Find(value, "attention_factor");
+      v != nullptr && !v->is_null()) {
+    PDW_ASSIGN_OR_RETURN(scaling.attention_factor,
+                         AsNumber(*v, path + "attention_factor"));
+    if (!(scaling.attention_factor > 0) ||
+        std::isinf(scaling.attention_factor)) {
+      return FieldError(path + "attention_factor",
+                        absl::StrCat("must be positive and finite, got ",
+                                     scaling.attention_factor));
+    }
+  }
+  return scaling;
+}
+
+// LongRoPE's lengths, as transformers resolves them: the original context
+// is the object's key, else config.json's top-level one (Phi-3 writes it
+// there), and then the attention factor's scale is max_position_embeddings
+// over it; without either, the original context is max_position_embeddings
+// and the scale the object's "factor" (default 1).
+absl::Status ResolveLongrope(const Json& root, ModelConfig* config) {
+  RopeScaling& s = config->rope_scaling;
+  const int64_t max_positions = config->max_position_embeddings;
+  double scale = s.factor > 0 ? s.factor : 1.0;
+  if (s.original_max_position_embeddings == 0) {
+    if (const Json* v = Find(root, "original_max_position_embeddings");
+        v != nullptr && !v->is_null()) {
+      PDW_ASSIGN_OR_RETURN(s.original_max_position_embeddings,
+                           AsInt(*v, "original_max_position_embeddings"));
+      if (s.original_max_position_embeddings <= 0) {
+        return FieldError("original_max_position_embeddings",
+                          absl::StrCat("must be positive, got ",
+                                       s.original_max_position_embeddings));
+      }
+    }
+  }
+  if (s.original_max_position_embeddings > 0) {
+    scale = static_cast<double>(max_positions) /
+            static_cast<double>(s.original_max_position_embeddings);
+  } else {
+    s.original_max_position_embeddings = max_positions;
+  }
+  if (s.attention_factor == 0) {
+    s.attention_factor =
+        scale <= 1
+            ? 1.0
+            : std::sqrt(1 + std::log(scale) /
+                                std::log(static_cast<double>(
+                                    s.original_max_position_embeddings)));
+  }
+  return absl::OkStatus();
+}
+
 // The scaling described by one RoPE object: transformers < 5's
 // "rope_scaling" or transformers 5's "rope_parameters" (which also holds
 // rope_theta, read by the caller). `name` is the field, for errors.
@@ -123,10 +239,22 @@ absl::StatusOr<RopeScaling> ParseRopeObject(const Json& value,
     return scaling;
   }
   if (kind == "yarn") return ParseYarn(value, path);
+  if (kind == "longrope" || kind == "su") return ParseLongrope(value, path);
+  if (kind == "dynamic") {
+    scaling.type = RopeScalingType::kDynamic;
+    PDW_ASSIGN_OR_RETURN(scaling.factor, RequiredNumber(value, "factor", path));
+    if (!(scaling.factor >= 1)) {
+      return FieldError(
+          path + "factor",
+          absl::StrCat("must be at least 1, got ", scaling.factor));
+    }
+    return scaling;
+  }
   if (kind != "llama3") {
-    return FieldError(type_name, absl::StrCat("\"", kind,
-                                              "\" is not supported; supported: "
-                                              "default, llama3, linear, yarn"));
+    return FieldError(type_name,
+                      absl::StrCat("\"", kind,
+                                   "\" is not supported; supported: default, "
+                                   "llama3, linear, yarn, dynamic, longrope"));
   }
   scaling.type = RopeScalingType::kLlama3;
   auto factor = RequiredNumber(value, "factor", path);
@@ -165,7 +293,8 @@ bool SameScaling(const RopeScaling& a, const RopeScaling& b) {
          a.original_max_position_embeddings ==
              b.original_max_position_embeddings &&
          a.beta_fast == b.beta_fast && a.beta_slow == b.beta_slow &&
-         a.truncate == b.truncate && a.attention_factor == b.attention_factor;
+         a.truncate == b.truncate && a.attention_factor == b.attention_factor &&
+         a.short_factor == b.short_factor && a.long_factor == b.long_factor;
 }
 
 }  // namespace
@@ -180,9 +309,15 @@ absl::string_view RopeScalingTypeName(RopeScalingType type) {
       return "linear";
     case RopeScalingType::kYarn:
       return "yarn";
+    case RopeScalingType::kDynamic:
+      return "dynamic";
+    case RopeScalingType::kLongrope:
+      return "longrope";
   }
   return "unknown";
 }
+
+namespace {
 
 // RoPE base and scaling. transformers < 5 writes top-level "rope_theta" and
 // "rope_scaling"; transformers 5 writes both into "rope_parameters" (and may
@@ -190,7 +325,7 @@ absl::string_view RopeScalingTypeName(RopeScalingType type) {
 // would silently fall back to theta 10000 and no scaling, giving wrong
 // positions with no error, so both layouts are read, and a config whose two
 // layouts disagree is refused rather than guessed at.
-absl::Status ParseRope(const Json& root, ModelConfig* config) {
+absl::Status ParseRopeKeys(const Json& root, ModelConfig* config) {
   std::optional<double> legacy_theta;
   if (const Json* theta = Find(root, "rope_theta"); theta != nullptr) {
     auto value = AsNumber(*theta, "rope_theta");
@@ -280,6 +415,16 @@ absl::Status ParseRope(const Json& root, ModelConfig* config) {
     config->rope_theta = *value;
   } else if (legacy_theta.has_value()) {
     config->rope_theta = *legacy_theta;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ParseRope(const Json& root, ModelConfig* config) {
+  PDW_RETURN_IF_ERROR(ParseRopeKeys(root, config));
+  if (config->rope_scaling.type == RopeScalingType::kLongrope) {
+    PDW_RETURN_IF_ERROR(ResolveLongrope(root, config));
   }
   return absl::OkStatus();
 }

@@ -127,6 +127,19 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
         *c.sliding_window, " (or serve it with --device=cpu)"));
   }
 
+  // LongRoPE's factor list is fixed by the longest sequence served (vLLM's
+  // rule; RopeScaling says why), and with it what every K/V holds.
+  if (c.rope_scaling.type == RopeScalingType::kLongrope) {
+    r->config_.rope_scaling.long_factor_active =
+        r->max_model_len_ > c.rope_scaling.original_max_position_embeddings;
+    LOG(INFO) << "longrope: max_model_len=" << r->max_model_len_
+              << (c.rope_scaling.long_factor_active ? " > " : " <= ")
+              << "original_max_position_embeddings="
+              << c.rope_scaling.original_max_position_embeddings << ": "
+              << (c.rope_scaling.long_factor_active ? "long" : "short")
+              << "_factor";
+  }
+
   // Graph plan: role defaults + compilation config, then the attention
   // backend's CUDA graph support may downgrade the mode.
   SchedulerLimits limits{options.max_num_seqs, options.max_num_batched_tokens,

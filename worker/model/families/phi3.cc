@@ -2,8 +2,8 @@
 // one qkv_proj ([q; k; v] rows) and Phi3MLP one gate_up_proj ([gate; up]
 // rows, chunked in that order), neither with a bias; Phi-3-mini's
 // sliding_window is recorded. The longrope scaling of the 128k variants and
-// Phi-4-mini's partial_rotary_factor are refused where every family reads
-// them (ParseModelConfig).
+// Phi-4-mini's partial_rotary_factor are read where every family reads them
+// (rope_config.cc, ParseModelConfig).
 #include "common/status_macros.h"
 #include "worker/model/model_family.h"
 
