@@ -113,6 +113,10 @@ ABSL_FLAG(std::string, cpu_stream, "threaded",
           "CPU backend only: run the stream's work on its own thread, in "
           "order, as a GPU does (threaded), or inline on the engine thread "
           "(inline).");
+ABSL_FLAG(std::string, unverified_cuda_kernels, "refuse",
+          "CUDA backend: models that need CUDA kernels written but not yet "
+          "run on a GPU (Qwen3's per-head q/k norm, partial rotary) are "
+          "refused by name (refuse), or run with them (allow).");
 ABSL_FLAG(int, max_message_bytes, 4 << 20,
           "Largest request accepted; larger ones get RESOURCE_EXHAUSTED.");
 ABSL_FLAG(std::string, grpc_keepalive_time, "30s",
@@ -274,7 +278,7 @@ std::vector<FlagGroup> FlagGroups() {
   return {
       {"Model and device",
        {"role", "model", "served_model_name", "device", "cpu_stream",
-        "compilation_config"}},
+        "compilation_config", "unverified_cuda_kernels"}},
       {"Scheduling and KV cache",
        {"max_num_seqs", "max_num_batched_tokens", "max_model_len",
         "kv_cache_bytes", "gpu_memory_utilization", "block_size",
@@ -460,6 +464,15 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
   } else {
     return FlagError("cpu_stream", absl::StrCat("'", cpu_stream,
                                                 "' is not threaded or inline"));
+  }
+  const std::string unverified = absl::GetFlag(FLAGS_unverified_cuda_kernels);
+  if (unverified == "refuse") {
+    r.kernel_options.unverified_cuda_kernels = UnverifiedCudaKernels::kRefuse;
+  } else if (unverified == "allow") {
+    r.kernel_options.unverified_cuda_kernels = UnverifiedCudaKernels::kAllow;
+  } else {
+    return FlagError("unverified_cuda_kernels",
+                     absl::StrCat("'", unverified, "' is not refuse or allow"));
   }
   c.server.advertise_address = absl::GetFlag(FLAGS_advertise_address);
   struct DurationFlag {

@@ -139,6 +139,80 @@ TEST_P(RopeKvCacheCudaTest, MatchesTheCpuKernelAndWritesExactlyTheSlots) {
   }
 }
 
+// Qwen3's per-head q/k norm, partial rotary (Phi-4-mini's 3/4 of the head)
+// and a rotary scale, each alone and all together, against the CPU kernel:
+// written without a GPU (UnverifiedCudaKernels), this is their first run.
+// Tolerance: the GPU rounds the normalized values to bf16 before rotating
+// and the result again, 2^-7 relative, plus the norm's fp32 sum order.
+TEST_P(RopeKvCacheCudaTest, QkNormPartialRotaryAndScaleMatchTheCpuKernel) {
+  const RopeCase c = GetParam();
+  const int stride = (c.heads + 2 * c.kv_heads) * c.head_dim;
+  const int kv_row = c.kv_heads * c.head_dim;
+  const int slots_total = kNumBlocks * kBlockSize;
+  const std::vector<int32_t> positions = {0, 5, 1000, 100000, 7, 31};
+  const std::vector<int32_t> slots = {3, -1, slots_total - 1, 12, 17, 0};
+  const int tokens = static_cast<int>(positions.size());
+  const std::vector<float> qkv = RandomBf16Floats(tokens * stride, 23);
+  const std::vector<float> q_weight = RandomBf16Floats(c.head_dim, 24);
+  const std::vector<float> k_weight = RandomBf16Floats(c.head_dim, 25);
+  const size_t cache_elems = static_cast<size_t>(slots_total) * kv_row;
+  struct Variant {
+    bool qk_norm;
+    int rotary_dim;
+    float scale;
+  };
+  const int partial = c.head_dim * 3 / 4 / 2 * 2;
+  for (const Variant v :
+       {Variant{true, c.head_dim, 1.0f}, Variant{false, partial, 1.0f},
+        Variant{false, c.head_dim, 1.3f}, Variant{true, partial, 1.3f}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "qk_norm " << v.qk_norm << ", rotary_dim " << v.rotary_dim
+                 << ", scale " << v.scale);
+    RopeConfig rope;
+    rope.head_dim = v.rotary_dim;
+    rope.theta = 1000000.0;
+    const std::vector<float> inv_freq = ComputeRopeInvFreq(rope);
+    RopeKvCacheParams cpu_p =
+        Params(CpuFloats(qkv), cpu().Upload(positions), cpu().Upload(slots),
+               cpu().Upload(inv_freq), cpu().Alloc(4 * cache_elems),
+               cpu().Alloc(4 * cache_elems), tokens, DType::kFloat32);
+    RopeKvCacheParams gpu_p =
+        Params(GpuBf16(qkv), gpu().Upload(positions), gpu().Upload(slots),
+               gpu().Upload(inv_freq), gpu().Alloc(2 * cache_elems),
+               gpu().Alloc(2 * cache_elems), tokens, DType::kBFloat16);
+    for (RopeKvCacheParams* p : {&cpu_p, &gpu_p}) {
+      p->rotary_dim = v.rotary_dim;
+      p->rotary_scale = v.scale;
+      if (v.qk_norm) p->qk_norm_epsilon = 1e-6f;
+    }
+    if (v.qk_norm) {
+      cpu_p.q_norm_weight = CpuFloats(q_weight);
+      cpu_p.k_norm_weight = CpuFloats(k_weight);
+      gpu_p.q_norm_weight = GpuBf16(q_weight);
+      gpu_p.k_norm_weight = GpuBf16(k_weight);
+    }
+    ASSERT_TRUE(LaunchRopeKvCache(*cpu().stream, cpu_p).ok());
+    ASSERT_TRUE(LaunchRopeKvCache(*gpu().stream, gpu_p).ok());
+    const std::vector<float> want = cpu().Read<float>(cpu_p.query, qkv.size());
+    const std::vector<uint16_t> got_bits =
+        gpu().Read<uint16_t>(gpu_p.query, qkv.size());
+    ExpectClose(testing::FromBf16Bits(got_bits), want, 1.0 / 128, 2e-3,
+                "normalized, rotated q|k, untouched v");
+    // The cache holds exactly the GPU's k (the unrotated tail included).
+    const std::vector<uint16_t> k_cache =
+        gpu().Read<uint16_t>(gpu_p.key_cache, cache_elems);
+    for (int t = 0; t < tokens; ++t) {
+      if (slots[t] < 0) continue;
+      for (int i = 0; i < kv_row; ++i) {
+        ASSERT_EQ(k_cache[static_cast<size_t>(slots[t]) * kv_row + i],
+                  got_bits[static_cast<size_t>(t) * stride +
+                           c.heads * c.head_dim + i])
+            << "token " << t << " value " << i;
+      }
+    }
+  }
+}
+
 TEST_P(RopeKvCacheCudaTest, GraphReplayReadsPositionsAndSlotsAtRunTime) {
   const RopeCase c = GetParam();
   const int stride = (c.heads + 2 * c.kv_heads) * c.head_dim;

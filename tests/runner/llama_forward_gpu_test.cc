@@ -87,6 +87,9 @@ class ForwardGpuTest : public ::testing::TestWithParam<TinyShape> {
     options.num_blocks = kNumBlocks;
     options.max_blocks_per_seq = kMaxBlocksPerSeq;
     options.input_address_check = InputAddressCheck::kOn;
+    // Qwen3's q/k norm and partial rotary: their first GPU run is here.
+    options.kernel_options.unverified_cuda_kernels =
+        UnverifiedCudaKernels::kAllow;
     auto forward =
         LlamaForward::Create(config_, weights_, inputs_->buffers(), options,
                              *device_, *stream_, capture_lifecycle_);

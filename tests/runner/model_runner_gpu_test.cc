@@ -526,17 +526,20 @@ TEST(CudaRefusalGpuTest, LayersWithoutCudaKernelsAreRefusedByName) {
     GTEST_SKIP() << "CUDA backend not available here ("
                  << device.status().message() << ")";
   }
+  // Kernels written without a GPU: refused unless allowed, by name.
+  ModelRunnerOptions refuse = SmallOptions(R"({"cudagraph_mode":"NONE"})");
+  refuse.kernel_options.unverified_cuda_kernels =
+      UnverifiedCudaKernels::kRefuse;
   auto dir = TinyModelDir(TinyShape::kQwen3);
   ASSERT_TRUE(dir.ok()) << dir.status();
-  auto runner = ModelRunner::Create(
-      **device, *dir, SmallOptions(R"({"cudagraph_mode":"NONE"})"));
+  auto runner = ModelRunner::Create(**device, *dir, refuse);
   ASSERT_FALSE(runner.ok());
   EXPECT_EQ(runner.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(runner.status().message().find("q_norm"), std::string::npos)
-      << runner.status();
-  EXPECT_NE(runner.status().message().find("Qwen3ForCausalLM"),
-            std::string::npos)
-      << runner.status();
+  for (const char* name :
+       {"q_norm", "Qwen3ForCausalLM", "--unverified_cuda_kernels=allow"}) {
+    EXPECT_NE(runner.status().message().find(name), std::string::npos)
+        << name << ": " << runner.status();
+  }
 
   auto gemma = TinyModelDir(TinyShape::kGemma2);
   ASSERT_TRUE(gemma.ok()) << gemma.status();
@@ -554,8 +557,7 @@ TEST(CudaRefusalGpuTest, LayersWithoutCudaKernelsAreRefusedByName) {
 
   auto phi4_mini = TinyModelDir(TinyShape::kPhi4Mini);
   ASSERT_TRUE(phi4_mini.ok()) << phi4_mini.status();
-  runner = ModelRunner::Create(**device, *phi4_mini,
-                               SmallOptions(R"({"cudagraph_mode":"NONE"})"));
+  runner = ModelRunner::Create(**device, *phi4_mini, refuse);
   ASSERT_FALSE(runner.ok());
   EXPECT_EQ(runner.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_NE(runner.status().message().find("partial rotary"), std::string::npos)

@@ -287,6 +287,7 @@ TEST(PdworkerMainTest, BadConfigurationFailsAtStartupNamingTheFlag) {
       {{"--kv-events-config={\"endpoint\":\"tcp://*:0\",\"bogus\":1}"},
        "bogus"},
       {{"--kv_events_config={}", "--kv_events_endpoint=tcp://*:0"}, "not both"},
+      {{"--unverified_cuda_kernels=maybe"}, "--unverified_cuda_kernels"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     SCOPED_TRACE(cases[i].message);

@@ -190,6 +190,15 @@ absl::Status LinearOnCuda(Stream& stream, const LinearParams& p) {
 absl::Status CheckRopeEpilogue(const Stream& stream, const LinearParams& p) {
   PDW_ASSIGN_OR_RETURN(const RopeKvCacheParams r,
                        ResolveRopeKvCache(stream, p.rope));
+  // rope_kv_row.cuh rotates whole heads, unnormalized, unscaled.
+  if (!r.q_norm_weight.empty() ||
+      (r.rotary_dim != 0 && r.rotary_dim != r.head_dim) ||
+      r.rotary_scale != 1.0f) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: epilogue rope_kv_cache does not implement q/k norm, partial "
+        "rotary or rotary_scale (use the RoPE kernel after the projection)",
+        kOp));
+  }
   const size_t element = DTypeSize(p.dtype);
   const int q_width = r.num_heads * r.head_dim;
   const int kv_width = r.num_kv_heads * r.head_dim;

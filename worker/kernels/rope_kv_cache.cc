@@ -128,6 +128,13 @@ RopeKvCacheCudaParams ToRopeKvCacheCudaParams(const RopeKvCacheParams& p) {
   c.query_row_stride = p.query_row_stride;
   c.key_row_stride = p.key_row_stride;
   c.value_row_stride = p.value_row_stride;
+  if (!p.q_norm_weight.empty()) {
+    c.q_norm_weight = p.q_norm_weight.as<const __nv_bfloat16>();
+    c.k_norm_weight = p.k_norm_weight.as<const __nv_bfloat16>();
+    c.qk_norm_epsilon = p.qk_norm_epsilon;
+  }
+  c.rotary_dim = p.rotary_dim > 0 ? p.rotary_dim : p.head_dim;
+  c.rotary_scale = p.rotary_scale;
   return c;
 }
 #endif
@@ -280,12 +287,6 @@ absl::StatusOr<RopeKvCacheParams> ResolveRopeKvCache(
         p.q_norm_weight.empty() ? "k_norm_weight" : "q_norm_weight"));
   }
   const bool qk_norm = !p.q_norm_weight.empty();
-  if (qk_norm && stream.kind() == DeviceKind::kCuda) {
-    return absl::UnimplementedError(absl::StrFormat(
-        "%s: q_norm_weight/k_norm_weight (per-head q/k RMSNorm) have no CUDA "
-        "kernel yet",
-        kOp));
-  }
   const int rotary_dim = p.rotary_dim > 0 ? p.rotary_dim : p.head_dim;
   if (rotary_dim % 2 != 0 || rotary_dim > p.head_dim || p.rotary_dim < 0) {
     return absl::InvalidArgumentError(
@@ -297,13 +298,6 @@ absl::StatusOr<RopeKvCacheParams> ResolveRopeKvCache(
     return absl::InvalidArgumentError(
         absl::StrFormat("%s: rotary_scale must be positive and finite, got %g",
                         kOp, p.rotary_scale));
-  }
-  if (stream.kind() == DeviceKind::kCuda &&
-      (rotary_dim != p.head_dim || p.rotary_scale != 1.0f)) {
-    return absl::UnimplementedError(absl::StrFormat(
-        "%s: rotary_dim < head_dim (partial rotary) and rotary_scale != 1 "
-        "have no CUDA kernel yet (got %d of %d, %g)",
-        kOp, rotary_dim, p.head_dim, p.rotary_scale));
   }
   if (qk_norm && !(p.qk_norm_epsilon > 0)) {
     return absl::InvalidArgumentError(

@@ -102,20 +102,21 @@ struct RopeKvCacheParams {
   // One layer's cache, [num_blocks, block_size, num_kv_heads, head_dim].
   DeviceBuffer key_cache;
   DeviceBuffer value_cache;
-  // Both or neither; fp32 [head_dim] on the CPU backend. The CUDA kernels do
-  // not implement them yet: a launch with them is refused there, naming them
-  // (LlamaForward::Create refuses the model first).
+  // Both or neither; [head_dim] in the model's dtype. The CUDA kernel's
+  // norm was written without a GPU and has not run on one yet: LlamaForward
+  // uses it only with UnverifiedCudaKernels::kAllow; the fused projection
+  // epilogue (linear.h) refuses it.
   DeviceBuffer q_norm_weight;
   DeviceBuffer k_norm_weight;
   float qk_norm_epsilon = 0;
   // Partial rotary (Phi-4-mini): only each head's first rotary_dim values
   // rotate, as pairs (i, i + rotary_dim / 2), reading inv_freq[rotary_dim /
-  // 2]; the rest are left as they are. 0: head_dim. Even. CPU backend only
-  // (the CUDA kernels refuse another value by name).
+  // 2]; the rest are left as they are. 0: head_dim. Even. On CUDA as
+  // unverified as the norm above.
   int rotary_dim = 0;
   // What cos and sin are multiplied by (a RoPE scaling's attention factor,
   // which with every value rotating the caller folds into the softmax scale
-  // instead). 1 on CUDA, which refuses another value by name.
+  // instead). On CUDA as unverified as the norm above.
   float rotary_scale = 1.0f;
   int num_tokens = 0;  // padded token count
   int num_heads = 0;

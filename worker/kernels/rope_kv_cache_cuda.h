@@ -29,6 +29,16 @@ struct RopeKvCacheCudaParams {
   int query_row_stride = 0;
   int key_row_stride = 0;
   int value_row_stride = 0;
+  // Written without a GPU, not yet run on one (LlamaForward asks for
+  // UnverifiedCudaKernels::kAllow before a model uses them):
+  // Qwen3's per-head RMSNorm before the rotation (both or neither; bf16
+  // [head_dim]): x * rsqrt(mean(x^2) + eps) * weight in fp32, rounded to
+  // bf16 once, as the RMSNorm kernel computes a row.
+  const __nv_bfloat16* q_norm_weight = nullptr;
+  const __nv_bfloat16* k_norm_weight = nullptr;
+  float qk_norm_epsilon = 0;
+  int rotary_dim = 0;         // even, <= head_dim: the leading values rotate
+  float rotary_scale = 1.0f;  // cos and sin are multiplied by it
 };
 
 // One block per token. Returns the launch error.

@@ -115,8 +115,10 @@ float AttentionScale(const ModelConfig& c) {
   return static_cast<float>(scale);
 }
 
-// What the CUDA kernels do not implement yet, by name (empty: nothing).
-std::vector<std::string> CpuOnlyFeatures(const ModelConfig& c) {
+// What the CUDA RoPE kernel implements but has never run on a GPU (written
+// blind; UnverifiedCudaKernels), by name (empty: nothing). The fused decode
+// epilogues and the megakernel implement none of it.
+std::vector<std::string> UnverifiedCudaFeatures(const ModelConfig& c) {
   std::vector<std::string> features;
   if (c.layer.qk_norm != QkNorm::kNone) {
     features.push_back(
@@ -124,6 +126,17 @@ std::vector<std::string> CpuOnlyFeatures(const ModelConfig& c) {
                      "k_norm, qk_norm=",
                      QkNormName(c.layer.qk_norm), ")"));
   }
+  if (c.RotaryDim() != c.head_dim) {
+    features.push_back(
+        absl::StrCat("partial rotary (partial_rotary_factor: ", c.RotaryDim(),
+                     " of ", c.head_dim, " values rotate)"));
+  }
+  return features;
+}
+
+// What the CUDA kernels do not implement yet, by name (empty: nothing).
+std::vector<std::string> CpuOnlyFeatures(const ModelConfig& c) {
+  std::vector<std::string> features;
   if (c.layer.norm_placement == NormPlacement::kSandwich) {
     features.push_back(
         "sandwich norms (post_attention_layernorm on the attention output, "
@@ -141,11 +154,6 @@ std::vector<std::string> CpuOnlyFeatures(const ModelConfig& c) {
   }
   if (c.embedding_multiplier != 1.0) {
     features.push_back("the embedding multiplier");
-  }
-  if (c.RotaryDim() != c.head_dim) {
-    features.push_back(
-        absl::StrCat("partial rotary (partial_rotary_factor: ", c.RotaryDim(),
-                     " of ", c.head_dim, " values rotate)"));
   }
   return features;
 }
@@ -217,6 +225,18 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
         "LlamaForward: ", ArchitectureName(config.architecture), "'s ",
         absl::StrJoin(missing, ", "),
         " have no CUDA kernels yet; serve this model with --device=cpu"));
+  }
+  if (const std::vector<std::string> unverified =
+          UnverifiedCudaFeatures(config);
+      kind == DeviceKind::kCuda && !unverified.empty() &&
+      options.kernel_options.unverified_cuda_kernels ==
+          UnverifiedCudaKernels::kRefuse) {
+    return absl::UnimplementedError(absl::StrCat(
+        "LlamaForward: ", ArchitectureName(config.architecture), "'s ",
+        absl::StrJoin(unverified, ", "),
+        " have CUDA kernels that have not run on a GPU yet; serve this model "
+        "with --device=cpu, or try them with "
+        "--unverified_cuda_kernels=allow"));
   }
   if (kind == DeviceKind::kCuda &&
       options.uniform_decode_query_len >
@@ -483,7 +503,10 @@ LlamaForward::LayerLinears LlamaForward::Linears(int layer, int num_tokens,
 bool LlamaForward::CanFuseDecodeLayers(int num_tokens) const {
   if (options_.kernel_options.decode_fusion == DecodeFusion::kOff) return false;
   // The fused epilogues implement Llama's layer only.
-  if (!CpuOnlyFeatures(config_).empty()) return false;
+  if (!CpuOnlyFeatures(config_).empty() ||
+      !UnverifiedCudaFeatures(config_).empty()) {
+    return false;
+  }
   const LayerLinears l = Linears(0, num_tokens, /*fused=*/true);
   for (const kernels::LinearParams* p :
        {&l.qkv, &l.o_proj, &l.gate_up, &l.down}) {

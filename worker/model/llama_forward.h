@@ -67,6 +67,14 @@ enum class GreedyHeadFusion { kOff, kOn };
 // attention).
 enum class DecodeMegakernel { kOff, kOn };
 
+// CUDA kernels written without a GPU that have not passed their GPU tests
+// yet (UnverifiedCudaFeatures in llama_forward.cc: Qwen3's per-head q/k
+// norm, partial rotary): kRefuse (default) refuses a model that needs them
+// on CUDA, naming them; kAllow runs them (the GPU tests, and a user who
+// wants to try: --unverified_cuda_kernels=allow). The flag goes when a GPU
+// run has passed them.
+enum class UnverifiedCudaKernels { kRefuse, kAllow };
+
 // Which kernels the forward runs: the defaults serve; tests and benchmarks
 // override them to compare. ModelRunnerOptions carries the same struct
 // (ModelRunner::Create refuses choices the device or model cannot run).
@@ -103,6 +111,8 @@ struct ForwardKernelOptions {
   // the model does not support.
   kernels::VarlenAttentionKernel varlen_attention_kernel =
       kernels::VarlenAttentionKernel::kAuto;
+  UnverifiedCudaKernels unverified_cuda_kernels =
+      UnverifiedCudaKernels::kRefuse;
 };
 
 struct LlamaForwardOptions {
