@@ -32,10 +32,12 @@
 #include "common/dtype.h"
 #include "glog/logging.h"
 #include "tools/make_tiny_model/tiny_model.h"
+#include "worker/kernels/kernel_checks.h"
 #include "worker/model/checkpoint.h"
 #include "worker/model/llama_weights.h"
 #include "worker/model/model_config.h"
 #include "worker/model/model_fingerprint.h"
+#include "worker/runtime/arena.h"
 #include "worker/runtime/device_factory.h"
 
 ABSL_FLAG(std::string, model_dir, "",
@@ -142,6 +144,10 @@ int Main() {
   Timing load_total{"the load: open + weights + digest + fingerprint", {}};
   Timing overlapped{
       "the load with the digest on other threads at once (same result)", {}};
+  Timing arena_alone{
+      "the weights arena alone (Arena::Create: the device's first touch of "
+      "fresh memory, the floor of any load into it)",
+      {}};
   Timing digest_1{"WeightsDigest alone, 1 thread (fresh mapping)", {}};
   Timing digest_n{absl::StrCat("WeightsDigest alone, ", hardware_threads,
                                " threads (fresh mapping)"),
@@ -201,6 +207,15 @@ int Main() {
       CHECK_EQ(*model, fingerprint);
       overlapped.seconds.push_back(SecondsSince(start));
     }
+    {
+      const auto start = Clock::now();
+      auto arena = Arena::Create(
+          **device,
+          {LlamaWeightBytes(*config, kernels::ModelDTypeFor((*device)->kind())),
+           256, "weights"});
+      CHECK(arena.ok()) << arena.status();
+      arena_alone.seconds.push_back(SecondsSince(start));
+    }
     digest_1.seconds.push_back(digest_alone(1));
     digest_n.seconds.push_back(digest_alone(0));
   }
@@ -216,7 +231,7 @@ int Main() {
       "| --- | --- | --- | --- |\n");
   const double cat_median = cat_time.Median();
   for (const Timing* t : {&cat_time, &open_load, &digest_in_load, &load_total,
-                          &overlapped, &digest_1, &digest_n}) {
+                          &overlapped, &arena_alone, &digest_1, &digest_n}) {
     std::printf("| %s | %.3f | %.3f | %.2fx |\n", t->what.c_str(), t->Median(),
                 t->Best(), t->Median() / cat_median);
   }

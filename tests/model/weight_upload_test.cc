@@ -90,7 +90,7 @@ TEST_P(WeightUploadTest, ConvertsEveryElementThroughASmallRing) {
   // tensor takes 21-42 chunks and every block is reused many times.
   auto ring = UploadRing::Create(device_, 96, 2);
   ASSERT_TRUE(ring.ok()) << ring.status();
-  auto arena = Arena::Create(device_, {expected.size() + 512, 256, "w"});
+  auto arena = Arena::Create(device_, {2 * expected.size() + 1024, 256, "w"});
   ASSERT_TRUE(arena.ok());
   // One guard byte past the tensor: nothing may write it.
   auto dst = (*arena)->Allocate(expected.size() + 1, "tensor");
@@ -101,12 +101,29 @@ TEST_P(WeightUploadTest, ConvertsEveryElementThroughASmallRing) {
           ->CopyToDevice(dst->Slice(expected.size(), 1), guard.data(), 1)
           .ok());
 
-  ASSERT_TRUE(UploadTensor(tensor, c.dst, **ring, **stream, *dst).ok());
+  ASSERT_TRUE(UploadTensor(tensor, c.dst, ring->get(), **stream, *dst).ok());
   std::vector<uint8_t> got(expected.size() + 1);
   ASSERT_TRUE((*stream)->CopyToHost(got.data(), *dst, got.size()).ok());
   EXPECT_EQ(got.back(), 0x5A);
   got.pop_back();
   EXPECT_EQ(got, expected);
+
+  // Without a ring (what the CPU backend's load does): the stream converts
+  // from the mapping straight into the destination, to the same bytes.
+  auto direct = (*arena)->Allocate(expected.size() + 1, "direct");
+  ASSERT_TRUE(direct.ok());
+  ASSERT_TRUE(
+      (*stream)
+          ->CopyToDevice(direct->Slice(expected.size(), 1), guard.data(), 1)
+          .ok());
+  ASSERT_TRUE(UploadTensor(tensor, c.dst, nullptr, **stream, *direct).ok());
+  std::vector<uint8_t> direct_got(expected.size() + 1);
+  ASSERT_TRUE((*stream)
+                  ->CopyToHost(direct_got.data(), *direct, direct_got.size())
+                  .ok());
+  EXPECT_EQ(direct_got.back(), 0x5A);
+  direct_got.pop_back();
+  EXPECT_EQ(direct_got, expected);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -136,11 +153,11 @@ TEST(WeightUploadErrorsTest, RefusesWithoutWriting) {
   ASSERT_TRUE(small.ok());
 
   absl::Status too_small =
-      UploadTensor(tensor, DType::kFloat32, **ring, **stream, *small);
+      UploadTensor(tensor, DType::kFloat32, ring->get(), **stream, *small);
   EXPECT_EQ(too_small.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(too_small.message(), HasSubstr("39 bytes"));
   absl::Status fp16 =
-      UploadTensor(tensor, DType::kFloat16, **ring, **stream, *small);
+      UploadTensor(tensor, DType::kFloat16, ring->get(), **stream, *small);
   EXPECT_EQ(fp16.code(), absl::StatusCode::kInvalidArgument);
 
   auto tiny_ring = UploadRing::Create(device, 2, 2);
@@ -148,7 +165,7 @@ TEST(WeightUploadErrorsTest, RefusesWithoutWriting) {
   auto fits = (*arena)->Allocate(40, "fits");
   ASSERT_TRUE(fits.ok());
   absl::Status no_element =
-      UploadTensor(tensor, DType::kFloat32, **tiny_ring, **stream, *fits);
+      UploadTensor(tensor, DType::kFloat32, tiny_ring->get(), **stream, *fits);
   EXPECT_EQ(no_element.code(), absl::StatusCode::kInvalidArgument);
 }
 

@@ -71,6 +71,24 @@ TEST(CpuDeviceTest, NewMemoryIsPoisonedSoUnwrittenReadsShow) {
   EXPECT_EQ(memory->buffer().as<int32_t>()[3], -1);
 }
 
+// Allocations past 64 MiB per hardware thread are poisoned by several
+// threads at once (the first touch of their pages is most of a weights
+// load): every byte still reads 0xFF, including the last piece's end, and
+// an odd size's tail.
+TEST(CpuDeviceTest, LargeAllocationsArePoisonedToTheLastByte) {
+  CpuDevice device;
+  const size_t size = (size_t{200} << 20) + 12345;
+  absl::StatusOr<DeviceMemory> memory = device.Allocate(size);
+  ASSERT_TRUE(memory.ok()) << memory.status();
+  const auto* bytes = memory->buffer().as<const unsigned char>();
+  for (size_t i = 0; i < size; i += 4093) {
+    ASSERT_EQ(bytes[i], 0xFF) << "byte " << i;
+  }
+  for (size_t i = size - 4096; i < size; ++i) {
+    ASSERT_EQ(bytes[i], 0xFF) << "byte " << i;
+  }
+}
+
 TEST(CpuDeviceTest, ArenaLargerThanDeviceFails) {
   CpuDeviceOptions options;
   options.capacity_bytes = 1000;

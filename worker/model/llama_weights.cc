@@ -42,7 +42,7 @@ size_t Aligned(size_t bytes) {
 struct WeightsLoad {
   const Checkpoint& checkpoint;
   Stream& stream;
-  UploadRing& ring;
+  UploadRing* ring;  // null on the CPU backend: the stream converts in place
   LlamaWeights& w;
   // Prepended to every name (ModelConfig::tensor_prefix).
   std::string prefix = {};
@@ -278,14 +278,18 @@ absl::StatusOr<LlamaWeights> LoadLlamaWeights(const ModelConfig& c,
     return absl::InternalError(
         absl::StrCat("LoadLlamaWeights: no ", DTypeName(w.dtype), " kernels"));
   }
-  PDW_ASSIGN_OR_RETURN(
-      std::unique_ptr<UploadRing> ring,
-      UploadRing::Create(device, kStagingBlockBytes, kStagingBlocks));
+  // The CPU device's memory is the host's: no staging ring there.
+  std::unique_ptr<UploadRing> ring;
+  if (device.kind() != DeviceKind::kCpu) {
+    PDW_ASSIGN_OR_RETURN(
+        ring, UploadRing::Create(device, kStagingBlockBytes, kStagingBlocks));
+  }
   // Destroyed before `ring` and `w`: an error below returns only once the
-  // copies queued out of the ring's blocks into the arena have run, so none
-  // reads freed staging or writes a freed arena.
+  // copies queued out of the ring's blocks (or, on the CPU backend, out of
+  // the caller's mapping) into the arena have run, so none reads freed
+  // staging or writes a freed arena.
   StreamFence uploaded(stream);
-  WeightsLoad load{checkpoint, stream, *ring, w, c.tensor_prefix};
+  WeightsLoad load{checkpoint, stream, ring.get(), w, c.tensor_prefix};
   PDW_RETURN_IF_ERROR(LoadInto(c, load));
   PDW_RETURN_IF_ERROR(RefuseUnusedTensors(c, checkpoint, load.used));
   PDW_RETURN_IF_ERROR(uploaded.Wait());

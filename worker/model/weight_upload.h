@@ -5,8 +5,10 @@
 // a chunk from the mapping straight into the ring's next pinned block and
 // queues its DMA, so the stream copies chunk i while the host converts
 // chunk i+1 (UploadRing::Next waits only when every block is still being
-// copied). One pass over the weights, no per-tensor host buffer;
-// bench/load_time_bench times the load against `cat` of the files.
+// copied). One pass over the weights, no per-tensor host buffer. On the CPU
+// backend, whose device memory is host memory, the stream converts each
+// chunk from the mapping straight into the destination instead (no ring, one
+// copy). bench/load_time_bench times the load against `cat` of the files.
 #ifndef PDWORKER_WORKER_MODEL_WEIGHT_UPLOAD_H_
 #define PDWORKER_WORKER_MODEL_WEIGHT_UPLOAD_H_
 
@@ -26,13 +28,16 @@ size_t DeviceBytesOf(const TensorInfo& tensor, DType dtype);
 
 // Queues `tensor`'s elements converted to `dtype` (kFloat32, or kBFloat16
 // rounded to nearest even from f32/f16, exact from bf16) into `dst`, which
-// must hold DeviceBytesOf(tensor, dtype) bytes. Returns once the last chunk
-// is queued: the mapping is read by then; `dst` and the ring's blocks are
-// in use until the stream ran the copies, so the caller keeps both alive
-// behind a StreamFence. INVALID_ARGUMENT for kFloat16 or a `dst` too
-// small; the ring's and the stream's errors.
+// must hold DeviceBytesOf(tensor, dtype) bytes: through `ring`'s pinned
+// blocks, or, with no ring (the CPU backend only), converted by the stream
+// straight from the mapping. Returns once the last chunk is queued; `dst`,
+// the ring's blocks and (without a ring, where the stream reads it) the
+// tensor's mapping are in use until the stream ran the copies, so the
+// caller keeps them alive behind a StreamFence. INVALID_ARGUMENT for
+// kFloat16, a `dst` too small, or no ring off the CPU backend; the ring's
+// and the stream's errors.
 absl::Status UploadTensor(const TensorInfo& tensor, DType dtype,
-                          UploadRing& ring, Stream& stream, DeviceBuffer dst);
+                          UploadRing* ring, Stream& stream, DeviceBuffer dst);
 
 }  // namespace pdworker
 

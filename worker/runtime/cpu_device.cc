@@ -3,8 +3,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 #include "worker/runtime/cpu_event.h"
@@ -26,6 +29,34 @@ constexpr size_t kHostAllocationAlignment = 64;
 // aligned_alloc needs a size that is a multiple of the alignment.
 size_t RoundUp(size_t size_bytes, size_t alignment) {
   return (size_bytes + alignment - 1) / alignment * alignment;
+}
+
+// Fills [data, data + size_bytes) with `byte`, split over the machine's
+// hardware threads when it is large. The first write to a fresh page costs
+// the kernel's zeroing of it, which is most of what a large allocation
+// costs (a 5 GB weights arena: ~0.7 s on one core of a 2-core VM, more
+// than reading the checkpoint from the page cache), and it runs in
+// parallel. Pieces are whole huge pages, so no 2 MiB page is faulted by
+// two threads.
+void ParallelFill(void* data, size_t size_bytes, int byte) {
+  constexpr size_t kMinBytesPerThread = size_t{64} << 20;
+  const size_t threads =
+      std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()),
+                       size_bytes / kMinBytesPerThread);
+  if (threads <= 1) {
+    std::memset(data, byte, size_bytes);
+    return;
+  }
+  const size_t piece = RoundUp(size_bytes / threads, kHugePageBytes);
+  auto* bytes = static_cast<unsigned char*>(data);
+  std::vector<std::thread> workers;
+  for (size_t at = piece; at < size_bytes; at += piece) {
+    workers.emplace_back([bytes, at, piece, size_bytes, byte] {
+      std::memset(bytes + at, byte, std::min(piece, size_bytes - at));
+    });
+  }
+  std::memset(bytes, byte, std::min(piece, size_bytes));
+  for (std::thread& t : workers) t.join();
 }
 
 size_t PhysicalMemoryBytes() {
@@ -74,7 +105,7 @@ absl::StatusOr<void*> CpuDevice::DoAllocate(size_t size_bytes) {
   }
   // Advice only: a kernel without THP leaves the pages small.
   if (alignment == kHugePageBytes) madvise(data, rounded, MADV_HUGEPAGE);
-  if (memory_init_ == CpuMemoryInit::kPoison) std::memset(data, 0xFF, rounded);
+  if (memory_init_ == CpuMemoryInit::kPoison) ParallelFill(data, rounded, 0xFF);
   return data;
 }
 
