@@ -115,8 +115,9 @@ ABSL_FLAG(std::string, cpu_stream, "threaded",
           "(inline).");
 ABSL_FLAG(std::string, unverified_cuda_kernels, "refuse",
           "CUDA backend: models that need CUDA kernels written but not yet "
-          "run on a GPU (Qwen3's per-head q/k norm, partial rotary) are "
-          "refused by name (refuse), or run with them (allow).");
+          "run on a GPU (Qwen3's per-head q/k norm, partial rotary, Gemma's "
+          "layer) are refused by name and windowed models kept within their "
+          "window (refuse), or run with them (allow).");
 ABSL_FLAG(int, max_message_bytes, 4 << 20,
           "Largest request accepted; larger ones get RESOURCE_EXHAUSTED.");
 ABSL_FLAG(std::string, grpc_keepalive_time, "30s",

@@ -1,5 +1,6 @@
 // embedding on CUDA vs the CPU kernel. The lookup is a copy, so the GPU's
 // bf16 rows must equal the (bf16-representable) CPU rows exactly.
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -43,6 +44,36 @@ TEST_F(EmbeddingCudaTest, CopiesTheSameRowsAsTheCpuKernel) {
                         kVocab,
                         kHidden,
                         DType::kBFloat16};
+  ASSERT_TRUE(LaunchEmbedding(*gpu().stream, gpu_p).ok());
+  EXPECT_TRUE(SameBits(ReadGpuBf16(gpu_p.output, want.size()), want));
+}
+
+// Gemma's embedding multiplier (sqrt(hidden)), written without a GPU: the
+// GPU rounds float(row) * scale to bf16 once, so it is the CPU row rounded.
+TEST_F(EmbeddingCudaTest, ScaledRowsAreTheCpuRowsRounded) {
+  const std::vector<float> table = RandomBf16Floats(kVocab * kHidden, 3);
+  const std::vector<int32_t> ids = {3, 0, kVocab - 1, -1, 17};
+  const int n = static_cast<int>(ids.size());
+  const float scale = std::sqrt(static_cast<float>(kHidden));
+  EmbeddingParams cpu_p{cpu().Upload(ids),
+                        CpuFloats(table),
+                        cpu().Alloc(sizeof(float) * n * kHidden),
+                        n,
+                        kVocab,
+                        kHidden,
+                        DType::kFloat32,
+                        scale};
+  ASSERT_TRUE(LaunchEmbedding(*cpu().stream, cpu_p).ok());
+  const std::vector<float> want = testing::RoundToBf16(
+      cpu().Read<float>(cpu_p.output, static_cast<size_t>(n) * kHidden));
+  EmbeddingParams gpu_p{gpu().Upload(ids),
+                        GpuBf16(table),
+                        gpu().Alloc(2 * n * kHidden),
+                        n,
+                        kVocab,
+                        kHidden,
+                        DType::kBFloat16,
+                        scale};
   ASSERT_TRUE(LaunchEmbedding(*gpu().stream, gpu_p).ok());
   EXPECT_TRUE(SameBits(ReadGpuBf16(gpu_p.output, want.size()), want));
 }

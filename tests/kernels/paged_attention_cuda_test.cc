@@ -423,6 +423,53 @@ TEST_P(PagedAttentionCudaTest, TensorCoreSplitKDecodeMatchesCpu) {
   EXPECT_TRUE(SameBits(GpuOutput(next), replayed));
 }
 
+// Gemma 2's soft-cap and a sliding window (Mistral's, Gemma's local
+// layers), written without a GPU (UnverifiedCudaKernels): every batch on the
+// CUDA-core kernels (what kAuto picks for them) against the CPU kernel,
+// each feature alone and both; a forced tensor-core kernel refuses them.
+TEST_P(PagedAttentionCudaTest, SoftcapAndSlidingWindowMatchCpu) {
+  struct Variant {
+    float softcap;
+    int window;
+  };
+  for (const Variant v : {Variant{2.0f, 0}, Variant{0.0f, 100},
+                          Variant{0.0f, 7}, Variant{30.0f, 512}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "softcap " << v.softcap << ", window " << v.window);
+    for (PagedAttentionParams* p : {&cpu_, &gpu_}) {
+      p->softcap = v.softcap;
+      p->sliding_window = v.window;
+    }
+    ExpectGpuMatchesCpu(kPrefill, 900, "varlen prefill");
+    ExpectGpuMatchesCpu(kMixed, 901, "varlen mixed");
+    ExpectGpuMatchesCpu(kDecodeK1, 902, "split-K decode, k=1");
+    ExpectGpuMatchesCpu(kDecodeK3, 903, "split-K decode, k=3");
+  }
+  // Without them the same step gives other values: the test can fail.
+  cpu_.softcap = gpu_.softcap = 0.0f;
+  cpu_.sliding_window = gpu_.sliding_window = 7;
+  WriteStep(kDecodeK1, 904);
+  ASSERT_TRUE(Run(cpu(), cpu_, kDecodeK1).ok());
+  const std::vector<float> windowed = CpuOutput(kDecodeK1);
+  cpu_.sliding_window = 0;
+  ASSERT_TRUE(Run(cpu(), cpu_, kDecodeK1).ok());
+  double worst = 0;
+  const std::vector<float> full = CpuOutput(kDecodeK1);
+  for (size_t i = 0; i < full.size(); ++i) {
+    worst = std::max(worst, std::abs(double{full[i]} - windowed[i]));
+  }
+  EXPECT_GT(worst, 1e-2);
+  // The tensor-core kernels have neither: forced, they refuse.
+  gpu_.sliding_window = 7;
+  gpu_.decode_kernel = DecodeAttentionKernel::kTensorCores;
+  EXPECT_FALSE(Run(gpu(), gpu_, kDecodeK1).ok());
+  gpu_.decode_kernel = DecodeAttentionKernel::kAuto;
+  gpu_.varlen_kernel = VarlenAttentionKernel::kTensorCores;
+  EXPECT_FALSE(Run(gpu(), gpu_, kPrefill).ok());
+  gpu_.varlen_kernel = VarlenAttentionKernel::kAuto;
+  gpu_.sliding_window = 0;
+}
+
 // The launch needs (head_dim + 2) floats per (token, head, split); one
 // float less is refused before anything runs.
 TEST_P(PagedAttentionCudaTest, DecodeRefusesATooSmallWorkspace) {

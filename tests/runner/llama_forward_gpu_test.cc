@@ -29,7 +29,6 @@
 namespace pdworker {
 namespace {
 
-using runner_testing::CudaTinyShapes;
 using runner_testing::TinyModelDir;
 
 constexpr int kMaxNumSeqs = 8;
@@ -291,7 +290,7 @@ TEST_P(ForwardGpuTest, PaddingNeverWritesKvAndGetsZeroLogits) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllShapes, ForwardGpuTest,
-                         ::testing::ValuesIn(CudaTinyShapes()),
+                         ::testing::ValuesIn(AllTinyShapes()),
                          [](const ::testing::TestParamInfo<TinyShape>& info) {
                            return std::string(TinyShapeName(info.param));
                          });

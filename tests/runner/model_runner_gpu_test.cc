@@ -36,7 +36,6 @@
 namespace pdworker {
 namespace {
 
-using runner_testing::CudaTinyShapes;
 using runner_testing::Seq;
 using runner_testing::SmallOptions;
 using runner_testing::TinyModelDir;
@@ -317,8 +316,9 @@ TEST_P(RunnerGpuTest, DecodeFusionLeavesEveryLogitBitIdentical) {
         ASSERT_TRUE(runner.ok()) << runner.status();
         ASSERT_TRUE((*runner)->CaptureGraphs().ok());
         const bool on = fusion == DecodeFusion::kOn;
-        EXPECT_EQ((*runner)->forward().FusesDecodeLayers(1), on);
-        EXPECT_EQ((*runner)->forward().FusesDecodeLayers(4), on);
+        const bool fuses = on && runner_testing::CudaFusesDecode(GetParam());
+        EXPECT_EQ((*runner)->forward().FusesDecodeLayers(1), fuses);
+        EXPECT_EQ((*runner)->forward().FusesDecodeLayers(4), fuses);
         EXPECT_FALSE((*runner)->forward().FusesDecodeLayers(16));
         for (const auto& batch : batches) {
           ASSERT_TRUE((*runner)->Execute(batch).ok());
@@ -373,7 +373,8 @@ TEST_P(RunnerGpuTest, GreedyHeadFusionChangesNoTokenLogprobOrLogit) {
       auto runner = ModelRunner::Create(*cuda_, dir_, o);
       ASSERT_TRUE(runner.ok()) << runner.status();
       ASSERT_TRUE((*runner)->CaptureGraphs().ok());
-      EXPECT_EQ((*runner)->forward().GreedyTiles(one_row).empty(), !on);
+      EXPECT_EQ((*runner)->forward().GreedyTiles(one_row).empty(),
+                !(on && runner_testing::CudaGreedyHead(GetParam())));
       EXPECT_TRUE((*runner)->forward().GreedyTiles(two_rows).empty());
       ModelRunner& r = **runner;
       StepOutcome& out = outcome[config];
@@ -400,7 +401,7 @@ TEST_P(RunnerGpuTest, GreedyHeadFusionChangesNoTokenLogprobOrLogit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllShapes, RunnerGpuTest,
-                         ::testing::ValuesIn(CudaTinyShapes()),
+                         ::testing::ValuesIn(AllTinyShapes()),
                          [](const ::testing::TestParamInfo<TinyShape>& info) {
                            return std::string(TinyShapeName(info.param));
                          });
@@ -506,6 +507,10 @@ TEST(CudaRefusalGpuTest, ASlidingWindowCapsMaxModelLen) {
   auto dir = TinyModelDir(TinyShape::kMistralWindow);
   ASSERT_TRUE(dir.ok()) << dir.status();
   ModelRunnerOptions options = SmallOptions(R"({"cudagraph_mode":"NONE"})");
+  // The windowed CUDA kernels have not run on a GPU yet: by default the
+  // window caps the length instead.
+  options.kernel_options.unverified_cuda_kernels =
+      UnverifiedCudaKernels::kRefuse;
   options.max_model_len = 0;
   auto runner = ModelRunner::Create(**device, *dir, options);
   ASSERT_TRUE(runner.ok()) << runner.status();
@@ -518,9 +523,10 @@ TEST(CudaRefusalGpuTest, ASlidingWindowCapsMaxModelLen) {
       << refused.status();
 }
 
-// A model whose layer the CUDA kernels do not implement is refused at
-// Create, naming the feature, never run without it.
-TEST(CudaRefusalGpuTest, LayersWithoutCudaKernelsAreRefusedByName) {
+// A model whose layer needs CUDA kernels that have not run on a GPU yet is
+// refused at Create by default, naming the features and the flag, never run
+// without them.
+TEST(CudaRefusalGpuTest, LayersWithUnverifiedCudaKernelsAreRefusedByName) {
   auto device = CreateDevice(DeviceKind::kCuda);
   if (!device.ok()) {
     GTEST_SKIP() << "CUDA backend not available here ("
@@ -543,8 +549,7 @@ TEST(CudaRefusalGpuTest, LayersWithoutCudaKernelsAreRefusedByName) {
 
   auto gemma = TinyModelDir(TinyShape::kGemma2);
   ASSERT_TRUE(gemma.ok()) << gemma.status();
-  runner = ModelRunner::Create(**device, *gemma,
-                               SmallOptions(R"({"cudagraph_mode":"NONE"})"));
+  runner = ModelRunner::Create(**device, *gemma, refuse);
   ASSERT_FALSE(runner.ok());
   EXPECT_EQ(runner.status().code(), absl::StatusCode::kUnimplemented);
   for (const char* feature :

@@ -27,24 +27,36 @@ inline absl::StatusOr<std::string> TinyModelDir(TinyShape shape) {
   return dir;
 }
 
-// The test shapes the CUDA backend runs: all but Gemma 2 and 3 (sandwich
-// norms, GeGLU, soft-capping, the embedding multiplier), which have no CUDA
-// kernels yet (LlamaForward::Create refuses them by name;
-// model_runner_gpu_test checks the refusal), and the 8-token window of
-// mistral_window (no windowed CUDA attention: the runner caps max_model_len
-// to the window there, below these tests' lengths). Qwen3's q/k norm and
-// phi4_mini's partial rotary run with SmallOptions' unverified CUDA
-// kernels allowed: these tests are those kernels' first GPU run.
-inline std::vector<TinyShape> CudaTinyShapes() {
-  std::vector<TinyShape> shapes;
-  for (const TinyShape shape : AllTinyShapes()) {
-    if (shape != TinyShape::kGemma2 && shape != TinyShape::kGemma3 &&
-        shape != TinyShape::kGemma3Multimodal &&
-        shape != TinyShape::kMistralWindow) {
-      shapes.push_back(shape);
-    }
+// The CUDA backend runs every test shape. Qwen3's q/k norm, phi4_mini's
+// partial rotary, Gemma 2/3's layer (sandwich norms, GeGLU, soft-capping,
+// the embedding multiplier) and windowed attention (mistral_window's 8
+// tokens, Gemma's local layers) have CUDA kernels written without a GPU:
+// they run with SmallOptions' unverified CUDA kernels allowed, so the GPU
+// tests are their first GPU run (model_runner_gpu_test's
+// CudaRefusalGpuTest checks that they are refused by default).
+//
+// Whether the CUDA forward fuses a decode step's layers (the skinny GEMM's
+// epilogues, the megakernel) for `shape`: not where the layer needs kernels
+// those paths do not implement (q/k norm, partial rotary, Gemma's layer, a
+// window run on CUDA).
+inline bool CudaFusesDecode(TinyShape shape) {
+  switch (shape) {
+    case TinyShape::kQwen3:
+    case TinyShape::kPhi4Mini:
+    case TinyShape::kGemma2:
+    case TinyShape::kGemma3:
+    case TinyShape::kGemma3Multimodal:
+    case TinyShape::kMistralWindow:
+      return false;
+    default:
+      return true;
   }
-  return shapes;
+}
+
+// Whether a one-row CUDA step's LM head folds its logits for the greedy
+// sampler: not under a final logit soft-cap (Gemma 2).
+inline bool CudaGreedyHead(TinyShape shape) {
+  return shape != TinyShape::kGemma2;
 }
 
 // Step options small enough for fast CPU tests; capture sizes 1..16.

@@ -158,6 +158,14 @@ __device__ __forceinline__ float SiluMul(float gate, float up) {
   return gate / (1.0f + expf(-gate)) * up;
 }
 
+// GeGLU's gelu_tanh(gate) · up, the CPU kernel's expression
+// (gelu_tanh_and_mul.cc): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+__device__ __forceinline__ float GeluTanhMul(float gate, float up) {
+  const float inner =
+      0.7978845608028654f * (gate + 0.044715f * gate * gate * gate);
+  return 0.5f * gate * (1.0f + tanhf(inner)) * up;
+}
+
 // True when `p` may be read or written with 16-byte (uint4) accesses.
 inline bool Aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;

@@ -49,6 +49,7 @@ absl::Status EmbeddingOnCuda(Stream& stream, const EmbeddingParams& p) {
   c.num_tokens = p.num_tokens;
   c.vocab_size = p.vocab_size;
   c.hidden_size = p.hidden_size;
+  c.scale = p.scale;
   return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
     return CudaStatus(
         LaunchEmbeddingCuda(c, static_cast<cudaStream_t>(ctx.cuda_stream)),
@@ -84,11 +85,6 @@ absl::Status LaunchEmbedding(Stream& stream, const EmbeddingParams& p) {
   if (!std::isfinite(p.scale)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("%s: scale must be finite, got %g", kOp, p.scale));
-  }
-  if (stream.kind() == DeviceKind::kCuda && p.scale != 1.0f) {
-    return absl::UnimplementedError(absl::StrFormat(
-        "%s: scale %g (an embedding multiplier) has no CUDA kernel yet", kOp,
-        p.scale));
   }
 #if PDW_HAVE_CUDA
   if (stream.kind() == DeviceKind::kCuda) return EmbeddingOnCuda(stream, p);

@@ -13,7 +13,7 @@ constexpr int kThreads = 128;
 __global__ void EmbeddingKernel(const int32_t* __restrict__ token_ids,
                                 const __nv_bfloat16* __restrict__ table,
                                 __nv_bfloat16* __restrict__ output,
-                                int vocab_size, int hidden_size) {
+                                int vocab_size, int hidden_size, float scale) {
   cuda::AllowDependentLaunch();  // the first qkv projection (PDL) follows
   const int64_t t = blockIdx.x;
   const int32_t id = token_ids[t];
@@ -25,7 +25,13 @@ __global__ void EmbeddingKernel(const int32_t* __restrict__ token_ids,
     return;
   }
   const __nv_bfloat16* src = table + static_cast<int64_t>(id) * hidden_size;
-  for (int i = threadIdx.x; i < hidden_size; i += blockDim.x) dst[i] = src[i];
+  if (scale == 1.0f) {
+    for (int i = threadIdx.x; i < hidden_size; i += blockDim.x) dst[i] = src[i];
+    return;
+  }
+  for (int i = threadIdx.x; i < hidden_size; i += blockDim.x) {
+    dst[i] = __float2bfloat16(__bfloat162float(src[i]) * scale);
+  }
 }
 
 }  // namespace
@@ -33,7 +39,7 @@ __global__ void EmbeddingKernel(const int32_t* __restrict__ token_ids,
 cudaError_t LaunchEmbeddingCuda(const EmbeddingCudaParams& p,
                                 cudaStream_t stream) {
   EmbeddingKernel<<<p.num_tokens, kThreads, 0, stream>>>(
-      p.token_ids, p.table, p.output, p.vocab_size, p.hidden_size);
+      p.token_ids, p.table, p.output, p.vocab_size, p.hidden_size, p.scale);
   return cudaGetLastError();
 }
 

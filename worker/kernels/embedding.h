@@ -26,8 +26,8 @@ struct EmbeddingParams {
   // (see ModelDTypeFor). The copy is exact either way.
   DType dtype = DType::kFloat32;
   // Every copied row is multiplied by this (Gemma's sqrt(hidden_size)
-  // normalizer); 1 copies exactly. The CPU kernel only (CUDA refuses
-  // another value).
+  // normalizer); 1 copies exactly. On CUDA bf16(float(row) * scale),
+  // written without a GPU (UnverifiedCudaKernels).
   float scale = 1.0f;
 };
 

@@ -18,6 +18,9 @@ struct EmbeddingCudaParams {
   int num_tokens = 0;
   int vocab_size = 0;
   int hidden_size = 0;
+  // Gemma's embedding multiplier: rows are bf16(float(row) * scale) (1: a
+  // plain copy). Written without a GPU (UnverifiedCudaKernels).
+  float scale = 1.0f;
 };
 
 // One block per token row. Returns the launch error (cudaGetLastError).

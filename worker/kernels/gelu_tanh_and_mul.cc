@@ -4,7 +4,13 @@
 #include <cstdint>
 
 #include "absl/strings/str_format.h"
+#include "pdw_cuda_config.h"  // PDW_HAVE_CUDA
 #include "worker/kernels/kernel_checks.h"
+
+#if PDW_HAVE_CUDA
+#include "worker/kernels/silu_and_mul_cuda.h"
+#include "worker/runtime/cuda_status.h"
+#endif
 
 namespace pdworker {
 namespace kernels {
@@ -29,6 +35,26 @@ void GeluTanhAndMulCpu(const GeluTanhAndMulParams& p) {
   }
 }
 
+#if PDW_HAVE_CUDA
+// The gated-activation kernel of silu_and_mul.cu with the tanh GELU: written
+// without a GPU (LlamaForward runs it only with UnverifiedCudaKernels::
+// kAllow).
+absl::Status GeluTanhAndMulOnCuda(Stream& stream,
+                                  const GeluTanhAndMulParams& p) {
+  SiluAndMulCudaParams c;
+  c.input = p.input.as<const __nv_bfloat16>();
+  c.output = p.output.as<__nv_bfloat16>();
+  c.num_tokens = p.num_tokens;
+  c.intermediate_size = p.intermediate_size;
+  c.activation = GatedActivation::kGeluTanh;
+  return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
+    return CudaStatus(
+        LaunchSiluAndMulCuda(c, static_cast<cudaStream_t>(ctx.cuda_stream)),
+        kOp);
+  });
+}
+#endif
+
 }  // namespace
 
 absl::Status LaunchGeluTanhAndMul(Stream& stream,
@@ -37,11 +63,6 @@ absl::Status LaunchGeluTanhAndMul(Stream& stream,
       {CheckPositive(kOp, "num_tokens", p.num_tokens),
        CheckPositive(kOp, "intermediate_size", p.intermediate_size)});
   if (!status.ok()) return status;
-  if (stream.kind() != DeviceKind::kCpu) {
-    return absl::UnimplementedError(
-        absl::StrFormat("%s: no %s kernel yet (the CPU backend only)", kOp,
-                        DeviceKindName(stream.kind())));
-  }
   const int64_t in_elements =
       static_cast<int64_t>(p.num_tokens) * 2 * p.intermediate_size;
   const int64_t out_elements =
@@ -58,8 +79,14 @@ absl::Status LaunchGeluTanhAndMul(Stream& stream,
                    absl::StrFormat("[num_tokens=%d, intermediate_size=%d] %s",
                                    p.num_tokens, p.intermediate_size, type)),
        CheckDisjoint(kOp, "output", p.output, element * out_elements, "input",
-                     p.input, element * in_elements)});
+                     p.input, element * in_elements),
+       CheckBackendImplemented(stream, kOp)});
   if (!status.ok()) return status;
+#if PDW_HAVE_CUDA
+  if (stream.kind() == DeviceKind::kCuda) {
+    return GeluTanhAndMulOnCuda(stream, p);
+  }
+#endif
   return stream.Launch(kOp, [p](const OpContext&) { GeluTanhAndMulCpu(p); });
 }
 

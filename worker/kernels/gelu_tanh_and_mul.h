@@ -1,7 +1,8 @@
 // GeGLU MLP activation (Gemma 2 and 3, hidden_activation
 // "gelu_pytorch_tanh"): out = gelu_tanh(gate) * up, with
 // gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
-// The CPU backend only: CUDA refuses it (no kernel yet).
+// fp32 on the CPU backend, bf16 on CUDA (silu_and_mul.cu's kernel with this
+// activation, written without a GPU: UnverifiedCudaKernels).
 #ifndef PDWORKER_WORKER_KERNELS_GELU_TANH_AND_MUL_H_
 #define PDWORKER_WORKER_KERNELS_GELU_TANH_AND_MUL_H_
 
@@ -20,7 +21,7 @@ struct GeluTanhAndMulParams {
                         // overlap input
   int num_tokens = 0;   // padded
   int intermediate_size = 0;
-  DType dtype = DType::kFloat32;  // fp32 (the CPU backend's)
+  DType dtype = DType::kFloat32;  // the model dtype of the backend
 };
 
 absl::Status LaunchGeluTanhAndMul(Stream& stream,

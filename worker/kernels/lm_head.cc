@@ -81,6 +81,7 @@ bool LmHeadWritesGreedyTiles(const Stream& stream, const LmHeadParams& p) {
          (p.linear_kernel == LinearKernel::kAuto ||
           p.linear_kernel == LinearKernel::kSkinnyGemm) &&
          (p.norm_weight.empty() || p.logits_indices.empty()) &&
+         p.softcap == 0.0f &&  // the tiles fold uncapped logits
          GreedyHeadCudaSupports(GreedyHeadFor(p));
 #else
   (void)stream;
@@ -184,10 +185,6 @@ absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p) {
         "lm_head: softcap must be finite and >= 0 (0: none), got %g",
         p.softcap));
   }
-  if (p.softcap > 0.0f && stream.kind() == DeviceKind::kCuda) {
-    return absl::UnimplementedError(
-        "lm_head: softcap (final logit soft-capping) has no CUDA kernel yet");
-  }
   // Checked before the gather, which launches first.
   if (!p.greedy_tiles.empty()) {
     PDW_RETURN_IF_ERROR(CheckBuffer(kOp, "greedy_tiles", p.greedy_tiles,
@@ -250,6 +247,19 @@ absl::Status LaunchLmHead(Stream& stream, const LmHeadParams& p) {
   PDW_RETURN_IF_ERROR(LaunchLinear(stream, linear));
   if (p.softcap == 0.0f) return absl::OkStatus();
   const int64_t count = static_cast<int64_t>(p.num_rows) * p.vocab_size;
+#if PDW_HAVE_CUDA
+  if (stream.kind() == DeviceKind::kCuda) {
+    float* logits = p.logits.as<float>();
+    const float cap = p.softcap;
+    return LaunchCudaOp(
+        stream, "lm_head softcap", [logits, count, cap](const OpContext& ctx) {
+          return CudaStatus(LaunchLogitSoftcapCuda(
+                                logits, count, cap,
+                                static_cast<cudaStream_t>(ctx.cuda_stream)),
+                            "lm_head softcap");
+        });
+  }
+#endif
   return stream.Launch("lm_head softcap", [p, count](const OpContext&) {
     float* logits = p.logits.as<float>();
     for (int64_t i = 0; i < count; ++i) {

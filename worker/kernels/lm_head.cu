@@ -1,5 +1,8 @@
 // gather_rows on CUDA: output[i] = input[indices[i]] (bf16 copy), zero rows
-// for indices outside [0, num_input_rows).
+// for indices outside [0, num_input_rows); the final logit soft-cap.
+#include <algorithm>
+#include <cstdint>
+
 #include "worker/kernels/cuda_common.cuh"
 #include "worker/kernels/lm_head_cuda.h"
 
@@ -28,7 +31,26 @@ __global__ void GatherRowsKernel(const __nv_bfloat16* __restrict__ input,
   for (int c = threadIdx.x; c < row_size; c += blockDim.x) dst[c] = src[c];
 }
 
+// grid-stride over `count` logits.
+__global__ void LogitSoftcapKernel(float* __restrict__ logits, int64_t count,
+                                   float cap) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       i < count; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    logits[i] = cap * tanhf(logits[i] / cap);
+  }
+}
+
 }  // namespace
+
+cudaError_t LaunchLogitSoftcapCuda(float* logits, int64_t count, float cap,
+                                   cudaStream_t stream) {
+  constexpr int kSoftcapThreads = 256;
+  const int64_t blocks = std::min<int64_t>(
+      (count + kSoftcapThreads - 1) / kSoftcapThreads, int64_t{4096});
+  LogitSoftcapKernel<<<static_cast<int>(blocks), kSoftcapThreads, 0, stream>>>(
+      logits, count, cap);
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchGatherRowsCuda(const GatherRowsCudaParams& p,
                                  cudaStream_t stream) {

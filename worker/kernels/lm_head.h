@@ -73,8 +73,9 @@ struct LmHeadParams {
   float norm_epsilon = 0.0f;
   DeviceBuffer norm_row_index;  // int32 [>= 1], read on the device
   // Gemma 2's final_logit_softcapping: each logit x becomes
-  // softcap * tanh(x / softcap); 0 means none. The CPU backend only (CUDA
-  // refuses it).
+  // softcap * tanh(x / softcap); 0 means none. On CUDA a kernel after the
+  // head's GEMM (no greedy tiles then), written without a GPU
+  // (UnverifiedCudaKernels).
   float softcap = 0.0f;
 };
 

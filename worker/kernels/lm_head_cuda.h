@@ -23,6 +23,12 @@ struct GatherRowsCudaParams {
 };
 
 // One block per output row. Returns the launch error.
+// Gemma 2's final logit soft-capping in place: logits[i] = cap *
+// tanh(logits[i] / cap) over `count` fp32 logits (the CPU kernel's
+// expression). Written without a GPU (UnverifiedCudaKernels).
+cudaError_t LaunchLogitSoftcapCuda(float* logits, int64_t count, float cap,
+                                   cudaStream_t stream);
+
 cudaError_t LaunchGatherRowsCuda(const GatherRowsCudaParams& p,
                                  cudaStream_t stream);
 

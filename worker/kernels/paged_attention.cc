@@ -307,15 +307,6 @@ absl::Status CheckAndResolve(const Stream& stream, const char* op,
         absl::StrFormat("%s: sliding_window must be >= 0 (0: none), got %d", op,
                         p.sliding_window));
   }
-  if (on_cuda && p.sliding_window > 0) {
-    return absl::UnimplementedError(
-        absl::StrFormat("%s: sliding_window has no CUDA kernel yet", op));
-  }
-  if (on_cuda && p.softcap > 0.0f) {
-    return absl::UnimplementedError(absl::StrFormat(
-        "%s: softcap (attention logit soft-capping) has no CUDA kernel yet",
-        op));
-  }
   *resolved = p;
   const int q_width = p.num_heads * p.head_dim;
   if (resolved->query_row_stride == 0) resolved->query_row_stride = q_width;
@@ -431,6 +422,8 @@ PagedAttentionCudaParams ToCudaParams(const PagedAttentionParams& p) {
   c.max_blocks_per_seq = p.max_blocks_per_seq;
   c.query_row_stride = p.query_row_stride;
   c.scale = p.scale;
+  c.softcap = p.softcap;
+  c.sliding_window = p.sliding_window;
   c.uniform_query_len = p.uniform_query_len;
   c.num_splits = DecodeSplits(p);
   c.mma_warp_rows = p.mma_warp_rows;

@@ -189,11 +189,19 @@ __device__ void AttendKeyRange(SharedState& s,
       }
       if (sub == 0 && j < n) {
         const bool cached = s.key_offset[j] >= 0;
+        const int position = tile + j;
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           if (r < num_rows) {
-            const bool visible = cached && tile + j <= s.last_position[r];
-            s.probs[r][j] = visible ? dot[r] * p.scale : kNegInf;
+            // Causal, and within the window when there is one (written
+            // without a GPU, as the soft-cap: UnverifiedCudaKernels).
+            const bool visible =
+                cached && position <= s.last_position[r] &&
+                (p.sliding_window <= 0 ||
+                 position > s.last_position[r] - p.sliding_window);
+            float score = dot[r] * p.scale;
+            if (p.softcap > 0.0f) score = p.softcap * tanhf(score / p.softcap);
+            s.probs[r][j] = visible ? score : kNegInf;
           }
         }
       }

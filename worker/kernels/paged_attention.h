@@ -196,13 +196,13 @@ struct PagedAttentionParams {
   int query_row_stride = 0;
   float scale = 0.0f;  // softmax scale; 0 means 1 / sqrt(head_dim)
   // Gemma 2's attn_logit_softcapping: each scaled score s becomes
-  // softcap * tanh(s / softcap) before the softmax; 0 means none. The CPU
-  // kernel only (the CUDA kernels refuse it).
+  // softcap * tanh(s / softcap) before the softmax; 0 means none. On CUDA
+  // the CUDA-core kernels only (kAuto picks them; a forced tensor-core
+  // kernel refuses), written without a GPU (UnverifiedCudaKernels).
   float softcap = 0.0f;
   // > 0: a query at position i sees only positions > i - sliding_window
   // (the last sliding_window tokens, its own included; Mistral's, Gemma's
-  // and transformers' mask); 0: the whole context. The CPU kernel only (the
-  // CUDA kernels refuse it).
+  // and transformers' mask); 0: the whole context. On CUDA as softcap.
   int sliding_window = 0;
   // Uniform decode only: query tokens per request (k >= 1); request r owns
   // rows [r·k, (r + 1)·k) and num_tokens / k (<= max_num_seqs) requests are

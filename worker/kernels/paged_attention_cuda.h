@@ -46,7 +46,14 @@ struct PagedAttentionCudaParams {
   int num_blocks = 0;
   int max_blocks_per_seq = 0;
   int query_row_stride = 0;
-  float scale = 0.0f;         // resolved (never 0 here)
+  float scale = 0.0f;  // resolved (never 0 here)
+  // Gemma 2's attention logit soft-capping (score = cap · tanh(score /
+  // cap), 0: none) and a sliding window (a query at position p sees keys
+  // (p - window, p], 0: none): the CUDA-core kernels only (the tensor-core
+  // ones' Supports() are false with either), written without a GPU
+  // (UnverifiedCudaKernels).
+  float softcap = 0.0f;
+  int sliding_window = 0;
   int uniform_query_len = 0;  // decode only
   // Tensor-core varlen only: query rows per warp, 16 or 32; 0: the default
   // (kCudaAttentionMmaTallTileMinTokens).

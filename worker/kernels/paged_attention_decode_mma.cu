@@ -80,6 +80,7 @@ cudaError_t LaunchSplit(const PagedAttentionCudaParams& p,
 }  // namespace
 
 bool PagedAttentionDecodeMmaSupports(const PagedAttentionCudaParams& p) {
+  if (p.softcap > 0.0f || p.sliding_window > 0) return false;  // CUDA cores
   const int group = p.num_kv_heads > 0 ? p.num_heads / p.num_kv_heads : 0;
   return (p.head_dim == 64 || p.head_dim == 128) && group >= 1 &&
          p.uniform_query_len >= 1 && group * p.uniform_query_len <= kRows &&

@@ -341,6 +341,7 @@ int PagedAttentionMmaWarpRows(const PagedAttentionCudaParams& p) {
 }
 
 bool PagedAttentionMmaSupports(const PagedAttentionCudaParams& p) {
+  if (p.softcap > 0.0f || p.sliding_window > 0) return false;  // CUDA cores
   const int group = p.num_kv_heads > 0 ? p.num_heads / p.num_kv_heads : 0;
   const int warp_rows = PagedAttentionMmaWarpRows(p);
   if ((p.head_dim != 64 && p.head_dim != 128) || group < 1 ||

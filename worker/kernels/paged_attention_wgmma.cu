@@ -434,6 +434,7 @@ int PagedAttentionWgmmaTileKeys(const PagedAttentionCudaParams& p) {
 }
 
 bool PagedAttentionWgmmaSupports(const PagedAttentionCudaParams& p) {
+  if (p.softcap > 0.0f || p.sliding_window > 0) return false;  // CUDA cores
   const int group = p.num_kv_heads > 0 ? p.num_heads / p.num_kv_heads : 0;
   const int tile_keys = PagedAttentionWgmmaTileKeys(p);
   if ((p.head_dim != 64 && p.head_dim != 128) || group < 1 ||

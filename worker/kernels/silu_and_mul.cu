@@ -14,10 +14,17 @@ using cuda::ToFloat;
 
 constexpr int kThreads = 256;
 
+template <GatedActivation kActivation>
+__device__ __forceinline__ float GatedMul(float gate, float up) {
+  return kActivation == GatedActivation::kSilu ? cuda::SiluMul(gate, up)
+                                               : cuda::GeluTanhMul(gate, up);
+}
+
 // grid: [num_tokens, ceil(intermediate / kThreads)]; one output element per
 // thread. Same expression as the CPU kernel: gate / (1 + exp(-gate)) * up,
 // with the accurate expf (for gate -> -inf, exp overflows to inf and the
-// quotient is -0, no NaN).
+// quotient is -0, no NaN); GeGLU's likewise (cuda::GeluTanhMul).
+template <GatedActivation kActivation>
 __global__ void SiluAndMulKernel(const __nv_bfloat16* __restrict__ input,
                                  __nv_bfloat16* __restrict__ output,
                                  int intermediate) {
@@ -30,12 +37,13 @@ __global__ void SiluAndMulKernel(const __nv_bfloat16* __restrict__ input,
   const __nv_bfloat16* up = gate + intermediate;
   const float g = ToFloat(gate[i]);
   output[t * intermediate + i] =
-      FromFloat<__nv_bfloat16>(cuda::SiluMul(g, ToFloat(up[i])));
+      FromFloat<__nv_bfloat16>(GatedMul<kActivation>(g, ToFloat(up[i])));
 }
 
 // The same, 8 elements per thread through 16-byte loads and stores, for
 // intermediate % 8 == 0 and 16-byte aligned rows. grid: [num_tokens,
 // ceil(intermediate / 8 / kThreads)].
+template <GatedActivation kActivation>
 __global__ void SiluAndMulVecKernel(const __nv_bfloat16* __restrict__ input,
                                     __nv_bfloat16* __restrict__ output,
                                     int intermediate) {
@@ -57,28 +65,36 @@ __global__ void SiluAndMulVecKernel(const __nv_bfloat16* __restrict__ input,
   for (int e = 0; e < 4; ++e) {
     const float2 g = __bfloat1622float2(g2[e]);
     const float2 u = __bfloat1622float2(u2[e]);
-    o2[e] =
-        __floats2bfloat162_rn(cuda::SiluMul(g.x, u.x), cuda::SiluMul(g.y, u.y));
+    o2[e] = __floats2bfloat162_rn(GatedMul<kActivation>(g.x, u.x),
+                                  GatedMul<kActivation>(g.y, u.y));
   }
   reinterpret_cast<uint4*>(output + t * intermediate)[i] = o4;
+}
+
+template <GatedActivation kActivation>
+cudaError_t LaunchGated(const SiluAndMulCudaParams& p, cudaStream_t stream) {
+  if (p.intermediate_size % 8 == 0 && Aligned16(p.input) &&
+      Aligned16(p.output)) {
+    const dim3 grid(p.num_tokens,
+                    cuda::NumBlocks(p.intermediate_size / 8, kThreads));
+    return cuda::LaunchKernel(SiluAndMulVecKernel<kActivation>, grid,
+                              dim3(kThreads), 0, stream,
+                              cuda::DependentLaunch::kProgrammatic, p.input,
+                              p.output, p.intermediate_size);
+  }
+  const dim3 grid(p.num_tokens, cuda::NumBlocks(p.intermediate_size, kThreads));
+  return cuda::LaunchKernel(SiluAndMulKernel<kActivation>, grid, dim3(kThreads),
+                            0, stream, cuda::DependentLaunch::kProgrammatic,
+                            p.input, p.output, p.intermediate_size);
 }
 
 }  // namespace
 
 cudaError_t LaunchSiluAndMulCuda(const SiluAndMulCudaParams& p,
                                  cudaStream_t stream) {
-  if (p.intermediate_size % 8 == 0 && Aligned16(p.input) &&
-      Aligned16(p.output)) {
-    const dim3 grid(p.num_tokens,
-                    cuda::NumBlocks(p.intermediate_size / 8, kThreads));
-    return cuda::LaunchKernel(SiluAndMulVecKernel, grid, dim3(kThreads), 0,
-                              stream, cuda::DependentLaunch::kProgrammatic,
-                              p.input, p.output, p.intermediate_size);
-  }
-  const dim3 grid(p.num_tokens, cuda::NumBlocks(p.intermediate_size, kThreads));
-  return cuda::LaunchKernel(SiluAndMulKernel, grid, dim3(kThreads), 0, stream,
-                            cuda::DependentLaunch::kProgrammatic, p.input,
-                            p.output, p.intermediate_size);
+  return p.activation == GatedActivation::kSilu
+             ? LaunchGated<GatedActivation::kSilu>(p, stream)
+             : LaunchGated<GatedActivation::kGeluTanh>(p, stream);
 }
 
 }  // namespace kernels

@@ -115,9 +115,14 @@ float AttentionScale(const ModelConfig& c) {
   return static_cast<float>(scale);
 }
 
-// What the CUDA RoPE kernel implements but has never run on a GPU (written
-// blind; UnverifiedCudaKernels), by name (empty: nothing). The fused decode
-// epilogues and the megakernel implement none of it.
+// What the CUDA kernels implement but have never run on a GPU (written
+// blind; UnverifiedCudaKernels), by name (empty: nothing): the RoPE
+// kernel's q/k norm and partial rotary, Gemma's layer (sandwich norms,
+// GeGLU, the embedding multiplier, soft-capping in the head and the
+// CUDA-core attention kernels). The fused decode epilogues and the
+// megakernel implement none of it. (Windowed attention, also written blind,
+// is not refused: without kAllow ModelRunner keeps sequences within the
+// window on CUDA, where no mask is needed.)
 std::vector<std::string> UnverifiedCudaFeatures(const ModelConfig& c) {
   std::vector<std::string> features;
   if (c.layer.qk_norm != QkNorm::kNone) {
@@ -131,12 +136,6 @@ std::vector<std::string> UnverifiedCudaFeatures(const ModelConfig& c) {
         absl::StrCat("partial rotary (partial_rotary_factor: ", c.RotaryDim(),
                      " of ", c.head_dim, " values rotate)"));
   }
-  return features;
-}
-
-// What the CUDA kernels do not implement yet, by name (empty: nothing).
-std::vector<std::string> CpuOnlyFeatures(const ModelConfig& c) {
-  std::vector<std::string> features;
   if (c.layer.norm_placement == NormPlacement::kSandwich) {
     features.push_back(
         "sandwich norms (post_attention_layernorm on the attention output, "
@@ -216,16 +215,8 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
         DTypeName(kernels::ModelDTypeFor(kind))));
   }
 
-  // The CUDA kernels (unfused, the fused epilogues and the megakernel alike)
-  // lack some families' features yet: refused by name rather than computed
-  // without them.
-  if (const std::vector<std::string> missing = CpuOnlyFeatures(config);
-      kind == DeviceKind::kCuda && !missing.empty()) {
-    return absl::UnimplementedError(absl::StrCat(
-        "LlamaForward: ", ArchitectureName(config.architecture), "'s ",
-        absl::StrJoin(missing, ", "),
-        " have no CUDA kernels yet; serve this model with --device=cpu"));
-  }
+  // CUDA kernels written without a GPU run only where asked for: refused by
+  // name otherwise (the fused epilogues and the megakernel never run them).
   if (const std::vector<std::string> unverified =
           UnverifiedCudaFeatures(config);
       kind == DeviceKind::kCuda && !unverified.empty() &&
@@ -503,8 +494,12 @@ LlamaForward::LayerLinears LlamaForward::Linears(int layer, int num_tokens,
 bool LlamaForward::CanFuseDecodeLayers(int num_tokens) const {
   if (options_.kernel_options.decode_fusion == DecodeFusion::kOff) return false;
   // The fused epilogues implement Llama's layer only.
-  if (!CpuOnlyFeatures(config_).empty() ||
-      !UnverifiedCudaFeatures(config_).empty()) {
+  if (!UnverifiedCudaFeatures(config_).empty()) return false;
+  // Windowed attention on CUDA (kAllow): the megakernel's attention has no
+  // window.
+  if (config_.sliding_window.has_value() &&
+      options_.kernel_options.unverified_cuda_kernels ==
+          UnverifiedCudaKernels::kAllow) {
     return false;
   }
   const LayerLinears l = Linears(0, num_tokens, /*fused=*/true);
@@ -762,9 +757,14 @@ kernels::PagedAttentionParams LlamaForward::AttentionParams(
   attn.dtype = weights_.dtype;
   attn.scale = AttentionScale(config_);
   attn.softcap = static_cast<float>(config_.layer.attn_logit_softcapping);
-  // The CPU kernel masks to the window; on CUDA (no windowed kernel yet)
-  // ModelRunner keeps sequences within it, where the mask changes nothing.
-  if (config_.SlidesAt(layer) && stream_.kind() == DeviceKind::kCpu) {
+  // The CPU kernel masks to the window, and so do the CUDA-core CUDA
+  // kernels when their unverified code is allowed; otherwise ModelRunner
+  // keeps sequences within the window on CUDA, where the mask changes
+  // nothing (and the tensor-core kernels, which have no window, may run).
+  if (config_.SlidesAt(layer) &&
+      (stream_.kind() == DeviceKind::kCpu ||
+       options_.kernel_options.unverified_cuda_kernels ==
+           UnverifiedCudaKernels::kAllow)) {
     attn.sliding_window = static_cast<int>(*config_.sliding_window);
   }
   attn.workspace = act_.attention_workspace;

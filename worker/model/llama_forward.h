@@ -69,10 +69,12 @@ enum class DecodeMegakernel { kOff, kOn };
 
 // CUDA kernels written without a GPU that have not passed their GPU tests
 // yet (UnverifiedCudaFeatures in llama_forward.cc: Qwen3's per-head q/k
-// norm, partial rotary): kRefuse (default) refuses a model that needs them
-// on CUDA, naming them; kAllow runs them (the GPU tests, and a user who
-// wants to try: --unverified_cuda_kernels=allow). The flag goes when a GPU
-// run has passed them.
+// norm, partial rotary, Gemma's layer; and windowed attention): kRefuse
+// (default) refuses a model that needs them on CUDA, naming them, and runs
+// a windowed model within its window (ModelRunner caps max_model_len);
+// kAllow runs them (the GPU tests, and a user who wants to try:
+// --unverified_cuda_kernels=allow). The flag goes when a GPU run has passed
+// them.
 enum class UnverifiedCudaKernels { kRefuse, kAllow };
 
 // Which kernels the forward runs: the defaults serve; tests and benchmarks

@@ -102,13 +102,17 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
                      c.max_position_embeddings));
   }
 
-  // The CPU attention masks sliding layers to their window; the CUDA kernels
-  // attend to the whole context, which is only exact while sequences stay
-  // within the window. There, with no --max_model_len, the default is capped
-  // to the window (vLLM did the same before it ran windows); a longer
-  // explicit one is refused.
+  // The CPU attention masks sliding layers to their window; the CUDA
+  // kernels' window (the CUDA-core kernels only) was written without a GPU
+  // and runs with UnverifiedCudaKernels::kAllow only. Otherwise they attend
+  // to the whole context, which is only exact while sequences stay within
+  // the window: with no --max_model_len the default is capped to the window
+  // (vLLM did the same before it ran windows), a longer explicit one is
+  // refused.
   const bool windows_unsupported =
-      c.sliding_window.has_value() && device.kind() != DeviceKind::kCpu;
+      c.sliding_window.has_value() && device.kind() != DeviceKind::kCpu &&
+      options.kernel_options.unverified_cuda_kernels !=
+          UnverifiedCudaKernels::kAllow;
   if (windows_unsupported && options.max_model_len <= 0 &&
       r->max_model_len_ > *c.sliding_window) {
     LOG(WARNING) << "the model uses sliding-window attention (window "
