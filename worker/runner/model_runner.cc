@@ -18,6 +18,7 @@
 #include "worker/kernels/sampling.h"
 #include "worker/kv_cache/kv_cache_spec.h"
 #include "worker/model/model_fingerprint.h"
+#include "worker/runner/context_length.h"
 
 namespace pdworker {
 namespace {
@@ -92,57 +93,11 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   PDW_RETURN_IF_ERROR(kernels::CheckVarlenAttentionKernel(
       device.kind(), options.kernel_options.varlen_attention_kernel, c.head_dim,
       c.num_attention_heads, c.num_key_value_heads));
-  r->max_model_len_ = options.max_model_len > 0
-                          ? options.max_model_len
-                          : static_cast<int>(c.max_position_embeddings);
-  if (r->max_model_len_ > c.max_position_embeddings) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_model_len=", r->max_model_len_,
-                     " exceeds the model's max_position_embeddings=",
-                     c.max_position_embeddings));
-  }
-
-  // The CPU attention masks sliding layers to their window; the CUDA
-  // kernels' window (the CUDA-core kernels only) was written without a GPU
-  // and runs with UnverifiedCudaKernels::kAllow only. Otherwise they attend
-  // to the whole context, which is only exact while sequences stay within
-  // the window: with no --max_model_len the default is capped to the window
-  // (vLLM did the same before it ran windows), a longer explicit one is
-  // refused.
-  const bool windows_unsupported =
-      c.sliding_window.has_value() && device.kind() != DeviceKind::kCpu &&
-      options.kernel_options.unverified_cuda_kernels !=
-          UnverifiedCudaKernels::kAllow;
-  if (windows_unsupported && options.max_model_len <= 0 &&
-      r->max_model_len_ > *c.sliding_window) {
-    LOG(WARNING) << "the model uses sliding-window attention (window "
-                 << *c.sliding_window << " tokens), which the "
-                 << DeviceKindName(device.kind())
-                 << " kernels do not implement yet: max_model_len defaults to "
-                    "the window, not "
-                 << r->max_model_len_;
-    r->max_model_len_ = static_cast<int>(*c.sliding_window);
-  }
-  if (windows_unsupported && r->max_model_len_ > *c.sliding_window) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the model uses sliding-window attention (window ", *c.sliding_window,
-        " tokens), which the ", DeviceKindName(device.kind()),
-        " kernels do not implement yet; set max_model_len <= ",
-        *c.sliding_window, " (or serve it with --device=cpu)"));
-  }
-
-  // LongRoPE's factor list is fixed by the longest sequence served (vLLM's
-  // rule; RopeScaling says why), and with it what every K/V holds.
-  if (c.rope_scaling.type == RopeScalingType::kLongrope) {
-    r->config_.rope_scaling.long_factor_active =
-        r->max_model_len_ > c.rope_scaling.original_max_position_embeddings;
-    LOG(INFO) << "longrope: max_model_len=" << r->max_model_len_
-              << (c.rope_scaling.long_factor_active ? " > " : " <= ")
-              << "original_max_position_embeddings="
-              << c.rope_scaling.original_max_position_embeddings << ": "
-              << (c.rope_scaling.long_factor_active ? "long" : "short")
-              << "_factor";
-  }
+  PDW_ASSIGN_OR_RETURN(
+      r->max_model_len_,
+      ResolveContextLength({options.max_model_len, device.kind(),
+                            options.kernel_options.unverified_cuda_kernels},
+                           &r->config_));
 
   // Graph plan: role defaults + compilation config, then the attention
   // backend's CUDA graph support may downgrade the mode.
