@@ -62,7 +62,9 @@ ABSL_FLAG(std::string, model_dir, "/tmp/pdworker_llama_1b",
           "already holds a config.json.");
 ABSL_FLAG(std::string, shape, "llama_1b",
           "The tiny-model shape written to an empty --model_dir: llama_1b "
-          "(~2.5 GB) or llama_0p5b (~1 GB).");
+          "(~2.5 GB), llama_0p5b (~1 GB), or issue 41's qwen3_8b_4layers "
+          "(~4 GB) and gemma2_9b_4layers (~3.4 GB; both with "
+          "--unverified_cuda_kernels=allow).");
 ABSL_FLAG(int, reps, 20, "Timed decode steps per measurement (median).");
 ABSL_FLAG(int, context, 512,
           "Prompt tokens of every sequence before the timed decode steps.");
@@ -120,6 +122,11 @@ ABSL_FLAG(bool, prefill_graphs, true,
           "Capture graphs at the --prefill_lens sizes too, so PIECEWISE "
           "(and FULL) prefills replay a graph; false: they run eagerly "
           "past the largest batch, as before 2026-11-27.");
+ABSL_FLAG(std::string, unverified_cuda_kernels, "refuse",
+          "allow: run the CUDA kernels written without a GPU (Qwen3's q/k "
+          "norm, partial rotary, Gemma's layer, windows), as the worker's "
+          "--unverified_cuda_kernels; the qwen3_8b_4layers and "
+          "gemma2_9b_4layers shapes need it.");
 ABSL_FLAG(std::string, json_out, "",
           "Also write the results as JSON here (bench/torch_compare/report.py "
           "reads it).");
@@ -266,6 +273,12 @@ std::unique_ptr<ModelRunner> MakeRunner(Device& device, const std::string& dir,
   const int64_t prefetch_mib = absl::GetFlag(FLAGS_megakernel_prefetch_mib);
   o.kernel_options.megakernel_tuning.prefetch_window_bytes =
       prefetch_mib < 0 ? -1 : prefetch_mib << 20;
+  const std::string unverified = absl::GetFlag(FLAGS_unverified_cuda_kernels);
+  CHECK(unverified == "refuse" || unverified == "allow")
+      << "--unverified_cuda_kernels: refuse or allow, got " << unverified;
+  o.kernel_options.unverified_cuda_kernels =
+      unverified == "allow" ? UnverifiedCudaKernels::kAllow
+                            : UnverifiedCudaKernels::kRefuse;
   auto runner = ModelRunner::Create(device, dir, o);
   CHECK(runner.ok()) << runner.status();
   return std::move(*runner);

@@ -276,6 +276,8 @@ TEST(ModelConfigTest, ParsesEveryTinyShape) {
       case TinyShape::kLlama1B:
       case TinyShape::kLlama0p5B:
       case TinyShape::kHeadDim64:
+      case TinyShape::kQwen3_8B_4Layers:
+      case TinyShape::kGemma2_9B_4Layers:
         ADD_FAILURE() << "benchmark and GPU-only shapes are not part of "
                          "AllTinyShapes()";
         break;
@@ -390,6 +392,44 @@ TEST(ModelConfigTest, BenchmarkShapesParseByNameWithTheirDimensions) {
     EXPECT_EQ(c.max_position_embeddings, w.max_positions);
   }
   EXPECT_FALSE(ParseTinyShape("llama_0p5").ok());
+}
+
+// Issue 41's GPU benchmark shapes: the published layers of Qwen3-8B and
+// Gemma-2-9B (four of them), with their families' keys.
+TEST(ModelConfigTest, Issue41BenchmarkShapesHaveThePublishedLayers) {
+  TinyModelOptions options;
+  options.dtype = DType::kBFloat16;
+  absl::StatusOr<TinyShape> qwen3 = ParseTinyShape("qwen3_8b_4layers");
+  ASSERT_TRUE(qwen3.ok()) << qwen3.status();
+  options.shape = *qwen3;
+  const ModelConfig q = ParseOrDie(TinyModelConfigJson(options));
+  EXPECT_EQ(q.architecture, Architecture::kQwen3);
+  EXPECT_EQ(q.hidden_size, 4096);
+  EXPECT_EQ(q.intermediate_size, 12288);
+  EXPECT_EQ(q.num_attention_heads, 32);
+  EXPECT_EQ(q.num_key_value_heads, 8);
+  EXPECT_EQ(q.head_dim, 128);
+  EXPECT_EQ(q.vocab_size, 151936);
+  EXPECT_EQ(q.num_hidden_layers, 4);
+  EXPECT_EQ(q.layer.qk_norm, QkNorm::kPerHeadRms);
+  EXPECT_FALSE(q.tie_word_embeddings);
+  absl::StatusOr<TinyShape> gemma2 = ParseTinyShape("gemma2_9b_4layers");
+  ASSERT_TRUE(gemma2.ok()) << gemma2.status();
+  options.shape = *gemma2;
+  const ModelConfig g = ParseOrDie(TinyModelConfigJson(options));
+  EXPECT_EQ(g.architecture, Architecture::kGemma2);
+  EXPECT_EQ(g.hidden_size, 3584);
+  EXPECT_EQ(g.intermediate_size, 14336);
+  EXPECT_EQ(g.num_attention_heads, 16);
+  EXPECT_EQ(g.num_key_value_heads, 8);
+  EXPECT_EQ(g.head_dim, 256);
+  EXPECT_EQ(g.vocab_size, 256000);
+  EXPECT_EQ(g.layer.query_pre_attn_scalar, 256);
+  EXPECT_EQ(g.layer.attn_logit_softcapping, 50);
+  EXPECT_EQ(g.final_logit_softcapping, 30);
+  EXPECT_EQ(g.sliding_window, 4096);
+  EXPECT_EQ(g.sliding_layers, (std::vector<bool>{true, false, true, false}));
+  EXPECT_TRUE(g.tie_word_embeddings);
 }
 
 // The GPU tests' shape for the kernels that need head_dim 64 (tensor-core

@@ -49,6 +49,9 @@ struct TinyDims {
   bool multimodal = false;
   // config.json "partial_rotary_factor" (written when not 1).
   double partial_rotary_factor = 1.0;
+  // Gemma 2: Gemma-2-9B's own caps, window and query_pre_attn_scalar
+  // instead of the tiny model's.
+  bool gemma2_published = false;
 };
 
 // Small enough that the float64 reference and the CPU forward take
@@ -238,6 +241,31 @@ TinyDims DimsFor(TinyShape shape) {
     case TinyShape::kGemma3Multimodal: {
       TinyDims d = DimsFor(TinyShape::kGemma3);
       d.multimodal = true;
+      return d;
+    }
+    case TinyShape::kQwen3_8B_4Layers: {
+      TinyDims d = DimsFor(TinyShape::kQwen3);
+      d.hidden = 4096;
+      d.intermediate = 12288;
+      d.layers = 4;
+      d.heads = 32;
+      d.kv_heads = 8;
+      d.head_dim_override = 128;
+      d.vocab = 151936;
+      d.max_position_embeddings = 40960;
+      return d;
+    }
+    case TinyShape::kGemma2_9B_4Layers: {
+      TinyDims d = DimsFor(TinyShape::kGemma2);
+      d.hidden = 3584;
+      d.intermediate = 14336;
+      d.layers = 4;
+      d.heads = 16;
+      d.kv_heads = 8;
+      d.head_dim_override = 256;
+      d.vocab = 256000;
+      d.max_position_embeddings = 8192;
+      d.gemma2_published = true;
       return d;
     }
     case TinyShape::kPhi4Mini: {
@@ -496,6 +524,10 @@ absl::string_view TinyShapeName(TinyShape shape) {
       return "gemma3_multimodal";
     case TinyShape::kPhi4Mini:
       return "phi4_mini";
+    case TinyShape::kQwen3_8B_4Layers:
+      return "qwen3_8b_4layers";
+    case TinyShape::kGemma2_9B_4Layers:
+      return "gemma2_9b_4layers";
   }
   return "unknown";
 }
@@ -504,8 +536,10 @@ absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name) {
   for (const TinyShape shape : AllTinyShapes()) {
     if (TinyShapeName(shape) == name) return shape;
   }
-  for (const TinyShape shape : {TinyShape::kSmall, TinyShape::kLlama1B,
-                                TinyShape::kLlama0p5B, TinyShape::kHeadDim64}) {
+  for (const TinyShape shape :
+       {TinyShape::kSmall, TinyShape::kLlama1B, TinyShape::kLlama0p5B,
+        TinyShape::kHeadDim64, TinyShape::kQwen3_8B_4Layers,
+        TinyShape::kGemma2_9B_4Layers}) {
     if (TinyShapeName(shape) == name) return shape;
   }
   return absl::InvalidArgumentError(absl::StrCat(
@@ -513,7 +547,7 @@ absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name) {
       "\"; known: gqa, tied, qkv_bias, head_dim, llama3_rope, qwen3, "
       "linear_rope, yarn_rope, phi3, gemma2, mistral_window, gemma3, "
       "gemma3_multimodal, phi4_mini, small, llama_1b, llama_0p5b, "
-      "head_dim_64"));
+      "head_dim_64, qwen3_8b_4layers, gemma2_9b_4layers"));
 }
 
 std::string TinyModelConfigJson(const TinyModelOptions& options) {
@@ -576,6 +610,12 @@ std::string TinyModelConfigJson(const TinyModelOptions& options) {
     config["attn_logit_softcapping"] = kGemma2AttnSoftcap;
     config["final_logit_softcapping"] = kGemma2FinalSoftcap;
     config["sliding_window"] = kGemma2Window;
+    if (d.gemma2_published) {
+      config["query_pre_attn_scalar"] = 256;
+      config["attn_logit_softcapping"] = 50.0;
+      config["final_logit_softcapping"] = 30.0;
+      config["sliding_window"] = 4096;
+    }
     config["cache_implementation"] = "hybrid";
     config["attention_dropout"] = 0.0;
   }

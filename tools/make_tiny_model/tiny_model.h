@@ -69,13 +69,22 @@ enum class TinyShape {
   // of head_dim 16 rotate), longrope with six short and long factors over an
   // original context of 32 (max_position_embeddings 512), tied embeddings.
   kPhi4Mini,
+  // Benchmark shapes of issue 41's GPU comparison, each with the published
+  // model's layer and vocabulary and 4 of its decoder layers (per-layer
+  // figures scale; a full checkpoint would take minutes to write): Qwen3-8B
+  // (hidden 4096, 32 heads over 8, head_dim 128, MLP 12288, vocab 151936,
+  // untied, q/k norm; ~4 GB in bf16) and Gemma-2-9B (hidden 3584, 16 heads
+  // over 8, head_dim 256, MLP 14336, vocab 256000, tied, soft-caps 50/30,
+  // 4096-token window on even layers; ~3.4 GB). Not in All.
+  kQwen3_8B_4Layers,
+  kGemma2_9B_4Layers,
 };
 
 std::vector<TinyShape> AllTinyShapes();
 // "gqa", "tied", "qkv_bias", "head_dim", "llama3_rope", "qwen3",
 // "linear_rope", "yarn_rope", "phi3", "gemma2", "mistral_window", "gemma3",
 // "gemma3_multimodal", "phi4_mini", "small", "llama_1b", "llama_0p5b",
-// "head_dim_64".
+// "head_dim_64", "qwen3_8b_4layers", "gemma2_9b_4layers".
 absl::string_view TinyShapeName(TinyShape shape);
 absl::StatusOr<TinyShape> ParseTinyShape(absl::string_view name);
 
