@@ -58,84 +58,59 @@ TEST_F(LmHeadCudaTest, GatherRowsCopiesExactly) {
                        cpu().Read<float>(cpu_p.output, n * kHidden)));
 }
 
+// Without a cap, and with Gemma 2's final logit soft-cap (a kernel after
+// the head's GEMM, written without a GPU): the logits against the CPU
+// kernel's, padding rows zero; the greedy head (which folds uncapped
+// logits) is not offered under a cap.
 TEST_F(LmHeadCudaTest, LogitsMatchTheCpuKernelAndPaddingRowsAreZero) {
   const std::vector<float> hidden = RandomBf16Floats(kTokens * kHidden, 32);
   const std::vector<float> weight = RandomBf16Floats(kVocab * kHidden, 33);
   const std::vector<int32_t> indices = {3, 11, 7, -1};  // last: padding
   const int rows = static_cast<int>(indices.size());
+  // 2: the logits reach a few units, so tanh bends them.
+  for (const float cap : {0.0f, 2.0f}) {
+    SCOPED_TRACE(::testing::Message() << "softcap " << cap);
+    LmHeadParams cpu_p;
+    cpu_p.hidden = CpuFloats(hidden);
+    cpu_p.logits_indices = cpu().Upload(indices);
+    cpu_p.gathered = cpu().Alloc(4 * rows * kHidden);
+    cpu_p.weight = CpuFloats(weight);
+    cpu_p.logits = cpu().Alloc(4 * rows * kVocab);
+    cpu_p.num_tokens = kTokens;
+    cpu_p.num_rows = rows;
+    cpu_p.hidden_size = kHidden;
+    cpu_p.vocab_size = kVocab;
+    cpu_p.softcap = cap;
+    ASSERT_TRUE(LaunchLmHead(*cpu().stream, cpu_p).ok());
+    const std::vector<float> want =
+        cpu().Read<float>(cpu_p.logits, rows * kVocab);
 
-  LmHeadParams cpu_p;
-  cpu_p.hidden = CpuFloats(hidden);
-  cpu_p.logits_indices = cpu().Upload(indices);
-  cpu_p.gathered = cpu().Alloc(4 * rows * kHidden);
-  cpu_p.weight = CpuFloats(weight);
-  cpu_p.logits = cpu().Alloc(4 * rows * kVocab);
-  cpu_p.num_tokens = kTokens;
-  cpu_p.num_rows = rows;
-  cpu_p.hidden_size = kHidden;
-  cpu_p.vocab_size = kVocab;
-  ASSERT_TRUE(LaunchLmHead(*cpu().stream, cpu_p).ok());
-  const std::vector<float> want =
-      cpu().Read<float>(cpu_p.logits, rows * kVocab);
-
-  LmHeadParams gpu_p = cpu_p;
-  gpu_p.hidden = GpuBf16(hidden);
-  gpu_p.logits_indices = gpu().Upload(indices);
-  gpu_p.gathered = gpu().Alloc(2 * rows * kHidden);
-  gpu_p.weight = GpuBf16(weight);
-  gpu_p.logits = gpu().Alloc(4 * rows * kVocab);
-  gpu_p.dtype = DType::kBFloat16;
-  ASSERT_TRUE(LaunchLmHead(*gpu().stream, gpu_p).ok());
-  const std::vector<float> got = gpu().Read<float>(gpu_p.logits, rows * kVocab);
-  // |h|, |w| <= 1 and 64 terms: Σ|h||w| <= 64.
-  ExpectClose(got, want, 1e-6, 1e-5 * kHidden, "logits");
-  for (int v = 0; v < kVocab; ++v) {
-    ASSERT_EQ(got[3 * kVocab + v], 0.0f) << "padding row, token " << v;
+    LmHeadParams gpu_p = cpu_p;
+    gpu_p.hidden = GpuBf16(hidden);
+    gpu_p.logits_indices = gpu().Upload(indices);
+    gpu_p.gathered = gpu().Alloc(2 * rows * kHidden);
+    gpu_p.weight = GpuBf16(weight);
+    gpu_p.logits = gpu().Alloc(4 * rows * kVocab);
+    gpu_p.dtype = DType::kBFloat16;
+    ASSERT_TRUE(LaunchLmHead(*gpu().stream, gpu_p).ok());
+    const std::vector<float> got =
+        gpu().Read<float>(gpu_p.logits, rows * kVocab);
+    // |h|, |w| <= 1 and 64 terms: Σ|h||w| <= 64; tanh only shrinks errors.
+    ExpectClose(got, want, cap == 0.0f ? 1e-6 : 1e-5, 1e-5 * kHidden, "logits");
+    for (int v = 0; v < kVocab; ++v) {
+      ASSERT_EQ(got[3 * kVocab + v], 0.0f) << "padding row, token " << v;
+    }
+    if (cap == 0.0f) continue;
+    float largest = 0;
+    for (const float v : got) largest = std::max(largest, std::abs(v));
+    EXPECT_LE(largest, cap);
+    LmHeadParams one_row = gpu_p;
+    one_row.logits_indices = DeviceBuffer();
+    one_row.num_rows = 1;
+    one_row.num_tokens = 1;
+    one_row.greedy_tiles = gpu().Alloc(GreedyTilesBytes(1));
+    EXPECT_FALSE(LmHeadWritesGreedyTiles(*gpu().stream, one_row));
   }
-}
-
-// Gemma 2's final logit soft-cap on CUDA (a kernel after the head's GEMM),
-// written without a GPU: the capped logits against the CPU kernel's, and
-// the greedy head (which folds uncapped logits) is not offered with it.
-TEST_F(LmHeadCudaTest, SoftcappedLogitsMatchTheCpuKernel) {
-  const std::vector<float> hidden = RandomBf16Floats(kTokens * kHidden, 34);
-  const std::vector<float> weight = RandomBf16Floats(kVocab * kHidden, 35);
-  const std::vector<int32_t> indices = {3, 11, 7};
-  const int rows = static_cast<int>(indices.size());
-  constexpr float kCap = 2.0f;  // the logits reach a few units: tanh bends
-  LmHeadParams cpu_p;
-  cpu_p.hidden = CpuFloats(hidden);
-  cpu_p.logits_indices = cpu().Upload(indices);
-  cpu_p.gathered = cpu().Alloc(4 * rows * kHidden);
-  cpu_p.weight = CpuFloats(weight);
-  cpu_p.logits = cpu().Alloc(4 * rows * kVocab);
-  cpu_p.num_tokens = kTokens;
-  cpu_p.num_rows = rows;
-  cpu_p.hidden_size = kHidden;
-  cpu_p.vocab_size = kVocab;
-  cpu_p.softcap = kCap;
-  ASSERT_TRUE(LaunchLmHead(*cpu().stream, cpu_p).ok());
-  const std::vector<float> want =
-      cpu().Read<float>(cpu_p.logits, rows * kVocab);
-  LmHeadParams gpu_p = cpu_p;
-  gpu_p.hidden = GpuBf16(hidden);
-  gpu_p.logits_indices = gpu().Upload(indices);
-  gpu_p.gathered = gpu().Alloc(2 * rows * kHidden);
-  gpu_p.weight = GpuBf16(weight);
-  gpu_p.logits = gpu().Alloc(4 * rows * kVocab);
-  gpu_p.dtype = DType::kBFloat16;
-  ASSERT_TRUE(LaunchLmHead(*gpu().stream, gpu_p).ok());
-  const std::vector<float> got = gpu().Read<float>(gpu_p.logits, rows * kVocab);
-  ExpectClose(got, want, 1e-5, 1e-5 * kHidden, "capped logits");
-  float largest = 0;
-  for (const float v : got) largest = std::max(largest, std::abs(v));
-  EXPECT_LE(largest, kCap);
-  LmHeadParams one_row = gpu_p;
-  one_row.logits_indices = DeviceBuffer();
-  one_row.num_rows = 1;
-  one_row.num_tokens = 1;
-  one_row.greedy_tiles = gpu().Alloc(GreedyTilesBytes(1));
-  EXPECT_FALSE(LmHeadWritesGreedyTiles(*gpu().stream, one_row));
 }
 
 struct GreedyHeadCase {

@@ -193,18 +193,24 @@ class StreamHold {
   bool open_ = false;
 };
 
+// The gqa tiny model with prefix caching, graphs captured.
+std::unique_ptr<ModelRunner> PrefixCachingRunner(Device& device,
+                                                 const std::string& mode_json) {
+  auto dir = TinyModelDir(TinyShape::kGqa);
+  EXPECT_TRUE(dir.ok()) << dir.status();
+  ModelRunnerOptions options = SmallOptions(mode_json);
+  options.prefix_caching = PrefixCaching::kOn;
+  auto runner = ModelRunner::Create(device, *dir, options);
+  EXPECT_TRUE(runner.ok()) << runner.status();
+  if (!runner.ok()) return nullptr;
+  EXPECT_TRUE((*runner)->CaptureGraphs().ok());
+  return *std::move(runner);
+}
+
 class StepFailureTest : public ::testing::TestWithParam<StepFailureCase> {
  protected:
   std::unique_ptr<ModelRunner> MakeRunner(Device& device) {
-    auto dir = TinyModelDir(TinyShape::kGqa);
-    EXPECT_TRUE(dir.ok()) << dir.status();
-    ModelRunnerOptions options = SmallOptions(GetParam().mode_json);
-    options.prefix_caching = PrefixCaching::kOn;
-    auto runner = ModelRunner::Create(device, *dir, options);
-    EXPECT_TRUE(runner.ok()) << runner.status();
-    if (!runner.ok()) return nullptr;
-    EXPECT_TRUE((*runner)->CaptureGraphs().ok());
-    return *std::move(runner);
+    return PrefixCachingRunner(device, GetParam().mode_json);
   }
 };
 
@@ -421,19 +427,12 @@ TEST(ModelRunnerStreamTest, FlushWhileAHitIsQueuedKeepsTheHitsBlocks) {
       out->push_back(*std::move(next));
     }
   };
-  auto make = [](Device& device) {
-    auto dir = TinyModelDir(TinyShape::kGqa);
-    EXPECT_TRUE(dir.ok()) << dir.status();
-    ModelRunnerOptions options = SmallOptions(R"({"cudagraph_mode":"NONE"})");
-    options.prefix_caching = PrefixCaching::kOn;
-    auto runner = ModelRunner::Create(device, *dir, options);
-    EXPECT_TRUE(runner.ok()) << runner.status();
-    return runner.ok() ? *std::move(runner) : nullptr;
-  };
+  constexpr char kEager[] = R"({"cudagraph_mode":"NONE"})";
   CpuDevice reference_device(ThreadedStreams());
   CpuDevice device(ThreadedStreams());
-  std::unique_ptr<ModelRunner> reference = make(reference_device);
-  std::unique_ptr<ModelRunner> runner = make(device);
+  std::unique_ptr<ModelRunner> reference =
+      PrefixCachingRunner(reference_device, kEager);
+  std::unique_ptr<ModelRunner> runner = PrefixCachingRunner(device, kEager);
   ASSERT_NE(reference, nullptr);
   ASSERT_NE(runner, nullptr);
   std::vector<StepResult> want, got;

@@ -1,6 +1,7 @@
 #include "worker/model/rope_config.h"
 
 #include <cmath>
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -21,6 +22,23 @@ using config_json::OptionalBool;
 using config_json::RequiredInt;
 using config_json::RequiredNumber;
 
+// The object's "original_max_position_embeddings" (yarn, longrope), which
+// may be absent or null: 0 then (the caller resolves it). `path` ends with
+// ".".
+absl::StatusOr<int64_t> OptionalOriginalContext(const Json& value,
+                                                const std::string& path) {
+  const Json* v = Find(value, "original_max_position_embeddings");
+  if (v == nullptr || v->is_null()) return 0;
+  PDW_ASSIGN_OR_RETURN(
+      const int64_t original,
+      RequiredInt(value, "original_max_position_embeddings", path));
+  if (original <= 0) {
+    return FieldError(path + "original_max_position_embeddings",
+                      absl::StrCat("must be positive, got ", original));
+  }
+  return original;
+}
+
 // YaRN (transformers' _compute_yarn_parameters, vLLM's
 // YaRNScalingRotaryEmbedding): "factor" is required and is what both use;
 // "original_max_position_embeddings" may be absent (ParseModelConfig fills in
@@ -34,16 +52,8 @@ absl::StatusOr<RopeScaling> ParseYarn(const Json& value,
     return FieldError(path + "factor",
                       absl::StrCat("must be at least 1, got ", scaling.factor));
   }
-  if (Find(value, "original_max_position_embeddings") != nullptr) {
-    PDW_ASSIGN_OR_RETURN(
-        scaling.original_max_position_embeddings,
-        RequiredInt(value, "original_max_position_embeddings", path));
-    if (scaling.original_max_position_embeddings <= 0) {
-      return FieldError(path + "original_max_position_embeddings",
-                        absl::StrCat("must be positive, got ",
-                                     scaling.original_max_position_embeddings));
-    }
-  }
+  PDW_ASSIGN_OR_RETURN(scaling.original_max_position_embeddings,
+                       OptionalOriginalContext(value, path));
   auto optional_number = [&](const char* field,
                              double fallback) -> absl::StatusOr<double> {
     const Json* v = Find(value, field);
@@ -131,17 +141,8 @@ absl::StatusOr<RopeScaling> ParseLongrope(const Json& value,
         absl::StrCat("has ", scaling.long_factor.size(),
                      " entries, short_factor ", scaling.short_factor.size()));
   }
-  if (const Json* v = Find(value, "original_max_position_embeddings");
-      v != nullptr && !v->is_null()) {
-    PDW_ASSIGN_OR_RETURN(
-        scaling.original_max_position_embeddings,
-        RequiredInt(value, "original_max_position_embeddings", path));
-    if (scaling.original_max_position_embeddings <= 0) {
-      return FieldError(path + "original_max_position_embeddings",
-                        absl::StrCat("must be positive, got ",
-                                     scaling.original_max_position_embeddings));
-    }
-  }
+  PDW_ASSIGN_OR_RETURN(scaling.original_max_position_embeddings,
+                       OptionalOriginalContext(value, path));
   if (const Json* v = Find(value, "factor"); v != nullptr && !v->is_null()) {
     PDW_ASSIGN_OR_RETURN(scaling.factor, AsNumber(*v, path + "factor"));
     if (!(scaling.factor > 0)) {
