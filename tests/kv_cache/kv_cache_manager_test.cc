@@ -171,6 +171,49 @@ TEST(KvCacheManagerTest, TruncateFreesTrailingBlocks) {
 
 // The handoff primitives: a prefill lease is a detached sequence, a decode
 // import allocates detached blocks and attaches them under an id.
+// Every layer slides over 8 tokens: blocks no later query can see go back
+// to the pool, their entries kFreedBlock; Free returns the rest; the
+// sequence can no longer be detached (its KV is not whole) or truncated.
+TEST(KvCacheManagerTest, FreeOutsideWindowGivesBackDeadBlocksOnly) {
+  KvCacheManager m(/*num_blocks=*/8, /*block_size=*/4, /*max_model_len=*/64);
+  ASSERT_TRUE(m.Append({{"a", 20}}).ok());  // blocks 0-4
+  ASSERT_TRUE(m.Append({{"b", 3}}).ok());
+  EXPECT_EQ(m.Stats().used_blocks, 6);
+  // The next query (position 20) sees positions 13..20: blocks 0-2 (0..11)
+  // are dead, block 3 (12..15) is not.
+  auto freed = m.FreeOutsideWindow("a", 8);
+  ASSERT_TRUE(freed.ok()) << freed.status();
+  EXPECT_EQ(*freed, 3);
+  const SequenceKv* a = m.Find("a");
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->num_tokens, 20);
+  ASSERT_EQ(a->blocks.size(), 5u);
+  for (int b = 0; b < 3; ++b) EXPECT_EQ(a->blocks[b], kFreedBlock) << b;
+  EXPECT_NE(a->blocks[3], kFreedBlock);
+  EXPECT_EQ(m.Stats().used_blocks, 3);
+  // Again: nothing more is dead.
+  EXPECT_EQ(*m.FreeOutsideWindow("a", 8), 0);
+  // Appending goes on at the tail; the new blocks come from the pool.
+  ASSERT_TRUE(m.Append({{"a", 5, SequenceCreation::kMustExist}}).ok());
+  EXPECT_EQ(m.Find("a")->blocks.size(), 7u);
+  EXPECT_EQ(m.SlotFor(*m.Find("a"), 24) / 4, m.Find("a")->blocks[6]);
+  // A short sequence has nothing to give back.
+  EXPECT_EQ(*m.FreeOutsideWindow("b", 8), 0);
+
+  EXPECT_EQ(m.Detach("a").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(m.Truncate("a", 20).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(m.Truncate("a", 25).ok()) << "no cut: nothing to refuse";
+  EXPECT_EQ(m.FreeOutsideWindow("a", 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(m.FreeOutsideWindow("zz", 8).status().code(),
+            absl::StatusCode::kNotFound);
+  ASSERT_TRUE(m.Free("a").ok());
+  ASSERT_TRUE(m.Free("b").ok());
+  EXPECT_EQ(m.Stats().used_blocks, 0);
+  EXPECT_EQ(m.Stats().free_blocks, 8);
+}
+
 TEST(KvCacheManagerTest, DetachAttachKeepsBlocksAndCountsThem) {
   KvCacheManager m(/*num_blocks=*/6, /*block_size=*/4, /*max_model_len=*/16);
   ASSERT_TRUE(m.Append({{"a", 9}}).ok());  // 3 blocks

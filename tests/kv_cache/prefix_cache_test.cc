@@ -169,6 +169,28 @@ TEST(PrefixCacheTest, FreedBlocksStayCachedUntilEvictedTailFirst) {
   EXPECT_EQ(Step(m, "b", Range(0, 9)), 8);
 }
 
+// With prefix caching, blocks that left the window are freed once hashed
+// and stay cached: a new sequence with the same prompt takes them back.
+TEST(PrefixCacheTest, BlocksFreedOutsideTheWindowStayCached) {
+  KvCacheManager m = Caching(16);
+  Step(m, "a", Range(0, 20));  // 5 full blocks, all hashed
+  auto freed = m.FreeOutsideWindow("a", 8);
+  ASSERT_TRUE(freed.ok()) << freed.status();
+  EXPECT_EQ(*freed, 3);
+  EXPECT_EQ(m.Stats().cached_blocks, 5);
+  EXPECT_EQ(m.Stats().used_blocks, 2);
+  // b's prompt shares a's first 16 tokens: all four blocks hit, the three
+  // freed ones back from the free pool.
+  EXPECT_EQ(Step(m, "b", Concat(Range(0, 16), {900, 901})), 16);
+  EXPECT_EQ(m.Stats().used_blocks, 2 + 3 + 1);
+  // An unknown token stops the hashing at its block: that block is kept.
+  Step(m, "c",
+       Concat(Range(100, 104),
+              {kUnknownTokenId, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}));
+  EXPECT_EQ(*m.FreeOutsideWindow("c", 4), 1);
+  EXPECT_NE(m.Find("c")->blocks[1], kFreedBlock);
+}
+
 TEST(PrefixCacheTest, HitsOnFreeBlocksCountAgainstTheFreePool) {
   KvCacheManager m = Caching(3);
   Step(m, "a", Range(0, 8));  // 2 blocks, both cached

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/model/reference_runner.h"
@@ -207,6 +208,48 @@ TEST(DynamicRopeTest, IsPlainRopeAtEveryServedLength) {
   }
   EXPECT_EQ(logits[0], logits[1]);
   EXPECT_NE(fingerprints[0], fingerprints[1]);
+}
+
+// mistral_window (every layer slides over 8 tokens, blocks of 4): a
+// sequence that gives back the blocks leaving its window generates the
+// reference's tokens, holds at most the window's blocks (plus the one being
+// filled and the one a step crosses into), and its early entries are freed.
+TEST(WindowBlocksReferenceTest, FreedBlocksChangeNoTokenAndBoundTheMemory) {
+  auto dir = TinyModelDir(TinyShape::kMistralWindow);
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  for (const char* mode : {"NONE", "FULL_AND_PIECEWISE"}) {
+    SCOPED_TRACE(mode);
+    CpuDevice device;
+    auto runner = ModelRunner::Create(
+        device, *dir,
+        SmallOptions(absl::StrCat(R"({"cudagraph_mode":")", mode, R"("})")));
+    ASSERT_TRUE(runner.ok()) << runner.status();
+    ModelRunner& r = **runner;
+    ASSERT_TRUE(r.CaptureGraphs().ok());
+    const std::vector<int32_t> prompt = {3,  14, 15, 92, 65, 35, 89,
+                                         79, 32, 38, 46, 26, 43};
+    auto expected = model_testing::RunReferenceGreedy(*dir, prompt, 40);
+    ASSERT_TRUE(expected.ok()) << expected.status();
+    std::vector<int32_t> got;
+    SequenceStep step = Seq("g", prompt);
+    step.window_blocks = WindowBlocks::kFree;
+    int most_blocks = 0;
+    while (got.size() < 40) {
+      auto result = r.Execute({step});
+      ASSERT_TRUE(result.ok()) << result.status();
+      got.push_back(result->sequences[0].token_id);
+      most_blocks = std::max(most_blocks, r.kv_cache().Stats().used_blocks);
+      step.token_ids = {got.back()};
+    }
+    EXPECT_EQ(got, *expected);
+    const SequenceKv* kv = r.kv_cache().Find("g");
+    ASSERT_NE(kv, nullptr);
+    EXPECT_EQ(kv->blocks.front(), kFreedBlock);
+    // 53 tokens would need 14 blocks; the window needs 8 / 4 + 1, and the
+    // block a step writes into one more (the prompt's step held 4).
+    EXPECT_LE(most_blocks, 4);
+    EXPECT_LE(r.kv_cache().Stats().used_blocks, 4);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllShapes, ReferenceTest,

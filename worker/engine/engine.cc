@@ -612,6 +612,9 @@ bool Engine::LaunchPieces(absl::Span<const Piece> pieces, absl::Status* error) {
     SequenceStep& dst = batch_[k];
     dst.banned_token_ids.clear();
     dst.last_token_from.reset();
+    // A router's sequence may be held for a handoff or rolled back at any
+    // call: it keeps every block.
+    dst.window_blocks = WindowBlocks::kKeep;
     if (p.call != nullptr) {
       // A sequence's first piece creates it as the request asked; later
       // chunks continue it.
@@ -662,6 +665,11 @@ bool Engine::LaunchPieces(absl::Span<const Piece> pieces, absl::Status* error) {
     dst.sequence_id = r.kv_id;
     dst.sampling = r.call->spec.sampling;
     dst.creation = SequenceCreation::kMustExist;
+    // The engine's own request stays here (a prefill leg's KV moves to a
+    // lease whole): blocks that left the window go back to the pool.
+    dst.window_blocks = r.call->spec.handoff == KvHandoff::kNone
+                            ? WindowBlocks::kFree
+                            : WindowBlocks::kKeep;
     const int32_t end = r.num_computed + num_tokens_[k];
     const int32_t known = std::min<int32_t>(end, r.tokens.size());
     dst.token_ids.assign(r.tokens.begin() + r.num_computed,

@@ -178,7 +178,7 @@ void KvCacheManager::Undo(const StepReservation& reservation) {
       removed.push_back(*pool_.Uncache(block));
     }
     RecordRemoved(removed);
-    pool_.Free(absl::MakeConstSpan(seq.blocks).subspan(e->previous_num_blocks));
+    FreeHeld(absl::MakeConstSpan(seq.blocks).subspan(e->previous_num_blocks));
     seq.blocks.resize(e->previous_num_blocks);
     seq.num_tokens = e->previous_num_tokens;
     if (caching()) {
@@ -332,9 +332,57 @@ absl::Status KvCacheManager::Free(absl::string_view sequence_id) {
     return absl::NotFoundError(
         absl::StrCat("unknown sequence '", sequence_id, "'"));
   }
-  pool_.Free(it->second.blocks);
+  FreeHeld(it->second.blocks);
   sequences_.erase(it);
   return absl::OkStatus();
+}
+
+void KvCacheManager::FreeHeld(absl::Span<const int32_t> blocks) {
+  if (std::find(blocks.begin(), blocks.end(), kFreedBlock) == blocks.end()) {
+    pool_.Free(blocks);
+    return;
+  }
+  std::vector<int32_t> held;
+  for (const int32_t block : blocks) {
+    if (block != kFreedBlock) held.push_back(block);
+  }
+  pool_.Free(held);
+}
+
+bool KvCacheManager::HasFreedBlocks(const SequenceKv& seq) {
+  return !seq.blocks.empty() && seq.blocks.front() == kFreedBlock;
+}
+
+absl::StatusOr<int32_t> KvCacheManager::FreeOutsideWindow(
+    absl::string_view sequence_id, int32_t window) {
+  if (window <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "FreeOutsideWindow: window must be positive, got ", window));
+  }
+  auto it = sequences_.find(sequence_id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("unknown sequence '", sequence_id, "'"));
+  }
+  SequenceKv& seq = it->second;
+  // Block b holds positions [b · size, (b + 1) · size); the next query (at
+  // num_tokens) sees positions > num_tokens - window.
+  const int64_t first_visible =
+      std::max<int64_t>(0, int64_t{seq.num_tokens} - window + 1);
+  int64_t dead = first_visible / block_size_;
+  // Unhashed blocks would leave a hole in the cache's chain of hashes.
+  if (caching()) {
+    dead = std::min<int64_t>(dead, seq.block_hashes.size());
+  }
+  dead = std::min<int64_t>(dead, seq.blocks.size());
+  std::vector<int32_t> freed;
+  for (int64_t b = 0; b < dead; ++b) {
+    if (seq.blocks[b] == kFreedBlock) continue;
+    freed.push_back(seq.blocks[b]);
+    seq.blocks[b] = kFreedBlock;
+  }
+  pool_.Free(freed);
+  return static_cast<int32_t>(freed.size());
 }
 
 absl::Status KvCacheManager::Truncate(absl::string_view sequence_id,
@@ -350,6 +398,11 @@ absl::Status KvCacheManager::Truncate(absl::string_view sequence_id,
     return absl::InvalidArgumentError(
         absl::StrCat("cannot truncate sequence '", sequence_id, "' of ",
                      seq.num_tokens, " tokens to ", num_tokens));
+  }
+  if (HasFreedBlocks(seq) && num_tokens < seq.num_tokens) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot truncate sequence '", sequence_id,
+                     "': blocks that left its attention window were freed"));
   }
   if (copy != nullptr) copy->reset();
   const int32_t keep = BlocksFor(num_tokens);
@@ -381,7 +434,7 @@ absl::Status KvCacheManager::Truncate(absl::string_view sequence_id,
       RecordRemoved(removed);
     }
   }
-  pool_.Free(absl::MakeConstSpan(seq.blocks).subspan(keep));
+  FreeHeld(absl::MakeConstSpan(seq.blocks).subspan(keep));
   seq.blocks.resize(keep);
   seq.num_tokens = num_tokens;
   if (caching()) {
@@ -398,6 +451,11 @@ absl::StatusOr<SequenceKv> KvCacheManager::Detach(
   if (it == sequences_.end()) {
     return absl::NotFoundError(
         absl::StrCat("unknown sequence '", sequence_id, "'"));
+  }
+  if (HasFreedBlocks(it->second)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot detach sequence '", sequence_id,
+                     "': blocks that left its attention window were freed"));
   }
   SequenceKv kv = std::move(it->second);
   sequences_.erase(it);

@@ -49,6 +49,12 @@ struct SequenceAppend {
   absl::Span<const int32_t> token_ids = {};
 };
 
+// A block entry of a sequence whose block left every layer's window and went
+// back to the pool (KvCacheManager::FreeOutsideWindow); attention never
+// reads it (the CPU kernel starts at the window, the CUDA kernels skip ids
+// outside the cache).
+inline constexpr int32_t kFreedBlock = -1;
+
 // The KV state of one sequence. Token i lives in slot
 // blocks[i / block_size] * block_size + i % block_size.
 struct SequenceKv {
@@ -169,6 +175,20 @@ class KvCacheManager {
 
   // Frees a sequence's blocks. NOT_FOUND when unknown.
   absl::Status Free(absl::string_view sequence_id);
+  // For a model whose every layer slides over `window` tokens: the blocks
+  // of `sequence_id` no query from its current length on can see (every
+  // position < num_tokens - window + 1) go back to the pool and their
+  // entries become kFreedBlock, as vLLM's sliding-window manager frees
+  // them. With prefix caching only hashed blocks are freed, and they stay
+  // cached (a later hit takes them back) until evicted. A step of this
+  // sequence still queued on the stream may read a block freed here (its
+  // queries sit at earlier positions); the block's next owner writes it in
+  // stream order, after that step, so it reads the old K/V. Returns how many
+  // were freed; NOT_FOUND when unknown, INVALID_ARGUMENT for window <= 0. A
+  // sequence with freed blocks can be neither detached (its KV is no longer
+  // whole, for a handoff) nor truncated.
+  absl::StatusOr<int32_t> FreeOutsideWindow(absl::string_view sequence_id,
+                                            int32_t window);
 
   // Shortens a sequence to its first `num_tokens` tokens and frees the blocks
   // past them (their K/V bytes are simply dead). Undoes earlier steps, which
@@ -234,6 +254,9 @@ class KvCacheManager {
   }
 
   bool caching() const { return prefix_cache_.mode == PrefixCaching::kOn; }
+  // pool_.Free of the entries that are not kFreedBlock.
+  void FreeHeld(absl::Span<const int32_t> blocks);
+  static bool HasFreedBlocks(const SequenceKv& seq);
   // The capped hit for `num_tokens` tokens with these hashes.
   PrefixHit FindPrefix(absl::Span<const BlockHash> hashes,
                        int32_t num_tokens) const;

@@ -99,6 +99,15 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
                             options.kernel_options.unverified_cuda_kernels},
                            &r->config_));
 
+  if (c.sliding_window.has_value() &&
+      std::find(c.sliding_layers.begin(), c.sliding_layers.end(), false) ==
+          c.sliding_layers.end() &&
+      (device.kind() == DeviceKind::kCpu ||
+       options.kernel_options.unverified_cuda_kernels ==
+           UnverifiedCudaKernels::kAllow)) {
+    r->free_window_ = static_cast<int>(*c.sliding_window);
+  }
+
   // Graph plan: role defaults + compilation config, then the attention
   // backend's CUDA graph support may downgrade the mode.
   SchedulerLimits limits{options.max_num_seqs, options.max_num_batched_tokens,
@@ -406,6 +415,19 @@ absl::StatusOr<int> ModelRunner::Launch(absl::Span<const SequenceStep> batch) {
         absl::StrCat(kMaxStepsInFlight, " steps in flight; retire one first"));
   }
   PDW_RETURN_IF_ERROR(Validate(batch));
+
+  // 0. Blocks that left the window of a sequence that may give them back:
+  // dead for every query from its current length on (a failed step leaves
+  // them freed, which changes no result).
+  if (free_window_ > 0) {
+    for (const SequenceStep& s : batch) {
+      if (s.window_blocks == WindowBlocks::kFree &&
+          kv_->Find(s.sequence_id) != nullptr) {
+        PDW_RETURN_IF_ERROR(
+            kv_->FreeOutsideWindow(s.sequence_id, free_window_).status());
+      }
+    }
+  }
 
   // 1. KV cache: all-or-nothing (also rejects duplicates and length limits).
   // A placeholder's id is unknown to the cache until its step retires.

@@ -84,6 +84,13 @@ struct SampleRef {
 };
 
 // One sequence's part of a step.
+// Whether a step may give back the sequence's blocks that left every
+// layer's window (models whose every layer slides; see
+// KvCacheManager::FreeOutsideWindow). kFree only for a sequence that will
+// be neither detached for a handoff nor truncated: the engine's own
+// requests that stay on this worker.
+enum class WindowBlocks { kKeep, kFree };
+
 struct SequenceStep {
   std::string sequence_id;
   std::vector<int32_t> token_ids;  // new tokens (prompt chunk or last token)
@@ -99,6 +106,7 @@ struct SequenceStep {
   // raw logprob (log_softmax of the model's logits, before temperature,
   // masks and truncation: vLLM's default) and that many top alternatives.
   int32_t num_top_logprobs = -1;
+  WindowBlocks window_blocks = WindowBlocks::kKeep;
 };
 
 // A step of `token_ids` for `sequence_id` with default (greedy) sampling.
@@ -291,6 +299,11 @@ class ModelRunner {
   GraphPlan plan_;
   std::string downgrade_reason_;
   int max_model_len_ = 0;
+  // > 0: every layer slides over this many tokens and the attention runs
+  // the window (the CPU backend, or CUDA with its unverified window
+  // kernels allowed), so steps with WindowBlocks::kFree give back blocks
+  // outside it. 0: blocks are kept.
+  int free_window_ = 0;
   std::unique_ptr<Stream> stream_;
   LlamaWeights weights_;
   std::unique_ptr<Arena> step_arena_;
