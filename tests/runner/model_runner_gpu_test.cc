@@ -316,7 +316,8 @@ TEST_P(RunnerGpuTest, DecodeFusionLeavesEveryLogitBitIdentical) {
         ASSERT_TRUE(runner.ok()) << runner.status();
         ASSERT_TRUE((*runner)->CaptureGraphs().ok());
         const bool on = fusion == DecodeFusion::kOn;
-        const bool fuses = on && runner_testing::CudaFusesDecode(GetParam());
+        const bool fuses =
+            on && runner_testing::CudaFusesDecode((*runner)->model_config());
         EXPECT_EQ((*runner)->forward().FusesDecodeLayers(1), fuses);
         EXPECT_EQ((*runner)->forward().FusesDecodeLayers(4), fuses);
         EXPECT_FALSE((*runner)->forward().FusesDecodeLayers(16));
@@ -373,8 +374,9 @@ TEST_P(RunnerGpuTest, GreedyHeadFusionChangesNoTokenLogprobOrLogit) {
       auto runner = ModelRunner::Create(*cuda_, dir_, o);
       ASSERT_TRUE(runner.ok()) << runner.status();
       ASSERT_TRUE((*runner)->CaptureGraphs().ok());
-      EXPECT_EQ((*runner)->forward().GreedyTiles(one_row).empty(),
-                !(on && runner_testing::CudaGreedyHead(GetParam())));
+      EXPECT_EQ(
+          (*runner)->forward().GreedyTiles(one_row).empty(),
+          !(on && runner_testing::CudaGreedyHead((*runner)->model_config())));
       EXPECT_TRUE((*runner)->forward().GreedyTiles(two_rows).empty());
       ModelRunner& r = **runner;
       StepOutcome& out = outcome[config];

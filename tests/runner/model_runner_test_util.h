@@ -36,27 +36,18 @@ inline absl::StatusOr<std::string> TinyModelDir(TinyShape shape) {
 // CudaRefusalGpuTest checks that they are refused by default).
 //
 // Whether the CUDA forward fuses a decode step's layers (the skinny GEMM's
-// epilogues, the megakernel) for `shape`: not where the layer needs kernels
-// those paths do not implement (q/k norm, partial rotary, Gemma's layer, a
-// window run on CUDA).
-inline bool CudaFusesDecode(TinyShape shape) {
-  switch (shape) {
-    case TinyShape::kQwen3:
-    case TinyShape::kPhi4Mini:
-    case TinyShape::kGemma2:
-    case TinyShape::kGemma3:
-    case TinyShape::kGemma3Multimodal:
-    case TinyShape::kMistralWindow:
-      return false;
-    default:
-      return true;
-  }
+// epilogues, the megakernel) for `config`: not where the layer needs
+// kernels those paths do not implement (UnverifiedCudaFeatures) nor a
+// window run on CUDA (SmallOptions allows the window kernels).
+inline bool CudaFusesDecode(const ModelConfig& config) {
+  return UnverifiedCudaFeatures(config).empty() &&
+         !config.sliding_window.has_value();
 }
 
 // Whether a one-row CUDA step's LM head folds its logits for the greedy
 // sampler: not under a final logit soft-cap (Gemma 2).
-inline bool CudaGreedyHead(TinyShape shape) {
-  return shape != TinyShape::kGemma2;
+inline bool CudaGreedyHead(const ModelConfig& config) {
+  return config.final_logit_softcapping == 0;
 }
 
 // Step options small enough for fast CPU tests; capture sizes 1..16.

@@ -115,14 +115,8 @@ float AttentionScale(const ModelConfig& c) {
   return static_cast<float>(scale);
 }
 
-// What the CUDA kernels implement but have never run on a GPU (written
-// blind; UnverifiedCudaKernels), by name (empty: nothing): the RoPE
-// kernel's q/k norm and partial rotary, Gemma's layer (sandwich norms,
-// GeGLU, the embedding multiplier, soft-capping in the head and the
-// CUDA-core attention kernels). The fused decode epilogues and the
-// megakernel implement none of it. (Windowed attention, also written blind,
-// is not refused: without kAllow ModelRunner keeps sequences within the
-// window on CUDA, where no mask is needed.)
+}  // namespace
+
 std::vector<std::string> UnverifiedCudaFeatures(const ModelConfig& c) {
   std::vector<std::string> features;
   if (c.layer.qk_norm != QkNorm::kNone) {
@@ -156,8 +150,6 @@ std::vector<std::string> UnverifiedCudaFeatures(const ModelConfig& c) {
   }
   return features;
 }
-
-}  // namespace
 
 size_t LlamaForward::ActivationBytes(const ModelConfig& c,
                                      const LlamaForwardOptions& o,

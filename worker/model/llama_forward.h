@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -68,7 +69,7 @@ enum class GreedyHeadFusion { kOff, kOn };
 enum class DecodeMegakernel { kOff, kOn };
 
 // CUDA kernels written without a GPU that have not passed their GPU tests
-// yet (UnverifiedCudaFeatures in llama_forward.cc: Qwen3's per-head q/k
+// yet (UnverifiedCudaFeatures below: Qwen3's per-head q/k
 // norm, partial rotary, Gemma's layer; and windowed attention): kRefuse
 // (default) refuses a model that needs them on CUDA, naming them, and runs
 // a windowed model within its window (ModelRunner caps max_model_len);
@@ -76,6 +77,16 @@ enum class DecodeMegakernel { kOff, kOn };
 // --unverified_cuda_kernels=allow). The flag goes when a GPU run has passed
 // them.
 enum class UnverifiedCudaKernels { kRefuse, kAllow };
+
+// What the CUDA kernels implement but have never run on a GPU (written
+// blind; UnverifiedCudaKernels), by name (empty: nothing): the RoPE
+// kernel's q/k norm and partial rotary, Gemma's layer (sandwich norms,
+// GeGLU, the embedding multiplier, soft-capping in the head and the
+// CUDA-core attention kernels). The fused decode epilogues and the
+// megakernel implement none of it. (Windowed attention, also written blind,
+// is not refused: without kAllow ModelRunner keeps sequences within the
+// window on CUDA, where no mask is needed.)
+std::vector<std::string> UnverifiedCudaFeatures(const ModelConfig& config);
 
 // Which kernels the forward runs: the defaults serve; tests and benchmarks
 // override them to compare. ModelRunnerOptions carries the same struct
