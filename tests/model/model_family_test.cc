@@ -514,6 +514,14 @@ TEST(ModelFamilyTest, Gemma3AsPublished) {
   }
   EXPECT_TRUE(c.tie_word_embeddings);
   EXPECT_EQ(c.eos_token_ids, (std::vector<int64_t>{1, 106}));
+  // YaRN on the global layers beside the sliding layers' own base: its
+  // attention factor would reach every layer's softmax scale: refused.
+  Json yarn = Json::parse(kGemma3Config);
+  yarn["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+  auto refused = ParseModelConfig(yarn.dump());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(), HasSubstr("rope_scaling"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("local RoPE base"));
 }
 
 // google/gemma-3-4b-it config.json as published: the text model's few

@@ -503,6 +503,18 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text) {
     return status;
   }
   PDW_RETURN_IF_ERROR(ResolveSlidingLayers(root, config));
+  // Sliding layers with their own base rotate with plain RoPE; the global
+  // layers' attention factor (yarn, longrope) is folded into the one
+  // softmax scale every layer shares, which would be wrong for the others.
+  if (config.local_rope_theta.has_value() &&
+      config.rope_scaling.attention_factor != 1.0) {
+    return FieldError(
+        "rope_scaling",
+        absl::StrCat(RopeScalingTypeName(config.rope_scaling.type),
+                     "'s attention factor beside a local RoPE "
+                     "base for the sliding layers is not "
+                     "supported"));
+  }
   // The family decided the MLP's activation; the config must name it.
   for (const char* key : {"hidden_act", "hidden_activation"}) {
     const Json* act = Find(root, key);
