@@ -104,7 +104,7 @@ int Main(int argc, char** argv) {
     CHECK(absl::SimpleAtoi(mb_text, &max_blocks) &&
           max_blocks >= kContext / kBlockSize)
         << mb_text;
-    const StepLimits limits{kMaxSeqs, kMaxSeqs, max_blocks, 4};
+    const StepLimits limits{kMaxSeqs, kMaxSeqs, max_blocks, 4, kMaxSeqs};
     auto arena = Arena::Create(
         **device,
         {static_cast<size_t>(StepInputs::DeviceWords(limits)) * 4 + 16 * 256,

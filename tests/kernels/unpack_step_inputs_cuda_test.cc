@@ -18,7 +18,8 @@ constexpr int32_t kSentinel = 0x5A5A5A5A;
 constexpr int kSlack = 5;
 
 struct Shape {
-  int num_tokens, num_reqs, num_real_reqs, max_blocks_per_seq, num_logits_rows;
+  int num_tokens, num_reqs, num_real_reqs, max_blocks_per_seq, num_logits,
+      num_logits_rows;
 };
 
 // Packed words for `s`: random metadata, random per-row block counts, and
@@ -30,7 +31,8 @@ std::vector<int32_t> RandomPacked(uint32_t seed, const Shape& s,
     return std::uniform_int_distribution<int>(lo, hi)(rng);
   };
   std::vector<int32_t> packed;
-  for (int i = 0; i < 3 * s.num_tokens + 3 * s.num_reqs + 1; ++i) {
+  for (int i = 0; i < 3 * s.num_tokens + 2 * s.num_reqs + 1 + s.num_logits;
+       ++i) {
     packed.push_back(uniform(-1, 150000));
   }
   std::vector<int32_t> starts = {0};
@@ -72,6 +74,7 @@ class UnpackStepInputsCudaTest : public CudaKernelTest {
     p.num_real_reqs = s.num_real_reqs;
     p.num_block_ids = num_block_ids;
     p.max_blocks_per_seq = s.max_blocks_per_seq;
+    p.num_logits = s.num_logits;
     p.num_logits_rows = s.num_logits_rows;
     const absl::Status status = LaunchUnpackStepInputs(*b.stream, p);
     EXPECT_TRUE(status.ok()) << status;
@@ -107,7 +110,8 @@ TEST_F(UnpackStepInputsCudaTest, RandomShapesUnpackLikeTheCpu) {
     s.num_reqs = uniform(0, 256);
     s.num_real_reqs = uniform(0, s.num_reqs);
     s.max_blocks_per_seq = uniform(1, 64);
-    s.num_logits_rows = s.num_reqs + uniform(0, 8);
+    s.num_logits = uniform(0, 4 * s.num_reqs);
+    s.num_logits_rows = s.num_logits + uniform(0, 8);
     ExpectSameAsCpu(seed, s);
   }
 }
@@ -115,7 +119,7 @@ TEST_F(UnpackStepInputsCudaTest, RandomShapesUnpackLikeTheCpu) {
 // More output words than the capped grid has threads (1024 blocks of 256):
 // 256 rows of 2,048-entry block tables, a 32k context of 16-token blocks.
 TEST_F(UnpackStepInputsCudaTest, MoreWordsThanThreadsUnpackLikeTheCpu) {
-  ExpectSameAsCpu(99, Shape{8192, 256, 200, 2048, 256});
+  ExpectSameAsCpu(99, Shape{8192, 256, 200, 2048, 1024, 1024});
 }
 
 TEST_F(UnpackStepInputsCudaTest, RefusedWhileCapturing) {

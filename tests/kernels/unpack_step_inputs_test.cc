@@ -25,6 +25,7 @@ struct UnpackCase {
   int num_reqs = 0;
   int num_real_reqs = 0;
   int max_blocks_per_seq = 0;
+  int num_logits = 0;  // packed entries (1 + k per verifying request)
   int num_logits_rows = 0;
   int num_block_ids = 0;
   std::vector<int32_t> packed;
@@ -42,9 +43,10 @@ UnpackCase RandomCase(uint32_t seed) {
   c.num_reqs = uniform(0, 6);
   c.num_real_reqs = uniform(0, c.num_reqs);
   c.max_blocks_per_seq = uniform(1, 9);
-  c.num_logits_rows = c.num_reqs + uniform(0, 3);
+  c.num_logits = uniform(0, 2 * c.num_reqs + 2);
+  c.num_logits_rows = c.num_logits + uniform(0, 3);
   const int t = c.num_tokens, r = c.num_reqs;
-  for (int i = 0; i < 3 * t + 3 * r + 1; ++i) {
+  for (int i = 0; i < 3 * t + 2 * r + 1 + c.num_logits; ++i) {
     c.packed.push_back(uniform(-1, 100000));
   }
   std::vector<int32_t> starts = {0};
@@ -87,6 +89,7 @@ void ExpectSame(const Unpacked& got, const Unpacked& want,
 // What the header says the op writes, from the packed words directly.
 Unpacked Reference(const UnpackCase& c) {
   const int t = c.num_tokens, r = c.num_reqs, mb = c.max_blocks_per_seq;
+  const int n = c.num_logits;
   auto segment = [&c](int offset, int n) {
     std::vector<int32_t> v(c.packed.begin() + offset,
                            c.packed.begin() + offset + n);
@@ -102,10 +105,10 @@ Unpacked Reference(const UnpackCase& c) {
   u.num_reqs = {c.num_real_reqs};
   u.num_reqs.insert(u.num_reqs.end(), kSlack, kSentinel);
   for (int i = 0; i < c.num_logits_rows; ++i) {
-    u.logits_indices.push_back(i < r ? c.packed[3 * t + 2 * r + 1 + i] : -1);
+    u.logits_indices.push_back(i < n ? c.packed[3 * t + 2 * r + 1 + i] : -1);
   }
   u.logits_indices.insert(u.logits_indices.end(), kSlack, kSentinel);
-  const int starts = 3 * t + 3 * r + 1, ids = 3 * t + 4 * r + 2;
+  const int starts = 3 * t + 2 * r + 1 + n, ids = 3 * t + 3 * r + 2 + n;
   for (int i = 0; i < r; ++i) {
     const int s = c.packed[starts + i], e = c.packed[starts + i + 1];
     const bool ok = s >= 0 && e >= s && e <= c.num_block_ids && e - s <= mb;
@@ -147,6 +150,7 @@ class UnpackStepInputsTest : public KernelTest {
     p.num_real_reqs = c.num_real_reqs;
     p.num_block_ids = c.num_block_ids;
     p.max_blocks_per_seq = c.max_blocks_per_seq;
+    p.num_logits = c.num_logits;
     p.num_logits_rows = c.num_logits_rows;
     return p;
   }
@@ -181,15 +185,15 @@ TEST_F(UnpackStepInputsTest, MatchesTheReferenceOnRandomShapes) {
 
 // The layout the runner and the op share: offsets in the header's order.
 TEST_F(UnpackStepInputsTest, LayoutSegmentsFollowEachOther) {
-  const PackedStepLayout l = PackedStepLayout::For(7, 3);
+  const PackedStepLayout l = PackedStepLayout::For(7, 3, 5);
   EXPECT_EQ(l.token_ids, 0);
   EXPECT_EQ(l.positions, 7);
   EXPECT_EQ(l.slot_mapping, 14);
   EXPECT_EQ(l.seq_lens, 21);
   EXPECT_EQ(l.query_start_loc, 24);
   EXPECT_EQ(l.logits_indices, 28);
-  EXPECT_EQ(l.block_starts, 31);
-  EXPECT_EQ(l.block_ids, 35);
+  EXPECT_EQ(l.block_starts, 33);
+  EXPECT_EQ(l.block_ids, 37);
 }
 
 TEST_F(UnpackStepInputsTest, BadCountsAndSmallBuffersAreRefusedByName) {
@@ -199,7 +203,7 @@ TEST_F(UnpackStepInputsTest, BadCountsAndSmallBuffersAreRefusedByName) {
   EXPECT_THAT(LaunchUnpackStepInputs(stream(), p),
               IsInvalidArgumentMentioning("num_real_reqs"));
   p = Params(c);
-  p.num_logits_rows = p.num_reqs - 1;
+  p.num_logits_rows = p.num_logits - 1;
   EXPECT_THAT(LaunchUnpackStepInputs(stream(), p),
               IsInvalidArgumentMentioning("num_logits_rows"));
   p = Params(c);

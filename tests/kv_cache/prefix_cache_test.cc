@@ -131,6 +131,33 @@ TEST(PrefixCacheTest, SharesFullBlocksAndComputesTheLastToken) {
   EXPECT_EQ(m.Lookup(hashes, 10).num_blocks, 0);
 }
 
+// computed_tail_tokens = n (a step that samples after each of its last n
+// tokens): those n are never taken from the cache.
+TEST(PrefixCacheTest, TheComputedTailStaysOutOfTheHit) {
+  KvCacheManager m = Caching(16);
+  Step(m, "a", Range(0, 13));  // blocks 0-2 full and cached
+  auto step = [&m](const std::string& id, int32_t tail) {
+    const std::vector<int32_t> ids = Range(0, 13);
+    SequenceAppend a{id, 13, SequenceCreation::kMustBeNew, ids, tail};
+    absl::StatusOr<StepReservation> r = m.Append({a});
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->entries[0].cached_tokens : -1;
+  };
+  EXPECT_EQ(step("b", 1), 12);  // the last token only
+  EXPECT_EQ(step("c", 2), 8);   // tokens 11 and 12 computed: block 2 is not
+  EXPECT_EQ(step("d", 5), 8);
+  EXPECT_EQ(step("e", 6), 4);
+  EXPECT_EQ(step("f", 13), 0);
+  const std::vector<int32_t> ids = Range(0, 13);
+  for (const int32_t bad : {0, 14}) {
+    absl::StatusOr<StepReservation> r =
+        m.Append({{"g", 13, SequenceCreation::kMustBeNew, ids, bad}});
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(r.status().message(), HasSubstr("computed_tail_tokens"));
+    EXPECT_EQ(m.Find("g"), nullptr);
+  }
+}
+
 TEST(PrefixCacheTest, OffSharesNothingAndRecordsNothing) {
   KvCacheManager m(16, kBs, 256);
   EXPECT_EQ(Step(m, "a", Range(0, 10)), 0);

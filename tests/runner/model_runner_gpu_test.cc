@@ -402,6 +402,63 @@ TEST_P(RunnerGpuTest, GreedyHeadFusionChangesNoTokenLogprobOrLogit) {
   }
 }
 
+// Several sampled rows per sequence (speculative verification, written
+// without a GPU: refused on CUDA unless unverified kernels are allowed, as
+// SmallOptions does): with uniform_decode_query_len 4, verify steps of
+// 1 + 3 tokens (uniform: FULL graphs of 8 tokens; beside a prefill and a
+// one-token decode: mixed) give every row's logits within tolerance of the
+// CPU runner, and the same step modes.
+TEST_P(RunnerGpuTest, SampledRowsMatchOneTokenSteps) {
+  auto make = [this](Device& device) -> std::unique_ptr<ModelRunner> {
+    ModelRunnerOptions o =
+        SmallOptions(R"({"cudagraph_capture_sizes":[1,2,4,8,16]})");
+    o.uniform_decode_query_len = 4;
+    auto runner = ModelRunner::Create(device, dir_, o);
+    EXPECT_TRUE(runner.ok()) << runner.status();
+    if (!runner.ok()) return nullptr;
+    EXPECT_TRUE((*runner)->CaptureGraphs().ok());
+    return *std::move(runner);
+  };
+  auto verify = [](const std::string& id, std::vector<int32_t> tokens) {
+    SequenceStep s = Seq(id, std::move(tokens));
+    s.num_samples = static_cast<int32_t>(s.token_ids.size());
+    return s;
+  };
+  auto gpu = make(*cuda_);
+  auto cpu = make(cpu_);
+  ASSERT_TRUE(gpu && cpu);
+  const std::vector<std::vector<SequenceStep>> batches = {
+      {Seq("a", {5, 17, 42, 8, 99, 3, 61}), Seq("b", {1, 2, 3})},
+      {verify("a", {12, 40, 41, 7}), verify("b", {77, 3, 9, 10})},
+      {verify("a", {30, 31, 32, 33}), Seq("b", {4}),
+       Seq("c", {150, 9, 44, 21, 33})},
+      {verify("a", {6, 2, 8, 1}), verify("b", {5, 5, 5, 5}),
+       verify("c", {2, 3, 4, 5})},
+  };
+  Diff worst;
+  for (size_t i = 0; i < batches.size(); ++i) {
+    auto g = gpu->Execute(batches[i]);
+    auto c = cpu->Execute(batches[i]);
+    ASSERT_TRUE(g.ok()) << g.status();
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(g->info.mode, c->info.mode) << "step " << i;
+    EXPECT_EQ(g->info.padded_tokens, c->info.padded_tokens) << "step " << i;
+    int rows = 0;
+    for (const SequenceStep& s : batches[i]) rows += s.num_samples;
+    std::vector<float> gl, cl;
+    ASSERT_TRUE(gpu->ReadLogits(rows, &gl).ok());
+    ASSERT_TRUE(cpu->ReadLogits(rows, &cl).ok());
+    const Diff d = Compare(gl, cl);
+    EXPECT_LE(d.max, kLogitTolerance) << "step " << i;
+    EXPECT_LE(d.mean, kMeanLogitTolerance) << "step " << i;
+    worst.max = std::max(worst.max, d.max);
+    worst.mean = std::max(worst.mean, d.mean);
+  }
+  LOG(INFO) << TinyShapeName(GetParam())
+            << ": sampled rows, CUDA vs CPU logits, worst step: max |diff| "
+            << worst.max << ", mean |diff| " << worst.mean;
+}
+
 INSTANTIATE_TEST_SUITE_P(AllShapes, RunnerGpuTest,
                          ::testing::ValuesIn(AllTinyShapes()),
                          [](const ::testing::TestParamInfo<TinyShape>& info) {
@@ -569,6 +626,33 @@ TEST(CudaRefusalGpuTest, LayersWithUnverifiedCudaKernelsAreRefusedByName) {
   EXPECT_EQ(runner.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_NE(runner.status().message().find("partial rotary"), std::string::npos)
       << runner.status();
+}
+
+// Several sampled rows per sequence have not run on a GPU yet: refused by
+// default (UNIMPLEMENTED, naming the flag), and the sequence is unchanged.
+TEST(CudaRefusalGpuTest, SampledRowsAreRefusedByDefault) {
+  auto device = CreateDevice(DeviceKind::kCuda);
+  if (!device.ok()) {
+    GTEST_SKIP() << "CUDA backend not available here ("
+                 << device.status().message() << ")";
+  }
+  auto dir = TinyModelDir(TinyShape::kGqa);
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  ModelRunnerOptions options = SmallOptions(R"({"cudagraph_mode":"NONE"})");
+  options.kernel_options.unverified_cuda_kernels =
+      UnverifiedCudaKernels::kRefuse;
+  options.uniform_decode_query_len = 4;
+  auto runner = ModelRunner::Create(**device, *dir, options);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  ASSERT_TRUE((*runner)->Execute({Seq("a", {1, 2, 3})}).ok());
+  SequenceStep verify = Seq("a", {4, 5, 6, 7});
+  verify.num_samples = 4;
+  auto refused = (*runner)->Execute({verify});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(refused.status().message().find("--unverified_cuda_kernels=allow"),
+            std::string::npos)
+      << refused.status();
+  EXPECT_EQ((*runner)->kv_cache().Find("a")->num_tokens, 3);
 }
 
 }  // namespace

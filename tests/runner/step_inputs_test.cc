@@ -36,7 +36,8 @@ class StepInputsTest : public ::testing::Test {
     ASSERT_TRUE(stream.ok());
     stream_ = std::move(*stream);
     limits_ = {/*max_num_seqs=*/4, /*max_num_batched_tokens=*/16,
-               /*max_blocks_per_seq=*/8, /*max_uploads_in_flight=*/2};
+               /*max_blocks_per_seq=*/8, /*max_uploads_in_flight=*/2,
+               /*max_logits_rows=*/8};
     auto inputs = StepInputs::Create(*device_, *arena_, limits_, kBlockSize);
     ASSERT_TRUE(inputs.ok()) << inputs.status();
     inputs_ = std::move(*inputs);
@@ -121,9 +122,61 @@ TEST_F(StepInputsTest, UniformDecodeWithPaddingRequest) {
             (std::vector<int32_t>{0, 1, 2, 3, 4}));
   EXPECT_EQ(inputs_->host_slot_mapping()[3], -1);
   EXPECT_EQ(inputs_->host_positions()[1], 4);
-  EXPECT_EQ(inputs_->host_logits_indices()[2], 2);
-  EXPECT_EQ(inputs_->host_logits_indices()[3], -1);  // zero logits
+  EXPECT_EQ(std::vector<int32_t>(inputs_->host_logits_indices().begin(),
+                                 inputs_->host_logits_indices().end()),
+            (std::vector<int32_t>{0, 1, 2}));
   EXPECT_EQ(inputs_->num_reqs(), 3);
+  ASSERT_TRUE(inputs_->Upload(*stream_).ok());
+  // The padding request's row and every row past it: zero logits.
+  EXPECT_EQ(ReadBack(inputs_->buffers().logits_indices, 8),
+            (std::vector<int32_t>{0, 1, 2, -1, -1, -1, -1, -1}));
+}
+
+// Verifying drafts: two sequences of 1 + 2 tokens each with a logits row
+// after every token, padded to a 3-request uniform key of query length 3,
+// then a mixed step where one sequence asks for rows after its last two of
+// four tokens.
+TEST_F(StepInputsTest, RequestsWithSeveralLogitsRows) {
+  ASSERT_TRUE(kv_.Append({{"a", 5}, {"b", 2}}).ok());
+  ASSERT_TRUE(kv_.Append({{"a", 3}, {"b", 3}}).ok());
+  const std::vector<int32_t> ta = {1, 2, 3}, tb = {4, 5, 6};
+  StepSequence a{kv_.Find("a"), ta, 3}, b{kv_.Find("b"), tb, 3};
+  ASSERT_TRUE(inputs_->Build({a, b}, {9, 3, 3}).ok());
+  EXPECT_EQ(inputs_->num_logits(), 6);
+  ASSERT_TRUE(inputs_->Upload(*stream_).ok());
+  const StepBuffers& buf = inputs_->buffers();
+  EXPECT_EQ(ReadBack(buf.logits_indices, 8),
+            (std::vector<int32_t>{0, 1, 2, 3, 4, 5, -1, -1}));
+  EXPECT_EQ(ReadBack(buf.positions, 6),
+            (std::vector<int32_t>{5, 6, 7, 2, 3, 4}));
+  EXPECT_EQ(ReadBack(buf.query_start_loc, 4),
+            (std::vector<int32_t>{0, 3, 6, 9}));
+
+  ASSERT_TRUE(kv_.Append({{"c", 4}, {"a", 1}}).ok());
+  const std::vector<int32_t> tc = {7, 8, 9, 10}, one = {11};
+  StepSequence c{kv_.Find("c"), tc, 2}, a1{kv_.Find("a"), one, 1};
+  ASSERT_TRUE(inputs_->Build({c, a1}, {6, 2, 0}).ok());
+  ASSERT_TRUE(inputs_->Upload(*stream_).ok());
+  EXPECT_EQ(ReadBack(buf.logits_indices, 8),
+            (std::vector<int32_t>{2, 3, 4, -1, -1, -1, -1, -1}));
+}
+
+TEST_F(StepInputsTest, LogitsRowsOutsideTheirLimitsAreRefused) {
+  ASSERT_TRUE(kv_.Append({{"a", 3}, {"b", 3}, {"c", 3}}).ok());
+  const std::vector<int32_t> three = {1, 2, 3};
+  StepSequence a{kv_.Find("a"), three, 4};
+  EXPECT_EQ(inputs_->Build({a}, {3, 1, 0}).code(),
+            absl::StatusCode::kInvalidArgument);
+  a.num_logits = 0;
+  EXPECT_EQ(inputs_->Build({a}, {3, 1, 0}).code(),
+            absl::StatusCode::kInvalidArgument);
+  // 9 rows; the limit is 8.
+  a.num_logits = 3;
+  const StepSequence b{kv_.Find("b"), three, 3}, c{kv_.Find("c"), three, 3};
+  const absl::Status status = inputs_->Build({a, b, c}, {9, 3, 0});
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("max_logits_rows"), std::string::npos)
+      << status;
 }
 
 // A step after a wider one: nothing of the earlier block tables or logits

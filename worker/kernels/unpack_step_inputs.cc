@@ -22,7 +22,8 @@ namespace {
 constexpr char kOp[] = "unpack_step_inputs";
 
 void UnpackStepInputsCpu(const UnpackStepInputsParams& p) {
-  const PackedStepLayout l = PackedStepLayout::For(p.num_tokens, p.num_reqs);
+  const PackedStepLayout l =
+      PackedStepLayout::For(p.num_tokens, p.num_reqs, p.num_logits);
   const int32_t* packed = p.packed.as<const int32_t>();
   const StepBuffers& o = p.outputs;
   std::copy_n(packed + l.token_ids, p.num_tokens, o.token_ids.as<int32_t>());
@@ -34,7 +35,7 @@ void UnpackStepInputsCpu(const UnpackStepInputsParams& p) {
               o.query_start_loc.as<int32_t>());
   int32_t* logits = o.logits_indices.as<int32_t>();
   for (int r = 0; r < p.num_logits_rows; ++r) {
-    logits[r] = r < p.num_reqs ? packed[l.logits_indices + r] : -1;
+    logits[r] = r < p.num_logits ? packed[l.logits_indices + r] : -1;
   }
   *o.num_reqs.as<int32_t>() = p.num_real_reqs;
   const int32_t* starts = packed + l.block_starts;
@@ -53,7 +54,8 @@ void UnpackStepInputsCpu(const UnpackStepInputsParams& p) {
 #if PDW_HAVE_CUDA
 absl::Status UnpackStepInputsOnCuda(Stream& stream,
                                     const UnpackStepInputsParams& p) {
-  const PackedStepLayout l = PackedStepLayout::For(p.num_tokens, p.num_reqs);
+  const PackedStepLayout l =
+      PackedStepLayout::For(p.num_tokens, p.num_reqs, p.num_logits);
   UnpackStepInputsCudaParams c;
   c.packed = p.packed.as<const int32_t>();
   c.positions = l.positions;
@@ -77,6 +79,7 @@ absl::Status UnpackStepInputsOnCuda(Stream& stream,
   c.num_real_reqs = p.num_real_reqs;
   c.num_block_ids = p.num_block_ids;
   c.max_blocks_per_seq = p.max_blocks_per_seq;
+  c.num_logits = p.num_logits;
   c.num_logits_rows = p.num_logits_rows;
   return LaunchCudaOp(stream, kOp, [c](const OpContext& ctx) {
     return CudaStatus(LaunchUnpackStepInputsCuda(
@@ -98,6 +101,7 @@ absl::Status LaunchUnpackStepInputs(Stream& stream,
       {CheckPositive(kOp, "num_tokens", p.num_tokens),
        CheckNonNegative(kOp, "num_reqs", p.num_reqs),
        CheckNonNegative(kOp, "num_real_reqs", p.num_real_reqs),
+       CheckNonNegative(kOp, "num_logits", p.num_logits),
        CheckNonNegative(kOp, "num_block_ids", p.num_block_ids),
        CheckPositive(kOp, "max_blocks_per_seq", p.max_blocks_per_seq)});
   if (!status.ok()) return status;
@@ -113,12 +117,13 @@ absl::Status LaunchUnpackStepInputs(Stream& stream,
         "exceed 2^31 - 1",
         kOp, p.num_reqs, p.max_blocks_per_seq));
   }
-  if (p.num_logits_rows < p.num_reqs) {
+  if (p.num_logits_rows < p.num_logits) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("%s: num_logits_rows (%d) is below num_reqs (%d)", kOp,
-                        p.num_logits_rows, p.num_reqs));
+        absl::StrFormat("%s: num_logits_rows (%d) is below num_logits (%d)",
+                        kOp, p.num_logits_rows, p.num_logits));
   }
-  const PackedStepLayout l = PackedStepLayout::For(p.num_tokens, p.num_reqs);
+  const PackedStepLayout l =
+      PackedStepLayout::For(p.num_tokens, p.num_reqs, p.num_logits);
   const StepBuffers& o = p.outputs;
   const int64_t t = p.num_tokens, r = p.num_reqs;
   const std::string tokens = absl::StrFormat("[num_tokens=%d] int32", t);
@@ -126,8 +131,8 @@ absl::Status LaunchUnpackStepInputs(Stream& stream,
   status = FirstError(
       {CheckBuffer(kOp, "packed", p.packed, l.block_ids + p.num_block_ids,
                    sizeof(int32_t),
-                   absl::StrFormat("[3 * num_tokens + 4 * num_reqs + 2 + "
-                                   "num_block_ids=%d] int32",
+                   absl::StrFormat("[3 * num_tokens + 3 * num_reqs + "
+                                   "num_logits + 2 + num_block_ids=%d] int32",
                                    l.block_ids + p.num_block_ids)),
        CheckBuffer(kOp, "token_ids", o.token_ids, t, sizeof(int32_t), tokens),
        CheckBuffer(kOp, "positions", o.positions, t, sizeof(int32_t), tokens),

@@ -57,7 +57,7 @@ __global__ void UnpackStepInputsKernel(const UnpackStepInputsCudaParams p) {
     } else if (i < logits_end) {
       const int64_t row = i - head;
       p.logits_indices_out[row] =
-          row < r ? p.packed[p.logits_indices + row] : -1;
+          row < p.num_logits ? p.packed[p.logits_indices + row] : -1;
     } else if (i == logits_end) {
       *p.num_reqs_out = p.num_real_reqs;
     } else {

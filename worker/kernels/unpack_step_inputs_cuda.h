@@ -28,6 +28,7 @@ struct UnpackStepInputsCudaParams {
   int num_real_reqs = 0;
   int num_block_ids = 0;
   int max_blocks_per_seq = 0;
+  int num_logits = 0;  // packed logits_indices entries
   int num_logits_rows = 0;
 };
 

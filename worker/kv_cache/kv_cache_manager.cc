@@ -68,6 +68,13 @@ absl::StatusOr<StepReservation> KvCacheManager::Append(
           "sequence '", a.sequence_id,
           "': num_new_tokens must be positive, got ", a.num_new_tokens));
     }
+    if (a.computed_tail_tokens < 1 ||
+        a.computed_tail_tokens > a.num_new_tokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence '", a.sequence_id,
+                       "': computed_tail_tokens=", a.computed_tail_tokens,
+                       " outside [1, num_new_tokens=", a.num_new_tokens, "]"));
+    }
     if (!a.token_ids.empty() &&
         static_cast<int32_t>(a.token_ids.size()) != a.num_new_tokens) {
       return absl::InvalidArgumentError(
@@ -93,7 +100,9 @@ absl::StatusOr<StepReservation> KvCacheManager::Append(
     }
     if (!known && caching() && !a.token_ids.empty()) {
       lookups[k].hashes = HashKnownBlocks(hasher_, a.token_ids);
-      lookups[k].hit = FindPrefix(lookups[k].hashes, a.num_new_tokens);
+      // FindPrefix keeps the last of the tokens it is given out of the hit.
+      lookups[k].hit = FindPrefix(
+          lookups[k].hashes, a.num_new_tokens - a.computed_tail_tokens + 1);
     }
     const int32_t have =
         known ? static_cast<int32_t>(it->second.blocks.size()) : 0;

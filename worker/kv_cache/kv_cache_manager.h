@@ -47,6 +47,10 @@ struct SequenceAppend {
   // step then computes only the rest, see StepReservation::Entry), and
   // full blocks of known ids become cached.
   absl::Span<const int32_t> token_ids = {};
+  // The last this many new tokens are always computed, never taken from the
+  // prefix cache: their logits are the step's output (1: the next token's;
+  // 1 + k when the step verifies k draft tokens). In [1, num_new_tokens].
+  int32_t computed_tail_tokens = 1;
 };
 
 // A block entry of a sequence whose block left every layer's window and went

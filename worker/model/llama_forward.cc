@@ -156,7 +156,7 @@ size_t LlamaForward::ActivationBytes(const ModelConfig& c,
                                      DeviceKind kind) {
   const size_t e = DTypeSize(kernels::ModelDTypeFor(kind));
   const size_t f = sizeof(float);
-  const size_t t = o.max_num_tokens, s = o.max_num_seqs;
+  const size_t t = o.max_num_tokens, s = MaxLogitsRows(o);
   return Aligned(t * c.hidden_size * e) * 2 +
          Aligned(t * (c.q_size() + 2 * c.kv_size()) * e) +
          Aligned(t * c.q_size() * e) +
@@ -240,7 +240,7 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
   PDW_ASSIGN_OR_RETURN(
       f->kv_arena_, Arena::Create(device, {KvCacheBytes(config, options, kind),
                                            kAlignment, "kv_cache"}));
-  const int64_t t = options.max_num_tokens, s = options.max_num_seqs;
+  const int64_t t = options.max_num_tokens, s = MaxLogitsRows(options);
   Arena& a = *f->activation_arena_;
   const size_t element = DTypeSize(weights.dtype);
   // Bytes of n activation (or KV) elements, and of n fp32 values.
@@ -353,8 +353,8 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Create(
 
 int LlamaForward::LogitsRows(const ForwardContext& context) const {
   const BatchDescriptor& d = context.batch_descriptor;
-  if (d.uniform) return d.num_reqs;
-  return std::min(d.num_tokens, options_.max_num_seqs);
+  if (d.uniform) return d.num_tokens;
+  return std::min(d.num_tokens, MaxLogitsRows(options_));
 }
 
 absl::Status LlamaForward::Run(const ForwardContext& context) {

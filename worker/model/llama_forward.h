@@ -149,8 +149,8 @@ struct LlamaActivations {
   DeviceBuffer attn_out;  // [max_tokens, q_size]
   DeviceBuffer gate_up;   // [max_tokens, 2 * intermediate]
   DeviceBuffer mlp_act;   // [max_tokens, intermediate]
-  DeviceBuffer gathered;  // [max_seqs, hidden]
-  DeviceBuffer logits;    // [max_seqs, vocab], fp32
+  DeviceBuffer gathered;  // [MaxLogitsRows, hidden]
+  DeviceBuffer logits;    // [MaxLogitsRows, vocab], fp32
   DeviceBuffer inv_freq;  // [head_dim / 2], fp32
   // Gemma 3 (ModelConfig::local_rope_theta): the sliding layers' table,
   // [head_dim / 2] fp32; otherwise empty (every layer reads inv_freq).
@@ -191,14 +191,22 @@ class LlamaForward {
   LlamaForward(const LlamaForward&) = delete;
   LlamaForward& operator=(const LlamaForward&) = delete;
 
+  // Logits rows a step may have: max_num_seqs x uniform_decode_query_len
+  // (a verifying request has one after each of its 1 + k tokens). The
+  // step's logits_indices buffer must hold this many.
+  static int MaxLogitsRows(const LlamaForwardOptions& options) {
+    return options.max_num_seqs * options.uniform_decode_query_len;
+  }
+
   // Runs (captures, replays) one forward for `context`; the step's metadata
-  // must already be in the StepBuffers. Logits of request r land in row r of
-  // logits(); rows up to LogitsRows(context) are computed.
+  // must already be in the StepBuffers. Logits row i is the logits after
+  // token logits_indices[i]; rows up to LogitsRows(context) are computed.
   absl::Status Run(const ForwardContext& context);
 
-  // Rows the LM head computes for `context`: the key's request count for a
-  // uniform key, otherwise min(num_tokens, max_num_seqs) (a mixed key fixes
-  // only the token count; every request count up to it must fit).
+  // Rows the LM head computes for `context`: every token's for a uniform
+  // key (its requests' num_reqs x query length: all of a verifying step's
+  // rows), otherwise min(num_tokens, MaxLogitsRows) (a mixed key fixes only
+  // the token count; every row count up to it must fit).
   int LogitsRows(const ForwardContext& context) const;
 
   DeviceBuffer logits() const { return act_.logits; }

@@ -30,17 +30,18 @@ constexpr int kMaxBannedTokensPerSequence = 64;
 size_t StepArenaBytes(const StepLimits& limits, size_t sampling_workspace_bytes,
                       int num_slots) {
   // Metadata (8 int32 buffers and the packed block they are unpacked from),
-  // sampling parameters, bans, the token feed, each slot's sampled ids and
-  // logprobs, and the sampling workspace, with alignment slack for each of
-  // the ~30 buffers.
+  // sampling parameters and bans of each logits row, the token feed, each
+  // slot's sampled ids and logprobs, and the sampling workspace, with
+  // alignment slack for each of the ~30 buffers.
   const size_t seqs = static_cast<size_t>(limits.max_num_seqs);
+  const size_t rows = static_cast<size_t>(limits.max_logits_rows);
   // min_p rows/offsets, logprob rows, logsumexp, raw logprobs, top ids
   // and top logprobs come on top.
   const size_t ints = static_cast<size_t>(StepInputs::DeviceWords(limits)) +
-                      seqs * 3 + seqs * 2 * kMaxBannedTokensPerSequence +
-                      seqs * 2 + seqs * 2 * num_slots + seqs * 2 + seqs * 3 +
+                      rows * 3 + rows * 2 * kMaxBannedTokensPerSequence +
+                      seqs * 2 + rows * 2 * num_slots + rows * 2 + seqs * 3 +
                       seqs * 2 * kernels::kMaxTopLogprobs;
-  return ints * sizeof(int32_t) + seqs * sizeof(uint64_t) +
+  return ints * sizeof(int32_t) + rows * sizeof(uint64_t) +
          sampling_workspace_bytes + 48 * 256;
 }
 
@@ -175,14 +176,26 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
             << seconds(load_start, loaded) << " s, digest done "
             << seconds(loaded, std::chrono::steady_clock::now()) << " s after";
 
+  LlamaForwardOptions fo;
+  fo.max_num_tokens = options.max_num_batched_tokens;
+  fo.max_num_seqs = options.max_num_seqs;
+  fo.block_size = options.block_size;
+  fo.max_blocks_per_seq = max_blocks;
+  fo.uniform_decode_query_len = options.uniform_decode_query_len;
+  fo.input_address_check = options.input_address_check;
+  fo.kernel_options = options.kernel_options;
+  r->max_logits_rows_ = LlamaForward::MaxLogitsRows(fo);
   PDW_ASSIGN_OR_RETURN(
       const size_t sampling_workspace_bytes,
       kernels::SamplingWorkspaceBytesFor(
-          device.kind(), static_cast<int>(c.vocab_size), options.max_num_seqs));
+          device.kind(), static_cast<int>(c.vocab_size), r->max_logits_rows_));
   // Every slot's step may have its inputs uploaded and not yet copied.
-  const StepLimits step_limits{options.max_num_seqs,
-                               options.max_num_batched_tokens, max_blocks,
-                               static_cast<int>(r->slots_.size())};
+  StepLimits step_limits;
+  step_limits.max_num_seqs = options.max_num_seqs;
+  step_limits.max_num_batched_tokens = options.max_num_batched_tokens;
+  step_limits.max_blocks_per_seq = max_blocks;
+  step_limits.max_uploads_in_flight = static_cast<int>(r->slots_.size());
+  step_limits.max_logits_rows = r->max_logits_rows_;
   PDW_ASSIGN_OR_RETURN(
       r->step_arena_,
       Arena::Create(device,
@@ -195,22 +208,21 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   PDW_ASSIGN_OR_RETURN(
       r->sampler_,
       Sampler::Create(device, *r->step_arena_,
-                      {options.max_num_seqs, static_cast<int>(c.vocab_size),
+                      {r->max_logits_rows_, static_cast<int>(c.vocab_size),
                        sampling_workspace_bytes,
-                       options.max_num_seqs * kMaxBannedTokensPerSequence,
+                       r->max_logits_rows_ * kMaxBannedTokensPerSequence,
                        static_cast<int>(r->slots_.size())}));
   const size_t seq_ints = static_cast<size_t>(options.max_num_seqs);
+  const size_t row_ints = static_cast<size_t>(r->max_logits_rows_);
   for (StepSlot& slot : r->slots_) {
     PDW_ASSIGN_OR_RETURN(slot.token_ids,
-                         r->step_arena_->Allocate(seq_ints * sizeof(int32_t),
+                         r->step_arena_->Allocate(row_ints * sizeof(int32_t),
                                                   "sampled_token_ids"));
     PDW_ASSIGN_OR_RETURN(
         slot.logprobs,
-        r->step_arena_->Allocate(seq_ints * sizeof(float), "sampled_logprobs"));
-    PDW_ASSIGN_OR_RETURN(
-        slot.host,
-        device.AllocateHost(seq_ints * (sizeof(int32_t) + sizeof(float)) *
-                            (2 + kernels::kMaxTopLogprobs)));
+        r->step_arena_->Allocate(row_ints * sizeof(float), "sampled_logprobs"));
+    PDW_ASSIGN_OR_RETURN(slot.host,
+                         device.AllocateHost(r->host_layout().bytes));
     PDW_ASSIGN_OR_RETURN(slot.start, device.CreateEvent());
     PDW_ASSIGN_OR_RETURN(slot.end, device.CreateEvent());
     slot.num_tokens.reserve(options.max_num_seqs);
@@ -235,14 +247,6 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
       r->top_logprobs_,
       r->step_arena_->Allocate(top * sizeof(float), "top_logprobs"));
 
-  LlamaForwardOptions fo;
-  fo.max_num_tokens = options.max_num_batched_tokens;
-  fo.max_num_seqs = options.max_num_seqs;
-  fo.block_size = options.block_size;
-  fo.max_blocks_per_seq = max_blocks;
-  fo.uniform_decode_query_len = options.uniform_decode_query_len;
-  fo.input_address_check = options.input_address_check;
-  fo.kernel_options = options.kernel_options;
   if (options.kv_cache_bytes == 0) {
     PDW_ASSIGN_OR_RETURN(const MemoryStats memory, device.GetMemoryStats());
     const int64_t activation_bytes = static_cast<int64_t>(
@@ -282,10 +286,10 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
 
   r->appends_.reserve(options.max_num_seqs);
   r->step_seqs_.reserve(options.max_num_seqs);
-  r->sampling_.reserve(options.max_num_seqs);
-  r->sample_positions_.reserve(options.max_num_seqs);
-  r->banned_rows_.reserve(options.max_num_seqs * kMaxBannedTokensPerSequence);
-  r->banned_token_ids_.reserve(options.max_num_seqs *
+  r->sampling_.reserve(r->max_logits_rows_);
+  r->sample_positions_.reserve(r->max_logits_rows_);
+  r->banned_rows_.reserve(r->max_logits_rows_ * kMaxBannedTokensPerSequence);
+  r->banned_token_ids_.reserve(r->max_logits_rows_ *
                                kMaxBannedTokensPerSequence);
   r->feed_host_.reserve(2 * options.max_num_seqs);
   LOG(INFO) << "model runner: " << c.num_hidden_layers << " layers, hidden "
@@ -353,6 +357,21 @@ int ModelRunner::NumCapturedGraphs() const {
   return n;
 }
 
+ModelRunner::HostLayout ModelRunner::host_layout() const {
+  // Every logits row's id and logprob, then the raw logprobs, top ids and
+  // top logprobs of at most max_num_seqs sequences that asked.
+  const size_t rows = static_cast<size_t>(max_logits_rows_);
+  const size_t seqs = static_cast<size_t>(options_.max_num_seqs);
+  const size_t top = seqs * kernels::kMaxTopLogprobs;
+  HostLayout l;
+  l.logprobs = l.ids + rows * sizeof(int32_t);
+  l.raw = l.logprobs + rows * sizeof(float);
+  l.top_ids = l.raw + seqs * sizeof(float);
+  l.top_values = l.top_ids + top * sizeof(int32_t);
+  l.bytes = l.top_values + top * sizeof(float);
+  return l;
+}
+
 absl::Status ModelRunner::Validate(absl::Span<const SequenceStep> batch) const {
   if (batch.empty()) {
     return absl::InvalidArgumentError("a step needs at least one sequence");
@@ -382,6 +401,35 @@ absl::Status ModelRunner::Validate(absl::Span<const SequenceStep> batch) const {
       return absl::InvalidArgumentError(
           absl::StrCat("sequence '", s.sequence_id, "': num_top_logprobs=",
                        s.num_top_logprobs, " outside [-1, ", max_top, "]"));
+    }
+    if (s.num_samples < 1 ||
+        s.num_samples > static_cast<int64_t>(s.token_ids.size()) ||
+        s.num_samples > options_.uniform_decode_query_len) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sequence '", s.sequence_id, "': num_samples=", s.num_samples,
+          " outside [1, min(", s.token_ids.size(),
+          " new tokens, uniform_decode_query_len=",
+          options_.uniform_decode_query_len, ")]"));
+    }
+    if (s.num_samples > 1) {
+      if (s.last_token_from.has_value() || s.num_top_logprobs >= 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "sequence '", s.sequence_id, "': num_samples=", s.num_samples,
+            " cannot be combined with ",
+            s.last_token_from.has_value() ? "last_token_from"
+                                          : "num_top_logprobs"));
+      }
+      // The multi-row unpack and uniform verify steps have not run on a
+      // GPU yet (issue 45's wave runs model_runner_gpu_test's
+      // SampledRowsMatchOneTokenSteps).
+      if (device_.kind() == DeviceKind::kCuda &&
+          options_.kernel_options.unverified_cuda_kernels !=
+              UnverifiedCudaKernels::kAllow) {
+        return absl::UnimplementedError(
+            absl::StrCat("sequence '", s.sequence_id,
+                         "': num_samples > 1 on CUDA has not run on a GPU yet; "
+                         "--unverified_cuda_kernels=allow runs it"));
+      }
     }
     if (s.banned_token_ids.size() > kMaxBannedTokensPerSequence) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -447,8 +495,8 @@ absl::StatusOr<int> ModelRunner::Launch(absl::Span<const SequenceStep> batch) {
       append_token_ids_.back() = kUnknownTokenId;
       ids = absl::MakeConstSpan(append_token_ids_).subspan(at);
     }
-    appends_.push_back(
-        {s.sequence_id, static_cast<int32_t>(ids.size()), s.creation, ids});
+    appends_.push_back({s.sequence_id, static_cast<int32_t>(ids.size()),
+                        s.creation, ids, s.num_samples});
   }
   PDW_ASSIGN_OR_RETURN(StepReservation reservation, kv_->Append(appends_));
   // The step computes what the prefix cache did not hold.
@@ -487,9 +535,10 @@ absl::StatusOr<int> ModelRunner::Launch(absl::Span<const SequenceStep> batch) {
   for (const SequenceStep& seq : batch) {
     if (!seq.last_token_from.has_value()) continue;
     const SampleRef& from = *seq.last_token_from;
-    slots_[from.slot].token_fills.push_back(
-        {seq.sequence_id, kv_->Find(seq.sequence_id)->num_tokens - 1,
-         from.row});
+    StepSlot& source = slots_[from.slot];
+    source.token_fills.push_back({seq.sequence_id,
+                                  kv_->Find(seq.sequence_id)->num_tokens - 1,
+                                  source.row_ends[from.row] - 1});
   }
   s.info = StepInfo{};
   s.info.mode = d.mode;
@@ -522,26 +571,32 @@ absl::Status ModelRunner::Enqueue(absl::Span<const SequenceStep> batch,
   for (int r = 0; r < num_reqs; ++r) {
     step_seqs_.push_back(
         {kv_->Find(batch[r].sequence_id),
-         absl::MakeConstSpan(batch[r].token_ids).subspan(cached_tokens_[r])});
+         absl::MakeConstSpan(batch[r].token_ids).subspan(cached_tokens_[r]),
+         batch[r].num_samples});
   }
   PDW_RETURN_IF_ERROR(inputs_->Build(step_seqs_, shape));
   PDW_RETURN_IF_ERROR(inputs_->Upload(*stream_));
   // One feed launch per source step (in practice one: the step before).
   for (const int source : in_flight_) {
-    // feed_'s layout: the source rows, then their destination indices.
-    const absl::Span<const int32_t> last_token = inputs_->host_logits_indices();
+    // feed_'s layout: the source logits rows (each fed sequence's last
+    // row there), then their destination token indices (its last token).
+    const absl::Span<const int32_t> query_start =
+        inputs_->host_query_start_loc();
+    const std::vector<int32_t>& source_rows = slots_[source].row_ends;
     auto fed = [&](int r) {
       const std::optional<SampleRef>& from = batch[r].last_token_from;
       return from.has_value() && from->slot == source;
     };
     feed_host_.clear();
     for (int r = 0; r < num_reqs; ++r) {
-      if (fed(r)) feed_host_.push_back(batch[r].last_token_from->row);
+      if (fed(r)) {
+        feed_host_.push_back(source_rows[batch[r].last_token_from->row] - 1);
+      }
     }
     const int num_feeds = static_cast<int>(feed_host_.size());
     if (num_feeds == 0) continue;
     for (int r = 0; r < num_reqs; ++r) {
-      if (fed(r)) feed_host_.push_back(last_token[r]);
+      if (fed(r)) feed_host_.push_back(query_start[r + 1] - 1);
     }
     const size_t bytes = num_feeds * sizeof(int32_t);
     PDW_RETURN_IF_ERROR(
@@ -552,7 +607,7 @@ absl::Status ModelRunner::Enqueue(absl::Span<const SequenceStep> batch,
     feed.token_ids = inputs_->buffers().token_ids;
     feed.dst_indices = feed_.Slice(bytes, bytes);
     feed.num_feeds = num_feeds;
-    feed.num_sampled = static_cast<int>(slots_[source].num_tokens.size());
+    feed.num_sampled = source_rows.empty() ? 0 : source_rows.back();
     feed.num_tokens = shape.num_tokens;
     PDW_RETURN_IF_ERROR(kernels::LaunchFeedSampledTokens(*stream_, feed));
   }
@@ -563,12 +618,20 @@ absl::Status ModelRunner::Enqueue(absl::Span<const SequenceStep> batch,
 
   // 5. Sample the real rows, then copy the samples to the host. Raw
   // logprobs come from the logits before any mask or temperature.
+  out.row_ends.clear();
+  for (int r = 0; r < num_reqs; ++r) {
+    out.row_ends.push_back((r == 0 ? 0 : out.row_ends.back()) +
+                           batch[r].num_samples);
+  }
+  const int num_rows = out.row_ends.back();
+  out.logprob_seqs.clear();
   out.logprob_rows.clear();
   out.logprob_num_top.clear();
   out.logprob_k = 0;
   for (int r = 0; r < num_reqs; ++r) {
     if (batch[r].num_top_logprobs < 0) continue;
-    out.logprob_rows.push_back(r);
+    out.logprob_seqs.push_back(r);
+    out.logprob_rows.push_back(out.row_ends[r] - 1);
     out.logprob_num_top.push_back(batch[r].num_top_logprobs);
     out.logprob_k = std::max(out.logprob_k, batch[r].num_top_logprobs);
   }
@@ -584,7 +647,7 @@ absl::Status ModelRunner::Enqueue(absl::Span<const SequenceStep> batch,
     top.top_token_ids = top_token_ids_;
     top.top_logprobs = top_logprobs_;
     top.num_rows = num_logprob_rows;
-    top.num_logit_rows = num_reqs;
+    top.num_logit_rows = num_rows;
     top.vocab_size = static_cast<int>(config_.vocab_size);
     top.k = out.logprob_k;
     PDW_RETURN_IF_ERROR(kernels::LaunchTopLogprobs(*stream_, top));
@@ -595,13 +658,19 @@ absl::Status ModelRunner::Enqueue(absl::Span<const SequenceStep> batch,
   banned_token_ids_.clear();
   out.num_tokens.clear();
   for (int r = 0; r < num_reqs; ++r) {
-    sampling_.push_back(batch[r].sampling);
-    // The sampled token's absolute position: the length after the step.
-    sample_positions_.push_back(step_seqs_[r].kv->num_tokens);
-    out.num_tokens.push_back(step_seqs_[r].kv->num_tokens);
-    for (const int32_t id : batch[r].banned_token_ids) {
-      banned_rows_.push_back(r);
-      banned_token_ids_.push_back(id);
+    const int32_t length = step_seqs_[r].kv->num_tokens;
+    out.num_tokens.push_back(length);
+    const int n = batch[r].num_samples;
+    for (int j = 0; j < n; ++j) {
+      const int row = out.row_ends[r] - n + j;
+      sampling_.push_back(batch[r].sampling);
+      // The sampled token's absolute position (the RNG counter): the
+      // length after the step for the last row, one less per row before.
+      sample_positions_.push_back(length - (n - 1 - j));
+      for (const int32_t id : batch[r].banned_token_ids) {
+        banned_rows_.push_back(row);
+        banned_token_ids_.push_back(id);
+      }
     }
   }
   SamplingBatch sampling;
@@ -613,11 +682,11 @@ absl::Status ModelRunner::Enqueue(absl::Span<const SequenceStep> batch,
   PDW_RETURN_IF_ERROR(sampler_->Launch(*stream_, forward_->logits(), sampling,
                                        out.token_ids, out.logprobs));
   char* host = static_cast<char*>(out.host.data());
-  const size_t seqs = static_cast<size_t>(options_.max_num_seqs);
-  PDW_RETURN_IF_ERROR(stream_->CopyToHostAsync(host, out.token_ids,
-                                               num_reqs * sizeof(int32_t)));
+  const HostLayout layout = host_layout();
+  PDW_RETURN_IF_ERROR(stream_->CopyToHostAsync(host + layout.ids, out.token_ids,
+                                               num_rows * sizeof(int32_t)));
   PDW_RETURN_IF_ERROR(stream_->CopyToHostAsync(
-      host + seqs * sizeof(int32_t), out.logprobs, num_reqs * sizeof(float)));
+      host + layout.logprobs, out.logprobs, num_rows * sizeof(float)));
   if (num_logprob_rows > 0) {
     kernels::GatherLogprobsParams gather;
     gather.logits = forward_->logits();
@@ -626,22 +695,18 @@ absl::Status ModelRunner::Enqueue(absl::Span<const SequenceStep> batch,
     gather.logsumexp = logsumexp_;
     gather.logprobs = raw_logprobs_;
     gather.num_rows = num_logprob_rows;
-    gather.num_logit_rows = num_reqs;
+    gather.num_logit_rows = num_rows;
     gather.vocab_size = static_cast<int>(config_.vocab_size);
     PDW_RETURN_IF_ERROR(kernels::LaunchGatherLogprobs(*stream_, gather));
-    char* extra = host + seqs * (sizeof(int32_t) + sizeof(float));
     PDW_RETURN_IF_ERROR(stream_->CopyToHostAsync(
-        extra, raw_logprobs_, num_logprob_rows * sizeof(float)));
+        host + layout.raw, raw_logprobs_, num_logprob_rows * sizeof(float)));
     const size_t top_count =
         static_cast<size_t>(num_logprob_rows) * out.logprob_k;
     if (top_count > 0) {
-      PDW_RETURN_IF_ERROR(
-          stream_->CopyToHostAsync(extra + seqs * sizeof(float), top_token_ids_,
-                                   top_count * sizeof(int32_t)));
       PDW_RETURN_IF_ERROR(stream_->CopyToHostAsync(
-          extra + seqs * sizeof(float) +
-              seqs * kernels::kMaxTopLogprobs * sizeof(int32_t),
-          top_logprobs_, top_count * sizeof(float)));
+          host + layout.top_ids, top_token_ids_, top_count * sizeof(int32_t)));
+      PDW_RETURN_IF_ERROR(stream_->CopyToHostAsync(
+          host + layout.top_values, top_logprobs_, top_count * sizeof(float)));
     }
   }
   return stream_->RecordEvent(*out.end);
@@ -667,15 +732,19 @@ absl::StatusOr<StepResult> ModelRunner::Retire(int slot) {
     result.info.idle_before_seconds = std::max(idle_ms, 0.0) * 1e-3;
   }
   const int num_reqs = static_cast<int>(s.num_tokens.size());
-  const auto* ids = static_cast<const int32_t*>(s.host.data());
-  const auto* logprobs =
-      reinterpret_cast<const float*>(static_cast<const char*>(s.host.data()) +
-                                     options_.max_num_seqs * sizeof(int32_t));
+  const HostLayout layout = host_layout();
+  const char* host = static_cast<const char*>(s.host.data());
+  const auto* ids = reinterpret_cast<const int32_t*>(host + layout.ids);
+  const auto* logprobs = reinterpret_cast<const float*>(host + layout.logprobs);
   result.sequences.resize(num_reqs);
   for (int r = 0; r < num_reqs; ++r) {
     SequenceResult& out = result.sequences[r];
-    out.token_id = ids[r];
-    out.logprob = logprobs[r];
+    const int last = s.row_ends[r] - 1;
+    const int first = r == 0 ? 0 : s.row_ends[r - 1];
+    out.token_id = ids[last];
+    out.logprob = logprobs[last];
+    out.prior_token_ids.assign(ids + first, ids + last);
+    out.prior_logprobs.assign(logprobs + first, logprobs + last);
     out.num_tokens = s.num_tokens[r];
     out.cached_tokens = s.cached_tokens[r];
   }
@@ -684,18 +753,13 @@ absl::StatusOr<StepResult> ModelRunner::Retire(int slot) {
     kv_->SetTokenId(fill.sequence_id, fill.position, ids[fill.row]);
   }
   s.token_fills.clear();
-  // Raw logprobs of the rows that asked: entry i of the step's list.
-  const size_t seqs = static_cast<size_t>(options_.max_num_seqs);
-  const char* extra = static_cast<const char*>(s.host.data()) +
-                      seqs * (sizeof(int32_t) + sizeof(float));
-  const auto* raw = reinterpret_cast<const float*>(extra);
-  const auto* top_ids =
-      reinterpret_cast<const int32_t*>(extra + seqs * sizeof(float));
-  const auto* top_values = reinterpret_cast<const float*>(
-      extra + seqs * sizeof(float) +
-      seqs * kernels::kMaxTopLogprobs * sizeof(int32_t));
-  for (size_t i = 0; i < s.logprob_rows.size(); ++i) {
-    SequenceResult& out = result.sequences[s.logprob_rows[i]];
+  // Raw logprobs of the sequences that asked: entry i of the step's list.
+  const auto* raw = reinterpret_cast<const float*>(host + layout.raw);
+  const auto* top_ids = reinterpret_cast<const int32_t*>(host + layout.top_ids);
+  const auto* top_values =
+      reinterpret_cast<const float*>(host + layout.top_values);
+  for (size_t i = 0; i < s.logprob_seqs.size(); ++i) {
+    SequenceResult& out = result.sequences[s.logprob_seqs[i]];
     out.raw_logprob = raw[i];
     for (int j = 0; j < s.logprob_num_top[i]; ++j) {
       const size_t at = i * s.logprob_k + j;
@@ -796,7 +860,7 @@ KvCacheView ModelRunner::kv_cache_view() const {
 }
 
 absl::Status ModelRunner::ReadLogits(int rows, std::vector<float>* out) {
-  if (rows <= 0 || rows > options_.max_num_seqs) {
+  if (rows <= 0 || rows > max_logits_rows_) {
     return absl::InvalidArgumentError("ReadLogits: rows out of range");
   }
   out->resize(static_cast<size_t>(rows) * config_.vocab_size);

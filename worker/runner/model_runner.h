@@ -76,8 +76,9 @@ struct ModelRunnerOptions {
   PrefixCaching prefix_caching = PrefixCaching::kOff;
 };
 
-// A token the host does not know yet: the sample of row `row` of the step
-// in flight in slot `slot` (see ModelRunner::Launch).
+// A token the host does not know yet: what the step in flight in slot `slot`
+// sampled after the last token of its sequence `row` (the index in that
+// step's batch; see ModelRunner::Launch).
 struct SampleRef {
   int slot = -1;
   int row = -1;
@@ -107,6 +108,14 @@ struct SequenceStep {
   // masks and truncation: vLLM's default) and that many top alternatives.
   int32_t num_top_logprobs = -1;
   WindowBlocks window_blocks = WindowBlocks::kKeep;
+  // Tokens the step samples: one after each of the last num_samples of
+  // `token_ids` (1: the next token; 1 + k to verify k draft tokens, the
+  // last k of `token_ids`). In [1, min(token_ids.size(),
+  // uniform_decode_query_len)]; above 1, no last_token_from and no
+  // num_top_logprobs. Those tokens are always computed (never taken from
+  // the prefix cache). Each row is sampled on its own, at its own position
+  // (the RNG counter), with this sequence's options and bans.
+  int32_t num_samples = 1;
 };
 
 // A step of `token_ids` for `sequence_id` with default (greedy) sampling.
@@ -126,7 +135,7 @@ struct TopLogprob {
 };
 
 struct SequenceResult {
-  int32_t token_id = -1;  // sampled next token
+  int32_t token_id = -1;  // sampled after the step's last token
   // log p(token) under the distribution it was drawn from (after
   // temperature and truncation; see kernels::LogprobMode::kProcessed).
   float logprob = 0.0f;
@@ -138,6 +147,11 @@ struct SequenceResult {
   // logprob of `token_id` and the top alternatives, most likely first.
   float raw_logprob = 0.0f;
   std::vector<TopLogprob> top_logprobs;
+  // With SequenceStep::num_samples = n > 1: what was sampled after each of
+  // the n - 1 tokens before the last (the target's choice at each draft
+  // position, in order), and its logprob as `logprob`. Empty for n = 1.
+  std::vector<int32_t> prior_token_ids;
+  std::vector<float> prior_logprobs;
 };
 
 struct StepResult {
@@ -222,8 +236,9 @@ class ModelRunner {
   KvCacheView kv_cache_view() const;
 
   // Debug/test read-backs (synchronize the stream; not during capture):
-  // the last step's logits rows [0, rows) as [rows, vocab], and one layer's
-  // whole K or V cache as raw bytes.
+  // the last step's logits rows [0, rows) as [rows, vocab] (each
+  // sequence's num_samples rows, in batch order), and one layer's whole K
+  // or V cache as raw bytes.
   absl::Status ReadLogits(int rows, std::vector<float>* out);
   enum class KvPart { kKey, kValue };
   absl::Status ReadKvCache(int layer, KvPart part, std::vector<uint8_t>* out);
@@ -265,35 +280,49 @@ class ModelRunner {
   // A step's outputs and bookkeeping, from Launch to Retire. The device
   // writes `token_ids`/`logprobs`, then copies them into `host`.
   struct StepSlot {
-    DeviceBuffer token_ids;  // int32 [max_num_seqs]
-    DeviceBuffer logprobs;   // fp32 [max_num_seqs]
-    // Pinned: int32 ids and fp32 logprobs [max_num_seqs] each, then the raw
-    // logprobs [max_num_seqs] fp32, top ids [max_num_seqs * kMaxTopLogprobs]
-    // int32 and top logprobs (same) fp32 of the rows that asked.
+    DeviceBuffer token_ids;  // int32 [max logits rows]
+    DeviceBuffer logprobs;   // fp32 [max logits rows]
+    // Pinned, laid out as HostLayout says: the sampled ids and logprobs of
+    // every logits row, then the raw logprobs, top ids and top logprobs of
+    // the sequences that asked.
     HostMemory host;
     std::unique_ptr<Event> start, end;
     StepReservation reservation;
     StepInfo info;
-    std::vector<int32_t> num_tokens;     // each row's length after the step
-    std::vector<int32_t> cached_tokens;  // each row's prefix cache hit
+    std::vector<int32_t> num_tokens;     // each sequence's length after it
+    std::vector<int32_t> cached_tokens;  // each sequence's prefix cache hit
+    // Sequence r's logits rows are [row_ends[r - 1], row_ends[r]) (from 0
+    // for r = 0): its num_samples rows, the last one its next token's.
+    std::vector<int32_t> row_ends;
     // Tokens of later steps that this step samples (their last_token_from
     // placeholders): the KV cache learns their ids at Retire.
     struct TokenFill {
       std::string sequence_id;
       int32_t position = 0;
-      int row = 0;
+      int row = 0;  // logits row of this step
     };
     std::vector<TokenFill> token_fills;
-    // Rows that asked for raw logprobs, and how many alternatives each; the
-    // step computed max(num_top) alternatives for all of them.
+    // Sequences that asked for raw logprobs (batch index and logits row),
+    // and how many alternatives each; the step computed max(num_top)
+    // alternatives for all of them.
+    std::vector<int32_t> logprob_seqs;
     std::vector<int32_t> logprob_rows;
     std::vector<int32_t> logprob_num_top;
     int logprob_k = 0;
     int previous_slot = -1;  // the step launched before (idle time), or -1
   };
 
+  // Byte offsets in a StepSlot's pinned block.
+  struct HostLayout {
+    size_t ids = 0, logprobs = 0, raw = 0, top_ids = 0, top_values = 0,
+           bytes = 0;
+  };
+  HostLayout host_layout() const;
+
   Device& device_;
   ModelRunnerOptions options_;
+  // Logits rows a step may have (LlamaForward::MaxLogitsRows).
+  int max_logits_rows_ = 0;
   ModelConfig config_;
   std::string model_fingerprint_;
   GraphPlan plan_;
@@ -322,8 +351,8 @@ class ModelRunner {
   std::deque<int> in_flight_;  // slots, oldest first
   int next_slot_ = 0;
   int last_launched_slot_ = -1;
-  // What the token feed reads, int32 [2 * max_num_seqs]: n source rows,
-  // then their n destination token indices (one copy per feed).
+  // What the token feed reads, int32 [2 * max_num_seqs]: n source logits
+  // rows, then their n destination token indices (one copy per feed).
   DeviceBuffer feed_;
   // Raw logprobs of one step (copied to the step's slot before the next):
   // the rows that asked [max_num_seqs], their logsumexp and raw logprob

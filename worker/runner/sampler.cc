@@ -78,14 +78,14 @@ Sampler::Sampler(const SamplerLimits& limits, DeviceBuffer params,
 
 absl::StatusOr<std::unique_ptr<Sampler>> Sampler::Create(
     Device& device, Arena& arena, const SamplerLimits& limits) {
-  if (limits.max_num_seqs <= 0 || limits.vocab_size <= 0 ||
+  if (limits.max_num_rows <= 0 || limits.vocab_size <= 0 ||
       limits.max_bans <= 0 || limits.max_uploads_in_flight <= 0) {
     return absl::InvalidArgumentError(
-        "Sampler: max_num_seqs, vocab_size, max_bans and "
+        "Sampler: max_num_rows, vocab_size, max_bans and "
         "max_uploads_in_flight must be positive");
   }
-  const size_t bytes = PackedParamBytes(limits.max_num_seqs,
-                                        limits.max_num_seqs, limits.max_bans);
+  const size_t bytes = PackedParamBytes(limits.max_num_rows,
+                                        limits.max_num_rows, limits.max_bans);
   PDW_ASSIGN_OR_RETURN(DeviceBuffer params,
                        arena.Allocate(bytes, "sampling_params"));
   PDW_ASSIGN_OR_RETURN(
@@ -103,11 +103,11 @@ absl::Status Sampler::Launch(Stream& stream, DeviceBuffer logits,
                              DeviceBuffer logprobs) {
   const int n = static_cast<int>(batch.options.size());
   const int vocab_size = limits_.vocab_size;
-  if (n <= 0 || n > limits_.max_num_seqs ||
+  if (n <= 0 || n > limits_.max_num_rows ||
       batch.positions.size() != batch.options.size()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("Sampler: ", n, " requests outside [1, ",
-                     limits_.max_num_seqs, "] or positions mismatch"));
+        absl::StrCat("Sampler: ", n, " rows outside [1, ", limits_.max_num_rows,
+                     "] or positions mismatch"));
   }
   const int num_bans = static_cast<int>(batch.banned_rows.size());
   if (batch.banned_token_ids.size() != batch.banned_rows.size() ||

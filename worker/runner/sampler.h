@@ -33,7 +33,8 @@ struct SamplingOptions {
 // INVALID_ARGUMENT naming the field for NaN, negative or out-of-range values.
 absl::Status ValidateSamplingOptions(const SamplingOptions& options);
 
-// One step's sampling, row r < options.size() of the logits.
+// One step's sampling, row r < options.size() of the logits (a sequence
+// that verifies drafts has several rows, each with its options).
 struct SamplingBatch {
   absl::Span<const SamplingOptions> options;
   // positions[r]: the absolute position of row r's sampled token (its
@@ -53,10 +54,10 @@ struct SamplingBatch {
 
 // Sampler's sizes, fixed at startup.
 struct SamplerLimits {
-  int max_num_seqs = 0;
+  int max_num_rows = 0;  // logits rows per step
   int vocab_size = 0;
   // kernels::SamplingWorkspaceBytesFor(the device kind, vocab_size,
-  // max_num_seqs).
+  // max_num_rows).
   size_t workspace_bytes = 0;
   int max_bans = 0;  // bans per step at most
   // Steps whose parameters may be uploaded but not yet copied by the

@@ -13,7 +13,8 @@ namespace {
 // holding a full block-table row.
 int64_t MaxPackedWords(const StepLimits& limits) {
   const kernels::PackedStepLayout l = kernels::PackedStepLayout::For(
-      limits.max_num_batched_tokens, limits.max_num_seqs);
+      limits.max_num_batched_tokens, limits.max_num_seqs,
+      limits.max_logits_rows);
   return l.block_ids +
          static_cast<int64_t>(limits.max_num_seqs) * limits.max_blocks_per_seq;
 }
@@ -23,10 +24,10 @@ int64_t MaxPackedWords(const StepLimits& limits) {
 int64_t StepInputs::DeviceWords(const StepLimits& limits) {
   const int64_t tokens = limits.max_num_batched_tokens;
   const int64_t seqs = limits.max_num_seqs;
-  // token_ids, positions, slot_mapping; seq_lens, logits_indices,
-  // query_start_loc, num_reqs; block_tables; then the packed block.
-  return 3 * tokens + 3 * seqs + 2 + seqs * limits.max_blocks_per_seq +
-         MaxPackedWords(limits);
+  // token_ids, positions, slot_mapping; seq_lens, query_start_loc,
+  // num_reqs; logits_indices; block_tables; then the packed block.
+  return 3 * tokens + 2 * seqs + 2 + limits.max_logits_rows +
+         seqs * limits.max_blocks_per_seq + MaxPackedWords(limits);
 }
 
 absl::StatusOr<std::unique_ptr<StepInputs>> StepInputs::Create(
@@ -34,8 +35,10 @@ absl::StatusOr<std::unique_ptr<StepInputs>> StepInputs::Create(
     int32_t block_size) {
   if (limits.max_num_seqs <= 0 || limits.max_num_batched_tokens <= 0 ||
       limits.max_blocks_per_seq <= 0 || limits.max_uploads_in_flight <= 0 ||
-      block_size <= 0) {
-    return absl::InvalidArgumentError("StepInputs: limits must be positive");
+      limits.max_logits_rows < limits.max_num_seqs || block_size <= 0) {
+    return absl::InvalidArgumentError(
+        "StepInputs: limits must be positive, max_logits_rows at least "
+        "max_num_seqs");
   }
   const int64_t tokens = limits.max_num_batched_tokens;
   const int64_t seqs = limits.max_num_seqs;
@@ -57,7 +60,7 @@ absl::StatusOr<std::unique_ptr<StepInputs>> StepInputs::Create(
            Slot{&b.num_reqs, 1, "num_reqs"},
            Slot{&b.block_tables, seqs * limits.max_blocks_per_seq,
                 "block_tables"},
-           Slot{&b.logits_indices, seqs, "logits_indices"},
+           Slot{&b.logits_indices, limits.max_logits_rows, "logits_indices"},
            Slot{&packed, MaxPackedWords(limits), "packed_step_inputs"},
        }) {
     PDW_ASSIGN_OR_RETURN(
@@ -81,24 +84,32 @@ StepInputs::StepInputs(const StepLimits& limits, int32_t block_size,
       packed_(packed),
       ring_(std::move(ring)) {}
 
-absl::Status StepInputs::NextBlock(const PaddedShape& shape) {
+absl::Status StepInputs::NextBlock(const PaddedShape& shape, int num_logits) {
   // Normally no wait: the copy out of this block was enqueued
   // max_uploads_in_flight uploads ago.
   PDW_RETURN_IF_ERROR(ring_->Next().status());
   shape_ = shape;
-  layout_ = kernels::PackedStepLayout::For(shape.num_tokens, shape.num_reqs);
+  layout_ = kernels::PackedStepLayout::For(shape.num_tokens, shape.num_reqs,
+                                           num_logits);
   return absl::OkStatus();
 }
 
 absl::Status StepInputs::Build(absl::Span<const StepSequence> seqs,
                                const PaddedShape& shape) {
-  int total = 0;
+  int total = 0, num_logits = 0;
   for (const StepSequence& s : seqs) {
     if (s.kv == nullptr || s.new_tokens.empty() ||
         static_cast<int>(s.new_tokens.size()) > s.kv->num_tokens) {
       return absl::InvalidArgumentError(
           "StepInputs: each sequence needs KV state covering its new tokens");
     }
+    if (s.num_logits < 1 ||
+        s.num_logits > static_cast<int>(s.new_tokens.size())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("StepInputs: num_logits=", s.num_logits, " outside [1, ",
+                       s.new_tokens.size(), " new tokens]"));
+    }
+    num_logits += s.num_logits;
     if (static_cast<int>(s.kv->blocks.size()) > limits_.max_blocks_per_seq) {
       return absl::InvalidArgumentError("StepInputs: block table too wide");
     }
@@ -114,6 +125,11 @@ absl::Status StepInputs::Build(absl::Span<const StepSequence> seqs,
                      " / ", shape.num_tokens, " (limits ", limits_.max_num_seqs,
                      " / ", limits_.max_num_batched_tokens, ")"));
   }
+  if (num_logits > limits_.max_logits_rows) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "StepInputs: ", num_logits,
+        " logits rows; max_logits_rows=", limits_.max_logits_rows));
+  }
   const int pad_reqs = shape.num_reqs - num_reqs;
   if (pad_reqs > 0 &&
       (shape.padding_query_len <= 0 ||
@@ -121,7 +137,7 @@ absl::Status StepInputs::Build(absl::Span<const StepSequence> seqs,
     return absl::InvalidArgumentError(
         "StepInputs: padding requests must exactly cover the padding tokens");
   }
-  PDW_RETURN_IF_ERROR(NextBlock(shape));
+  PDW_RETURN_IF_ERROR(NextBlock(shape, num_logits));
 
   int32_t* w = Staged();
   const kernels::PackedStepLayout& l = layout_;
@@ -133,7 +149,7 @@ absl::Status StepInputs::Build(absl::Span<const StepSequence> seqs,
   int32_t* logits_indices = w + l.logits_indices;
   int32_t* block_starts = w + l.block_starts;
   int32_t* block_ids = w + l.block_ids;
-  int t = 0, num_block_ids = 0;
+  int t = 0, row = 0, num_block_ids = 0;
   query_start_loc[0] = 0;
   block_starts[0] = 0;
   for (int r = 0; r < num_reqs; ++r) {
@@ -149,7 +165,7 @@ absl::Status StepInputs::Build(absl::Span<const StepSequence> seqs,
     }
     seq_lens[r] = s.kv->num_tokens;
     query_start_loc[r + 1] = t;
-    logits_indices[r] = t - 1;
+    for (int j = s.num_logits; j > 0; --j) logits_indices[row++] = t - j;
     std::copy(s.kv->blocks.begin(), s.kv->blocks.end(),
               block_ids + num_block_ids);
     num_block_ids += static_cast<int>(s.kv->blocks.size());
@@ -162,20 +178,19 @@ absl::Status StepInputs::Build(absl::Span<const StepSequence> seqs,
     slot_mapping[p] = -1;
   }
   // Padding requests (uniform keys only): empty context and no blocks, so
-  // attention gives zeros and never touches a real sequence's blocks. Their
-  // logits index is -1 (a zero row, so zero logits): their padding token's
-  // hidden state is not zero (embedding of token 0 plus the MLP), and rows
-  // nobody reads should not look like real logits. The unpack writes -1 to
-  // the rows past the padded requests too, so the LM head never reads a
-  // stale index from an earlier step.
+  // attention gives zeros and never touches a real sequence's blocks. They
+  // have no logits rows: the unpack writes -1 (a zero row, so zero logits)
+  // past the real rows, since a padding token's hidden state is not zero
+  // (embedding of token 0 plus the MLP) and rows nobody reads should not
+  // look like real logits, nor read a stale index from an earlier step.
   for (int r = num_reqs; r < shape.num_reqs; ++r) {
     seq_lens[r] = 0;
     query_start_loc[r + 1] = query_start_loc[r] + shape.padding_query_len;
-    logits_indices[r] = -1;
     block_starts[r + 1] = num_block_ids;
   }
   num_tokens_ = total;
   num_reqs_ = num_reqs;
+  num_logits_ = num_logits;
   num_block_ids_ = num_block_ids;
   return absl::OkStatus();
 }
@@ -190,14 +205,13 @@ absl::Status StepInputs::BuildDummy(const PaddedShape& shape) {
         absl::StrCat("StepInputs: bad dummy shape ", shape.num_tokens, " / ",
                      shape.num_reqs));
   }
-  PDW_RETURN_IF_ERROR(NextBlock(shape));
+  PDW_RETURN_IF_ERROR(NextBlock(shape, /*num_logits=*/0));
   int32_t* w = Staged();
   const kernels::PackedStepLayout& l = layout_;
   std::fill_n(w + l.token_ids, shape.num_tokens, 0);
   std::fill_n(w + l.positions, shape.num_tokens, 0);
   std::fill_n(w + l.slot_mapping, shape.num_tokens, -1);
   std::fill_n(w + l.seq_lens, shape.num_reqs, 0);
-  std::fill_n(w + l.logits_indices, shape.num_reqs, -1);
   std::fill_n(w + l.block_starts, shape.num_reqs + 1, 0);
   int32_t* query_start_loc = w + l.query_start_loc;
   query_start_loc[0] = 0;
@@ -206,6 +220,7 @@ absl::Status StepInputs::BuildDummy(const PaddedShape& shape) {
   }
   num_tokens_ = 0;
   num_reqs_ = 0;
+  num_logits_ = 0;
   num_block_ids_ = 0;
   return absl::OkStatus();
 }
@@ -226,7 +241,8 @@ absl::Status StepInputs::Upload(Stream& stream) {
   p.num_real_reqs = num_reqs_;
   p.num_block_ids = num_block_ids_;
   p.max_blocks_per_seq = limits_.max_blocks_per_seq;
-  p.num_logits_rows = limits_.max_num_seqs;
+  p.num_logits = num_logits_;
+  p.num_logits_rows = limits_.max_logits_rows;
   return kernels::LaunchUnpackStepInputs(stream, p);
 }
 

@@ -38,6 +38,10 @@ struct StepLimits {
   // own block of the upload ring, and Build waits only when it must reuse
   // one whose copy has not run yet.
   int max_uploads_in_flight = 1;
+  // Logits rows per step, >= max_num_seqs: max_num_seqs x (1 + speculative
+  // tokens), where each verifying request samples after each of its 1 + k
+  // tokens.
+  int max_logits_rows = 0;
 };
 
 // One request of the step, after the KV cache reserved its tokens:
@@ -45,6 +49,9 @@ struct StepLimits {
 struct StepSequence {
   const SequenceKv* kv = nullptr;
   absl::Span<const int32_t> new_tokens;
+  // Logits rows: one after each of the last num_logits new tokens (1: the
+  // next token's; 1 + k to verify k draft tokens). In [1, new_tokens.size()].
+  int num_logits = 1;
 };
 
 // The shape the step runs at (from the dispatcher): padded token count, and
@@ -88,6 +95,9 @@ class StepInputs {
   const StepLimits& limits() const { return limits_; }
   int num_tokens() const { return num_tokens_; }
   int num_reqs() const { return num_reqs_; }
+  // Logits rows of the real requests, in request order (rows past it read
+  // index -1: zero logits).
+  int num_logits() const { return num_logits_; }
   const PaddedShape& shape() const { return shape_; }
 
   // What Build wrote (valid until the next Build), for tests and the
@@ -108,7 +118,7 @@ class StepInputs {
     return Segment(layout_.query_start_loc, shape_.num_reqs + 1);
   }
   absl::Span<const int32_t> host_logits_indices() const {
-    return Segment(layout_.logits_indices, shape_.num_reqs);
+    return Segment(layout_.logits_indices, num_logits_);
   }
   // The blocks request r holds (its block-table row without the zeros).
   absl::Span<const int32_t> host_block_table_row(int r) const {
@@ -120,8 +130,8 @@ class StepInputs {
   StepInputs(const StepLimits& limits, int32_t block_size, StepBuffers buffers,
              DeviceBuffer packed, std::unique_ptr<UploadRing> ring);
 
-  // Moves to the ring's next block for `shape`.
-  absl::Status NextBlock(const PaddedShape& shape);
+  // Moves to the ring's next block for `shape` and `num_logits` rows.
+  absl::Status NextBlock(const PaddedShape& shape, int num_logits);
   int32_t* Staged() const { return static_cast<int32_t*>(ring_->current()); }
   absl::Span<const int32_t> Segment(int64_t offset, int64_t size) const {
     return absl::MakeConstSpan(Staged() + offset, static_cast<size_t>(size));
@@ -134,6 +144,7 @@ class StepInputs {
   std::unique_ptr<UploadRing> ring_;  // blocks of the layout at its largest
   int num_tokens_ = 0;
   int num_reqs_ = 0;
+  int num_logits_ = 0;
   int num_block_ids_ = 0;
   PaddedShape shape_;
   kernels::PackedStepLayout layout_;
