@@ -353,6 +353,7 @@ WorkerMetrics::WorkerMetrics(const WorkerInfo& info,
            .Add({});
 
   RegisterRequestFamilies(options);
+  RegisterSpecDecodeFamilies(options);
   registry_->AddCollectable(table_);
 }
 

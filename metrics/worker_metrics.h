@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -32,6 +33,7 @@
 #include "metrics/composite_registry.h"
 #include "metrics/graph_stats_collector.h"
 #include "prometheus/counter.h"
+#include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
@@ -230,6 +232,14 @@ class WorkerMetrics {
   // graphs plus every PIECEWISE piece's). Call again after a recapture.
   void SetCaptureSummary(const CaptureSummary& summary, int graphs_captured);
 
+  // --- Speculative decoding (spec_decode_metrics.cc) ---
+
+  // One verify step of a request with `num_draft_tokens` drafts, of which
+  // the first `num_accepted_tokens` were accepted. One caller (the engine
+  // thread).
+  void ObserveSpeculation(int32_t num_draft_tokens,
+                          int32_t num_accepted_tokens);
+
   // --- KV handoff (issue 8) ---
 
   // One finished KV transfer attempt: how it ended, the `bytes` actually
@@ -269,6 +279,22 @@ class WorkerMetrics {
   int64_t prefix_queries_seen_ = 0, prefix_hits_seen_ = 0,
           prefix_evictions_seen_ = 0;
   prometheus::Gauge* queue_depth_ = nullptr;
+  // Speculative decoding (spec_decode_metrics.cc): our counter and its
+  // vLLM alias (null without --metrics_vllm_aliases), and the per-position
+  // counters, made as positions are first drafted.
+  struct SpecCounters {
+    prometheus::Counter* ours = nullptr;
+    prometheus::Counter* vllm = nullptr;
+  };
+  struct SpecDecode {
+    SpecCounters drafts, draft_tokens, accepted_tokens;
+    prometheus::Family<prometheus::Counter>* per_position = nullptr;
+    prometheus::Family<prometheus::Counter>* vllm_per_position = nullptr;
+    prometheus::Labels vllm_labels;
+    std::vector<prometheus::Counter*> position, vllm_position;
+  };
+  void RegisterSpecDecodeFamilies(const WorkerMetricsOptions& options);
+  SpecDecode spec_decode_;
   // Requests and load (request_metrics.cc).
   void RegisterRequestFamilies(const WorkerMetricsOptions& options);
   prometheus::Histogram* time_to_first_token_ = nullptr;

@@ -36,6 +36,7 @@
 #include "dispatcher/role_defaults.h"
 #include "glog/logging.h"
 #include "metrics/worker_metrics.h"
+#include "worker/engine/speculative_config.h"
 #include "worker/kv_events/kv_event_publisher.h"
 #include "worker/kv_events/kv_events_config.h"
 #include "worker/kv_events/vllm_event_batch.h"
@@ -109,6 +110,13 @@ ABSL_FLAG(bool, async_scheduling, true,
           "tokens step N samples reach step N+1 on the device (vLLM's "
           "--async-scheduling). Stop conditions are then checked one step "
           "late and the extra token is discarded.");
+ABSL_FLAG(std::string, speculative_config, "",
+          "Speculative decoding of the engine's requests, vLLM's JSON: "
+          "{\"method\": \"ngram\", \"num_speculative_tokens\": k, "
+          "\"prompt_lookup_min\": a, \"prompt_lookup_max\": b}. Each decode "
+          "step verifies up to k drafts (steps of 1 + k tokens per request, "
+          "FULL graphs of those). Draft models and EAGLE are refused for "
+          "now. Empty: off.");
 ABSL_FLAG(std::string, cpu_stream, "threaded",
           "CPU backend only: run the stream's work on its own thread, in "
           "order, as a GPU does (threaded), or inline on the engine thread "
@@ -284,7 +292,7 @@ std::vector<FlagGroup> FlagGroups() {
        {"max_num_seqs", "max_num_batched_tokens", "max_model_len",
         "kv_cache_bytes", "gpu_memory_utilization", "block_size",
         "enable_prefix_caching", "max_queue", "max_waiting_requests",
-        "async_scheduling", "sequence_idle_timeout"}},
+        "async_scheduling", "speculative_config", "sequence_idle_timeout"}},
       {"gRPC server and lifecycle",
        {"host", "port", "max_message_bytes", "grpc_keepalive_time",
         "grpc_keepalive_timeout", "grpc_min_client_ping_interval",
@@ -457,6 +465,15 @@ absl::StatusOr<WorkerConfig> ConfigFromFlags() {
   c.server.engine.overlap = absl::GetFlag(FLAGS_async_scheduling)
                                 ? StepOverlap::kOn
                                 : StepOverlap::kOff;
+  absl::StatusOr<SpeculativeConfig> speculative =
+      ParseSpeculativeConfig(absl::GetFlag(FLAGS_speculative_config));
+  if (!speculative.ok()) {
+    return FlagError("speculative_config", speculative.status().message());
+  }
+  c.server.engine.speculative = *speculative;
+  // Verify steps hold the last token and k drafts per request: the
+  // dispatcher's uniform decode keys and FULL graphs are of that length.
+  r.uniform_decode_query_len = 1 + speculative->num_speculative_tokens;
   const std::string cpu_stream = absl::GetFlag(FLAGS_cpu_stream);
   if (cpu_stream == "threaded") {
     c.cpu_stream = CpuStreamExecution::kThreaded;

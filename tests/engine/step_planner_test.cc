@@ -141,6 +141,9 @@ TEST(StepPlannerTest, TheOldestCallAlwaysProgresses) {
 PendingRequest Decode(int32_t computed, int32_t blocks) {
   return {1, computed, blocks, true};
 }
+PendingRequest Drafting(int32_t computed, int32_t blocks, int32_t drafts) {
+  return {1 + drafts, computed, blocks, true, drafts};
+}
 PendingRequest Prefill(int32_t wanted, int32_t computed, int32_t blocks) {
   return {wanted, computed, blocks, true};
 }
@@ -200,6 +203,43 @@ TEST(StepPlannerRequestsTest, DecodesFirstThenPrefillChunksFillTheRest) {
                           ElementsAre(kRun, 3, 1), ElementsAre(kRun, 0, 13)));
   EXPECT_TRUE(plan.admitted.empty());  // no tokens left
   EXPECT_EQ(plan.num_tokens, 16);
+}
+
+// A decode verifying k drafts (speculative decoding) is a decode: it goes
+// first with its 1 + k tokens, as many drafts as the tokens left allow.
+TEST(StepPlannerRequestsTest, DecodesWithDraftsGoFirstAndTakeWhatIsLeft) {
+  std::vector<Call> calls;
+  std::vector<PendingRequest> running = {Prefill(100, 0, 0), Drafting(8, 3, 3),
+                                         Decode(9, 3), Drafting(4, 1, 3)};
+  std::vector<PendingRequest> waiting;
+  StepPlan plan = PlanAll(calls, running, waiting, {8, 16}, 1000);
+  EXPECT_THAT(Rows(plan),
+              ElementsAre(ElementsAre(kRun, 1, 4), ElementsAre(kRun, 2, 1),
+                          ElementsAre(kRun, 3, 4), ElementsAre(kRun, 0, 7)));
+  // 6 tokens: the first drafting decode takes 4, the decode 1, the last
+  // one only its own token.
+  plan = PlanAll(calls, running, waiting, {8, 6}, 1000);
+  EXPECT_THAT(Rows(plan),
+              ElementsAre(ElementsAre(kRun, 1, 4), ElementsAre(kRun, 2, 1),
+                          ElementsAre(kRun, 3, 1)));
+}
+
+// Drafts never preempt: a drafting decode whose drafts need a block that is
+// not free verifies fewer (here none), and nobody is preempted for them.
+TEST(StepPlannerRequestsTest, DraftsNeverPreemptAnotherRequest) {
+  std::vector<Call> calls;
+  // 7 tokens in 2 blocks of 4: its own token fits, drafts 2 and 3 would
+  // need a third block.
+  std::vector<PendingRequest> running = {Drafting(7, 2, 3), Decode(6, 2)};
+  std::vector<PendingRequest> waiting;
+  StepPlan plan = PlanAll(calls, running, waiting, {8, 64}, 0);
+  EXPECT_TRUE(plan.preempted.empty());
+  EXPECT_THAT(Rows(plan),
+              ElementsAre(ElementsAre(kRun, 0, 1), ElementsAre(kRun, 1, 1)));
+  // With one block free, all three drafts.
+  plan = PlanAll(calls, running, waiting, {8, 64}, 1);
+  EXPECT_THAT(Rows(plan),
+              ElementsAre(ElementsAre(kRun, 0, 4), ElementsAre(kRun, 1, 1)));
 }
 
 TEST(StepPlannerRequestsTest, ALongPromptIsAdmittedInChunksBesideDecodes) {

@@ -288,6 +288,11 @@ TEST(PdworkerMainTest, BadConfigurationFailsAtStartupNamingTheFlag) {
        "bogus"},
       {{"--kv_events_config={}", "--kv_events_endpoint=tcp://*:0"}, "not both"},
       {{"--unverified_cuda_kernels=maybe"}, "--unverified_cuda_kernels"},
+      {{"--speculative-config={\"method\":\"eagle3\",\"model\":\"x\","
+        "\"num_speculative_tokens\":3}"},
+       "method \"eagle3\" is not supported yet"},
+      {{"--speculative_config={\"method\":\"ngram\"}"},
+       "num_speculative_tokens is required"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     SCOPED_TRACE(cases[i].message);

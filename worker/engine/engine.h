@@ -63,6 +63,7 @@
 #include "worker/engine/kv_lease_table.h"
 #include "worker/engine/load_tracker.h"
 #include "worker/engine/request.h"
+#include "worker/engine/speculative_config.h"
 #include "worker/engine/step_calls.h"
 #include "worker/engine/step_planner.h"
 #include "worker/kv_cache/kv_cache_manager.h"
@@ -87,6 +88,13 @@ struct EngineOptions {
   // naming it get NOT_FOUND saying why. Zero: never.
   std::chrono::milliseconds sequence_idle_timeout{0};
   StepOverlap overlap = StepOverlap::kOn;
+  // Speculative decoding of engine-owned requests (--speculative_config):
+  // each decode step verifies the proposer's drafts after the request's
+  // last token (ModelRunner's num_samples) and keeps the longest prefix
+  // the target's own samples agree with, plus the target's next token, so
+  // the outputs are what one-token steps would sample. The runner's
+  // uniform_decode_query_len bounds the drafts (1 + k).
+  SpeculativeConfig speculative;
 };
 
 // What other threads may read, published after every loop iteration.
@@ -108,6 +116,12 @@ struct EngineSnapshot {
   // one step's end and the next one's start.
   double device_busy_seconds = 0.0;
   double device_idle_seconds = 0.0;
+  // Speculative decoding (vLLM's spec_decode counters): verify steps of a
+  // request with drafts, the draft tokens they verified, and those
+  // accepted.
+  int64_t spec_drafts = 0;
+  int64_t spec_draft_tokens = 0;
+  int64_t spec_accepted_tokens = 0;
   // The first device error, after which every step fails; OK until then.
   absl::Status device_error;
   // When the last step was read back (epoch: none yet).
@@ -236,6 +250,17 @@ class Engine {
 
   // Requests.
   int32_t WantedTokens(const Request& request) const;
+  // Speculative decoding (engine_speculation.cc): whether `request` drafts
+  // for its next decode (so it waits for its sample in flight, which the
+  // drafts continue), its drafts for the next step (`request.drafts`), and
+  // what a verify step's samples accept.
+  bool MayDraft(const Request& request) const;
+  void ProposeDrafts(Request& request);
+  // The drafts of `piece` the target's samples `out` agree with, in order;
+  // rolls the rejected ones' KV back and paces the request's drafting.
+  // Returns how many were accepted.
+  int32_t AcceptDrafts(Request& request, const Piece& piece,
+                       const SequenceResult& out);
   void Preempt(const std::shared_ptr<Request>& request);
   // Ends a live request: frees its KV, sends its last update, forgets it.
   void FinishRequest(Request& request, std::optional<FinishReason> reason,
@@ -339,6 +364,9 @@ class Engine {
   int64_t sequences_expired_ = 0;
   int64_t preemptions_ = 0;
   int64_t finished_requests_ = 0;
+  int64_t spec_drafts_ = 0;
+  int64_t spec_draft_tokens_ = 0;
+  int64_t spec_accepted_tokens_ = 0;
   double device_busy_seconds_ = 0.0;
   double device_idle_seconds_ = 0.0;
   absl::Status device_error_;

@@ -22,6 +22,7 @@ void Engine::Preempt(const std::shared_ptr<Request>& r) {
   const absl::Status released = runner_.Release(r->kv_id);
   CHECK(released.ok() || r->num_computed == 0) << released;
   r->num_computed = 0;
+  r->drafts.clear();
   r->state = Request::State::kWaiting;
   running_.erase(std::find(running_.begin(), running_.end(), r));
   waiting_.push_front(r);
@@ -342,6 +343,9 @@ void Engine::PublishSnapshot() {
     snapshot_.finished_requests = finished_requests_;
     snapshot_.device_busy_seconds = device_busy_seconds_;
     snapshot_.device_idle_seconds = device_idle_seconds_;
+    snapshot_.spec_drafts = spec_drafts_;
+    snapshot_.spec_draft_tokens = spec_draft_tokens_;
+    snapshot_.spec_accepted_tokens = spec_accepted_tokens_;
     snapshot_.device_error = device_error_;
     snapshot_.last_step_at = last_step_at_;
     snapshot_.waiting_uncached_tokens = waiting_uncached_tokens;

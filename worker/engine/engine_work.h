@@ -104,6 +104,17 @@ struct Engine::Request {
   std::vector<float> new_logprobs;
   std::vector<TokenLogprobs> new_token_logprobs;
   RequestTimeline times;  // for its latency metrics
+  // Speculative decoding: the drafts PlanStep proposed for its next decode
+  // (verified after its last token), and the pacing after drafts that all
+  // failed (none proposed, or none accepted): decodes left without
+  // drafting, and the next pause (doubling up to a cap).
+  std::vector<int32_t> drafts;
+  // A verify step of its drafts is in flight: its next token is one of
+  // that step's rows (which one, the host decides), so no later step may
+  // take it from the device, and its KV is trimmed when the step retires.
+  bool verifying = false;
+  int32_t draft_pause = 0;
+  int32_t next_draft_pause = 1;
 
   int32_t total() const {
     return static_cast<int32_t>(tokens.size()) + num_pending;
@@ -143,6 +154,9 @@ struct Engine::Piece {
   // The row's sample is an answer: the sequence's last token ran (calls),
   // or the request's tokens so far all ran (requests).
   bool samples = false;
+  // A request's decode that verifies these drafts after its last token
+  // (num_tokens = 1 + their number).
+  std::vector<int32_t> drafts;
 };
 
 // A step on the device.

@@ -38,16 +38,18 @@ void StepPlanner::Plan(const PlanInput& in, StepPlan* plan) {
   const int num_running = static_cast<int>(in.running.size());
   gone_.assign(num_running, false);
   scheduled_.assign(num_running, false);
-  reserved_.assign(num_running, false);
+  reserved_.assign(num_running, 0);
   tail_ = num_running;
 
-  // 1. Decodes first: set their seats and tokens aside.
+  // 1. Decodes first: set their seats and tokens aside (a decode that
+  // verifies drafts takes as many of them as the tokens left allow).
   for (int r = 0; r < num_running; ++r) {
-    if (in.running[r]->wanted_tokens != 1) continue;
+    const PendingRequest& req = *in.running[r];
+    if (req.wanted_tokens - req.num_draft_tokens != 1) continue;
     if (seats_left_ == 0 || tokens_left_ == 0) break;
-    reserved_[r] = true;
+    reserved_[r] = std::min(req.wanted_tokens, tokens_left_);
     --seats_left_;
-    --tokens_left_;
+    tokens_left_ -= reserved_[r];
   }
 
   // 2. Step-level calls with what is left.
@@ -70,7 +72,17 @@ void StepPlanner::Plan(const PlanInput& in, StepPlan* plan) {
     }
   }
   for (int r = 0; r < num_running; ++r) {
-    if (reserved_[r] && !gone_[r]) ScheduleRunning(in, r, 1, plan);
+    if (reserved_[r] == 0 || gone_[r]) continue;
+    // Drafts are optional: never preempt for their blocks.
+    const PendingRequest& req = *in.running[r];
+    int32_t take = reserved_[r];
+    while (take > 1 &&
+           BlocksFor(req.num_computed + take) - req.num_blocks > blocks_left_) {
+      --take;
+    }
+    tokens_left_ += reserved_[r] - take;
+    reserved_[r] = take;
+    ScheduleRunning(in, r, take, plan);
   }
   for (int r = 0; r < num_running; ++r) {
     if (gone_[r] || scheduled_[r] || reserved_[r]) continue;
@@ -182,7 +194,7 @@ bool StepPlanner::ScheduleRunning(const PlanInput& in, int r,
   switch (MakeRoom(in, need, r, plan)) {
     case RoomResult::kFits:
       blocks_left_ -= need;
-      reserved_[r] = false;
+      reserved_[r] = 0;
       scheduled_[r] = true;
       plan->pieces.push_back({PieceSource::kRunningRequest, r, 0, num_tokens});
       return true;
@@ -216,10 +228,10 @@ StepPlanner::RoomResult StepPlanner::MakeRoom(const PlanInput& in,
 void StepPlanner::Preempt(const PlanInput& in, int r, StepPlan* plan) {
   gone_[r] = true;
   blocks_left_ += in.running[r]->num_blocks;
-  if (reserved_[r]) {
-    reserved_[r] = false;
+  if (reserved_[r] > 0) {
     ++seats_left_;
-    ++tokens_left_;
+    tokens_left_ += reserved_[r];
+    reserved_[r] = 0;
   }
   plan->preempted.push_back(r);
 }

@@ -84,6 +84,11 @@ struct PendingRequest {
   // Waiting requests only: false while a sample of its is still in flight
   // (it was preempted a step ago), so it cannot be recomputed yet.
   bool admissible = true;
+  // Speculative decoding: of wanted_tokens, the draft tokens that follow the
+  // one decode token (wanted_tokens = 1 + num_draft_tokens). Such a request
+  // is a decode; its drafts are optional and may be cut (fewer tokens
+  // left, or KV blocks that only preempting another request would free).
+  int32_t num_draft_tokens = 0;
 };
 
 struct StepBudget {
@@ -177,8 +182,9 @@ class StepPlanner {
   // Running requests: preempted this step, or already given a piece.
   std::vector<bool> gone_;
   std::vector<bool> scheduled_;
-  // Decode seats/tokens set aside and not yet used.
-  std::vector<bool> reserved_;
+  // Decode seats/tokens set aside and not yet used: the tokens (1, plus
+  // the drafts that fit), 0 when none.
+  std::vector<int32_t> reserved_;
   int tail_ = 0;  // running requests [0, tail_) not preempted
 };
 

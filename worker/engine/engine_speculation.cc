@@ -1,0 +1,119 @@
+// Speculative decoding of engine-owned requests (issue 42): the proposer
+// drafts on the host before a step, the step verifies the drafts after the
+// request's last token (one sample per row, ModelRunner's num_samples), and
+// the request keeps the drafts up to the first one the target's own sample
+// disagrees with, plus that sample.
+//
+// Why this is exact: row i is the target's sample at the position of draft
+// i + 1, drawn with the request's options and the position as RNG counter,
+// from logits that see exactly the tokens a one-token step there would.
+// While the drafts agree, the rows are the tokens one-token steps would
+// have sampled; the first disagreeing row is that step's sample too. So
+// greedy outputs are bit-identical to speculation off, and seeded sampling
+// draws the same tokens. For a deterministic proposer (n-gram: q is one
+// draft token with probability 1) this is rejection sampling exactly:
+// accept with probability p(draft) and, on rejection, draw from p without
+// the draft, renormalized (the residual max(0, p - q)).
+#include <algorithm>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+#include "worker/engine/engine.h"
+#include "worker/engine/engine_work.h"
+#include "worker/engine/ngram_proposer.h"
+
+namespace pdworker {
+namespace {
+
+// Decodes without drafting after a draft that failed entirely, at most.
+constexpr int32_t kMaxDraftPause = 16;
+
+}  // namespace
+
+bool Engine::MayDraft(const Request& r) const {
+  const SpeculativeConfig& spec = options_.speculative;
+  if (!spec.enabled() || r.state != Request::State::kRunning ||
+      r.draft_pause > 0) {
+    return false;
+  }
+  // Top logprobs come for one row per step; bans (min_tokens) change with
+  // the output count inside a verify step.
+  const int32_t outputs = r.total() - r.stop.num_prompt_tokens;
+  if (r.call->spec.logprobs >= 0 || outputs < r.stop.conditions.min_tokens) {
+    return false;
+  }
+  // Room for one draft and the target's next token.
+  if (outputs + 2 > r.stop.max_output_tokens) return false;
+  return spec.disable_by_batch_size == 0 ||
+         static_cast<int>(running_.size()) < spec.disable_by_batch_size;
+}
+
+void Engine::ProposeDrafts(Request& r) {
+  r.drafts.clear();
+  if (r.num_pending != 0 || r.total() - r.num_computed != 1 || !MayDraft(r)) {
+    return;
+  }
+  const SpeculativeConfig& spec = options_.speculative;
+  const int32_t outputs = r.total() - r.stop.num_prompt_tokens;
+  // The drafts, the target's next token and the KV of the step (the last
+  // token and every draft) must fit the request's limits.
+  const int32_t k = std::min({spec.num_speculative_tokens,
+                              runner_.options().uniform_decode_query_len - 1,
+                              r.stop.max_output_tokens - outputs - 1,
+                              max_model_len_ - r.total()});
+  if (k <= 0) return;
+  NgramParams params;
+  params.prompt_lookup_min = spec.prompt_lookup_min;
+  params.prompt_lookup_max = spec.prompt_lookup_max;
+  params.num_speculative_tokens = k;
+  params.max_model_len = max_model_len_;
+  r.drafts = ProposeNgramDraft(r.tokens, params);
+  if (r.drafts.empty()) {
+    // Nothing to verify: the request decodes one token at a time (with
+    // host/device overlap) for a while before it looks again.
+    r.draft_pause = r.next_draft_pause;
+    r.next_draft_pause = std::min(2 * r.next_draft_pause, kMaxDraftPause);
+  }
+}
+
+int32_t Engine::AcceptDrafts(Request& r, const Piece& p,
+                             const SequenceResult& out) {
+  const int32_t m = static_cast<int32_t>(p.drafts.size());
+  CHECK_EQ(static_cast<int32_t>(out.prior_token_ids.size()), m)
+      << r.call->spec.request_id;
+  r.verifying = false;
+  int32_t accepted = 0;
+  while (accepted < m && out.prior_token_ids[accepted] == p.drafts[accepted]) {
+    ++accepted;
+  }
+  ++spec_drafts_;
+  spec_draft_tokens_ += m;
+  spec_accepted_tokens_ += accepted;
+  if (metrics_ != nullptr) metrics_->ObserveSpeculation(m, accepted);
+  if (accepted == 0) {
+    r.draft_pause = r.next_draft_pause;
+    r.next_draft_pause = std::min(2 * r.next_draft_pause, kMaxDraftPause);
+  } else {
+    r.next_draft_pause = 1;
+  }
+  // The step wrote KV for the last token and every draft; keep the
+  // accepted drafts' (a preempted request has none left to trim). The
+  // request is in no later step in flight: it waited for this sample.
+  if (r.state == Request::State::kRunning) {
+    const absl::Status truncated =
+        runner_.Truncate(r.kv_id, r.num_computed + accepted);
+    if (!truncated.ok()) {
+      LOG(ERROR) << "rolling back rejected drafts failed: " << truncated;
+      FinishRequest(r, std::nullopt,
+                    absl::InternalError(absl::StrCat(
+                        "rolling back rejected draft tokens failed: ",
+                        truncated.message())));
+      return 0;
+    }
+    r.num_computed += accepted;
+  }
+  return accepted;
+}
+
+}  // namespace pdworker
