@@ -266,5 +266,55 @@ TEST(EngineSpeculationPressureTest, PreemptionAndAbortLeaveNoKv) {
   EXPECT_EQ(s.kv.num_sequences, 0);
 }
 
+// With prefix caching, blocks filled by drafts may be cached and shared
+// before the verify step's rollback (which then copies or uncaches them):
+// requests whose prompts repeat each other's prompts and outputs still get
+// exactly their tokens alone.
+TEST(EngineSpeculationPrefixCacheTest, SharedPromptsEqualEachPromptAlone) {
+  const std::string dir = engine_testing::ModelDir();
+  ModelRunnerOptions options = engine_testing::SmallOptions();
+  options.uniform_decode_query_len = 4;
+  options.prefix_caching = PrefixCaching::kOn;
+  EngineOptions engine_options;
+  engine_options.speculative = Ngram(3);
+  auto t = engine_testing::StartEngine(dir, options, engine_options);
+  CpuDevice device;
+  auto reference =
+      ModelRunner::Create(device, dir, engine_testing::SmallOptions("NONE"));
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  const std::vector<int32_t> base = RepetitivePrompt(4, 4, 2, 5);
+  std::vector<std::vector<int32_t>> prompts = {base};
+  for (int round = 0; round < 3; ++round) {
+    std::vector<std::unique_ptr<PendingGeneration>> pending;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      pending.push_back(std::make_unique<PendingGeneration>(
+          *t->engine,
+          Spec(absl::StrCat("c", round, "_", i), prompts[i], 12)));
+    }
+    std::vector<std::vector<int32_t>> next;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const Generation g = pending[i]->Wait();
+      ASSERT_TRUE(g.status.ok()) << g.status;
+      absl::StatusOr<Sampled> alone =
+          ReferenceGeneration(**reference, "ref", prompts[i], 12);
+      ASSERT_TRUE(alone.ok()) << alone.status();
+      EXPECT_THAT(g.tokens, ElementsAreArray(alone->tokens))
+          << round << "/" << i;
+      // The next round's prompts: this one's prompt and output (a chat's
+      // next turn), and again with a token more.
+      std::vector<int32_t> turn = prompts[i];
+      turn.insert(turn.end(), g.tokens.begin(), g.tokens.end());
+      if (turn.size() + 13 > 128) continue;
+      next.push_back(turn);
+      turn.push_back(7);
+      next.push_back(turn);
+    }
+    prompts = next;
+  }
+  const EngineSnapshot s = t->engine->snapshot();
+  EXPECT_GT(s.spec_accepted_tokens, 0);
+  EXPECT_EQ(s.kv.num_sequences, 0);
+}
+
 }  // namespace
 }  // namespace pdworker

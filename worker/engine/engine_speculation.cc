@@ -103,6 +103,13 @@ int32_t Engine::AcceptDrafts(Request& r, const Piece& p,
   if (r.state == Request::State::kRunning) {
     const absl::Status truncated =
         runner_.Truncate(r.kv_id, r.num_computed + accepted);
+    if (absl::IsResourceExhausted(truncated)) {
+      // The cut falls in a block a newer sequence shares (a prompt that
+      // holds these drafts hit the prefix cache) and no block is free for
+      // this one's copy: recompute it later, as the planner would.
+      Preempt(p.request);
+      return accepted;
+    }
     if (!truncated.ok()) {
       LOG(ERROR) << "rolling back rejected drafts failed: " << truncated;
       FinishRequest(r, std::nullopt,
