@@ -26,8 +26,19 @@
 namespace pdworker {
 namespace {
 
-// Decodes without drafting after a draft that failed entirely, at most.
-constexpr int32_t kMaxDraftPause = 16;
+// Drafting pauses while a request's recent acceptance is below this: a
+// verify step costs about 1 + k tokens' compute on the CPU backend (nearly
+// nothing more than one token on a GPU, where decode reads weights), so
+// drafts that mostly fail make a CPU worker slower.
+constexpr float kMinDraftAcceptance = 0.5f;
+// Decodes without drafting after drafts that failed, at most: a request
+// whose text stops repeating checks again at most every 64 tokens.
+constexpr int32_t kMaxDraftPause = 64;
+
+void PauseDrafting(int32_t* pause, int32_t* next) {
+  *pause = *next;
+  *next = std::min(2 * *next, kMaxDraftPause);
+}
 
 }  // namespace
 
@@ -72,8 +83,7 @@ void Engine::ProposeDrafts(Request& r) {
   if (r.drafts.empty()) {
     // Nothing to verify: the request decodes one token at a time (with
     // host/device overlap) for a while before it looks again.
-    r.draft_pause = r.next_draft_pause;
-    r.next_draft_pause = std::min(2 * r.next_draft_pause, kMaxDraftPause);
+    PauseDrafting(&r.draft_pause, &r.next_draft_pause);
   }
 }
 
@@ -91,9 +101,10 @@ int32_t Engine::AcceptDrafts(Request& r, const Piece& p,
   spec_draft_tokens_ += m;
   spec_accepted_tokens_ += accepted;
   if (metrics_ != nullptr) metrics_->ObserveSpeculation(m, accepted);
-  if (accepted == 0) {
-    r.draft_pause = r.next_draft_pause;
-    r.next_draft_pause = std::min(2 * r.next_draft_pause, kMaxDraftPause);
+  r.draft_acceptance =
+      0.5f * r.draft_acceptance + 0.5f * static_cast<float>(accepted) / m;
+  if (r.draft_acceptance < kMinDraftAcceptance) {
+    PauseDrafting(&r.draft_pause, &r.next_draft_pause);
   } else {
     r.next_draft_pause = 1;
   }

@@ -140,8 +140,11 @@ bool Engine::LaunchPieces(absl::Span<const Piece> pieces, absl::Status* error) {
         // A prompt chunked over several steps: its cached prefix is looked
         // up over the whole prompt, not only the first chunk (whose cap
         // would stop it early). On error the step's own checks answer.
-        absl::StatusOr<int32_t> cached =
-            runner_.StartSequence(src.sequence_id, src.token_ids);
+        // The sampled tokens (num_samples) stay out of the hit.
+        absl::StatusOr<int32_t> cached = runner_.StartSequence(
+            src.sequence_id,
+            absl::MakeConstSpan(src.token_ids)
+                .first(src.token_ids.size() - (src.num_samples - 1)));
         if (cached.ok()) {
           e.length_before[s] = 0;
           e.remaining[s] -= *cached;
@@ -149,6 +152,17 @@ bool Engine::LaunchPieces(absl::Span<const Piece> pieces, absl::Status* error) {
         }
       }
       num_tokens_[k] = std::min(p.num_tokens, e.remaining[s]);
+      // The last chunk samples num_samples rows, so it must hold that many
+      // tokens: an earlier chunk leaves them, or (when fewer remain than
+      // that) takes them all, a few tokens over the plan; a step that no
+      // longer fits is retried call by call, where it does.
+      const int32_t left = e.remaining[s] - num_tokens_[k];
+      if (left > 0 && left < src.num_samples) {
+        num_tokens_[k] = e.remaining[s] > src.num_samples
+                             ? e.remaining[s] - src.num_samples
+                             : e.remaining[s];
+      }
+      if (num_tokens_[k] == e.remaining[s]) dst.num_samples = src.num_samples;
       const size_t offset = src.token_ids.size() - e.remaining[s];
       dst.sequence_id = src.sequence_id;
       dst.token_ids.assign(src.token_ids.begin() + offset,

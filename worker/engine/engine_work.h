@@ -105,14 +105,17 @@ struct Engine::Request {
   std::vector<TokenLogprobs> new_token_logprobs;
   RequestTimeline times;  // for its latency metrics
   // Speculative decoding: the drafts PlanStep proposed for its next decode
-  // (verified after its last token), and the pacing after drafts that all
-  // failed (none proposed, or none accepted): decodes left without
-  // drafting, and the next pause (doubling up to a cap).
+  // (verified after its last token); the share of its recent drafts
+  // accepted (an average that halves the weight of each older verify); and
+  // the pacing after drafts that fail (none proposed, or acceptance below
+  // half): decodes left without drafting, and the next pause (doubling up
+  // to a cap).
   std::vector<int32_t> drafts;
   // A verify step of its drafts is in flight: its next token is one of
   // that step's rows (which one, the host decides), so no later step may
   // take it from the device, and its KV is trimmed when the step retires.
   bool verifying = false;
+  float draft_acceptance = 1.0f;
   int32_t draft_pause = 0;
   int32_t next_draft_pause = 1;
 

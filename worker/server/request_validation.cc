@@ -1,5 +1,6 @@
 #include "worker/server/request_validation.h"
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -121,6 +122,14 @@ absl::StatusOr<ForwardCallSpec> ValidateForwardRequest(
         !s.ok()) {
       return s;
     }
+    if (in.num_samples() < 0 || in.num_samples() > in.token_ids_size() ||
+        in.num_samples() > limits.max_num_samples) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".num_samples=", in.num_samples(), " outside [0, min(",
+          in.token_ids_size(), " token_ids, ", limits.max_num_samples,
+          ")]; the worker samples at most 1 + num_speculative_tokens "
+          "(--speculative_config) rows per sequence"));
+    }
     absl::StatusOr<SamplingOptions> sampling =
         ToSamplingOptions(field + ".sampling", in.sampling(), in.sequence_id());
     if (!sampling.ok()) return sampling.status();
@@ -131,6 +140,7 @@ absl::StatusOr<ForwardCallSpec> ValidateForwardRequest(
     step.sampling = *sampling;
     step.creation = in.start() ? SequenceCreation::kMustBeNew
                                : SequenceCreation::kMustExist;
+    step.num_samples = std::max(1, in.num_samples());
     spec.total_tokens += in.token_ids_size();
     spec.sequences.push_back(std::move(step));
     spec.after_step.push_back(in.release_after_step() ? AfterStep::kRelease

@@ -27,6 +27,9 @@ struct RequestLimits {
   int max_num_seqs = 0;   // sequences per call
   int vocab_size = 0;     // token ids in [0, vocab_size)
   int max_model_len = 0;  // tokens per sequence
+  // SequenceInput.num_samples at most: the runner's
+  // uniform_decode_query_len (1 + num_speculative_tokens).
+  int max_num_samples = 1;
 };
 
 // INVALID_ARGUMENT naming the field (e.g. "sequences[2].token_ids[5]=999 is
@@ -34,7 +37,8 @@ struct RequestLimits {
 // max_num_seqs, an empty, oversized or repeated sequence_id, no token_ids, a
 // token outside the vocabulary, more tokens than max_model_len, NaN or
 // out-of-range sampling values, hold_for_handoff together with
-// release_after_step. Checks run in field order; the first failure
+// release_after_step, num_samples outside [0, min(token_ids,
+// max_num_samples)]. Checks run in field order; the first failure
 // is reported.
 absl::StatusOr<ForwardCallSpec> ValidateForwardRequest(
     const v1::ForwardRequest& request, const RequestLimits& limits);

@@ -47,6 +47,10 @@ void FillResponse(const v1::ForwardRequest& request,
     out->set_logprob(r.logprob);
     out->set_num_tokens(r.num_tokens);
     out->set_cached_tokens(r.cached_tokens);
+    out->mutable_prior_token_ids()->Add(r.prior_token_ids.begin(),
+                                        r.prior_token_ids.end());
+    out->mutable_prior_logprobs()->Add(r.prior_logprobs.begin(),
+                                       r.prior_logprobs.end());
     if (static_cast<size_t>(i) < outcome.leases.size() &&
         outcome.leases[i].has_value()) {
       const KvLeaseInfo& lease = *outcome.leases[i];
@@ -204,7 +208,8 @@ WorkerService::WorkerService(const ModelRunner& runner, Engine& engine,
                     runner.dispatcher().capture_sizes()},
       limits_{runner.options().max_num_seqs,
               static_cast<int>(runner.model_config().vocab_size),
-              runner.max_model_len()},
+              runner.max_model_len(),
+              runner.options().uniform_decode_query_len},
       handoff_(handoff),
       handle_template_(HandleTemplate(runner, handoff)),
       fingerprint_(runner.model_fingerprint()),
