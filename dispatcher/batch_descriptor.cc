@@ -15,7 +15,15 @@ std::ostream& operator<<(std::ostream& os, const BatchDescriptor& d) {
 }
 
 std::ostream& operator<<(std::ostream& os, BatchKind kind) {
-  return os << (kind == BatchKind::kUniformDecode ? "uniform_decode" : "mixed");
+  switch (kind) {
+    case BatchKind::kUniformDecode:
+      return os << "uniform_decode";
+    case BatchKind::kOneTokenDecode:
+      return os << "one_token_decode";
+    case BatchKind::kMixed:
+      break;
+  }
+  return os << "mixed";
 }
 
 }  // namespace pdworker

@@ -57,20 +57,35 @@ std::ostream& operator<<(std::ostream& os, const BatchDescriptor& d);
 
 // Which dispatch routine a batch belongs to. A *uniform decode* batch has
 // every sequence at exactly `uniform_decode_query_len` query tokens (1, or
-// 1 + speculative tokens); everything else (prefill, mixed prefill/decode,
-// ragged speculative) is *mixed*.
-enum class BatchKind { kMixed, kUniformDecode };
+// 1 + speculative tokens). A *one-token decode* batch has every sequence at
+// one query token while uniform_decode_query_len is above 1 (speculation is
+// configured, and no request verifies drafts this step): it gets FULL keys
+// of its own, so a step without drafts does not lose its graph. Everything
+// else (prefill, mixed prefill/decode, ragged speculative) is *mixed*.
+enum class BatchKind { kMixed, kUniformDecode, kOneTokenDecode };
 
 // Classifies a batch from its totals: uniform iff it has requests, its
 // longest query is exactly `uniform_decode_query_len` and
-// num_tokens == num_reqs * uniform_decode_query_len (so no query is shorter).
+// num_tokens == num_reqs * uniform_decode_query_len (so no query is
+// shorter); one-token iff uniform_decode_query_len > 1 and every query is
+// one token.
 constexpr BatchKind ClassifyBatch(int num_tokens, int num_reqs,
                                   int max_query_len,
                                   int uniform_decode_query_len) {
   return (num_reqs > 0 && max_query_len == uniform_decode_query_len &&
           num_tokens == num_reqs * uniform_decode_query_len)
              ? BatchKind::kUniformDecode
+         : (uniform_decode_query_len > 1 && num_reqs > 0 &&
+            max_query_len == 1 && num_tokens == num_reqs)
+             ? BatchKind::kOneTokenDecode
              : BatchKind::kMixed;
+}
+
+// The query length of every request of a uniform key (num_tokens /
+// num_reqs: uniform_decode_query_len, or 1 for a one-token decode key); 0
+// for a relaxed (mixed) key.
+constexpr int UniformQueryLen(const BatchDescriptor& d) {
+  return d.uniform && d.num_reqs > 0 ? d.num_tokens / d.num_reqs : 0;
 }
 
 std::ostream& operator<<(std::ostream& os, BatchKind kind);

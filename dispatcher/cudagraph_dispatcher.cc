@@ -56,7 +56,15 @@ std::vector<int> BuildPaddingTable(const std::vector<int>& sizes, int max) {
 }
 
 int KindIndex(BatchKind kind) {
-  return kind == BatchKind::kUniformDecode ? 1 : 0;
+  switch (kind) {
+    case BatchKind::kUniformDecode:
+      return 1;
+    case BatchKind::kOneTokenDecode:
+      return 2;
+    case BatchKind::kMixed:
+      break;
+  }
+  return 0;
 }
 
 }  // namespace
@@ -85,10 +93,12 @@ absl::Status CudagraphDispatcher::Initialize(
   query_len_ = uniform_decode_query_len;
   capture_sizes_ = capture_sizes;
   uniform_sizes_.clear();
+  one_token_sizes_.clear();
   full_keys_.clear();
   piecewise_keys_.clear();
   padded_.clear();
   uniform_padded_.clear();
+  one_token_padded_.clear();
   for (auto& d : decisions_) d.clear();
   max_capture_size_ = 0;
   initialized_ = true;
@@ -119,11 +129,21 @@ absl::Status CudagraphDispatcher::Initialize(
     for (int size : uniform_sizes_) {
       full_keys_.insert(BatchDescriptor{size, size / query_len_, true});
     }
+    // Speculation: steps where no request verifies drafts have one token
+    // per request; {n, n} never equals a key {m, m / query_len} above.
+    if (query_len_ > 1) {
+      one_token_sizes_ = UniformDecodeSizes(capture_sizes, 1, max_num_seqs);
+      for (int size : one_token_sizes_) {
+        full_keys_.insert(BatchDescriptor{size, size, true});
+      }
+    }
   }
 
   padded_ = BuildPaddingTable(capture_sizes_, max_capture_size_);
   uniform_padded_ = BuildPaddingTable(uniform_sizes_, max_capture_size_);
-  for (BatchKind kind : {BatchKind::kMixed, BatchKind::kUniformDecode}) {
+  one_token_padded_ = BuildPaddingTable(one_token_sizes_, max_capture_size_);
+  for (BatchKind kind : {BatchKind::kMixed, BatchKind::kUniformDecode,
+                         BatchKind::kOneTokenDecode}) {
     auto& table = decisions_[KindIndex(kind)];
     table.reserve(static_cast<size_t>(max_capture_size_) + 1);
     for (int n = 0; n <= max_capture_size_; ++n) {
@@ -136,10 +156,13 @@ absl::Status CudagraphDispatcher::Initialize(
 DispatchResult CudagraphDispatcher::Decide(int num_tokens,
                                            BatchKind kind) const {
   // 1. Exact FULL key: only uniform decode batches have non-relaxed keys.
-  if (kind == BatchKind::kUniformDecode) {
-    const int padded = uniform_padded_[num_tokens];
+  if (kind != BatchKind::kMixed) {
+    const bool one_token = kind == BatchKind::kOneTokenDecode;
+    const int padded =
+        (one_token ? one_token_padded_ : uniform_padded_)[num_tokens];
     if (padded > 0) {
-      const BatchDescriptor exact{padded, padded / query_len_, true};
+      const BatchDescriptor exact{
+          padded, one_token ? padded : padded / query_len_, true};
       if (full_keys_.contains(exact)) {
         return DispatchResult{RuntimeMode::kFull, exact, FallbackReason::kNone};
       }
@@ -164,10 +187,11 @@ DispatchResult CudagraphDispatcher::Decide(int num_tokens,
 
 DispatchResult CudagraphDispatcher::Dispatch(int num_tokens, BatchKind kind,
                                              int num_reqs) const {
-  DCHECK(kind != BatchKind::kUniformDecode || num_reqs == 0 ||
-         num_tokens == num_reqs * query_len_)
-      << "uniform decode batch with " << num_tokens << " tokens and "
-      << num_reqs << " requests at query_len " << query_len_;
+  DCHECK(kind == BatchKind::kMixed || num_reqs == 0 ||
+         num_tokens ==
+             num_reqs * (kind == BatchKind::kOneTokenDecode ? 1 : query_len_))
+      << kind << " batch with " << num_tokens << " tokens and " << num_reqs
+      << " requests at query_len " << query_len_;
   if (!initialized_ || mode_ == CudaGraphMode::None()) {
     return Eager(num_tokens, FallbackReason::kModeNone);
   }

@@ -6,7 +6,9 @@
 //    capture sizes: PIECEWISE keys and FULL keys. The mixed routine gets one
 //    *relaxed* key (num_tokens only) per capture size; a FULL decode routine
 //    additionally gets one *uniform* key per capture size that a uniform
-//    decode batch can reach (<= query_len * max_num_seqs).
+//    decode batch can reach (<= query_len * max_num_seqs), and, when
+//    query_len > 1, one *one-token* uniform key {n, n} per capture size
+//    n <= max_num_seqs (speculation configured, a step without drafts).
 //  - Dispatch() pads the batch to the smallest capture size >= num_tokens and
 //    looks keys up with priority exact FULL > relaxed FULL > relaxed
 //    PIECEWISE > NONE. Above the largest capture size it returns NONE.
@@ -16,7 +18,10 @@
 //  - uniform keys use sizes rounded down to multiples of the query length
 //    (UniformDecodeSizes) with their own padding table, instead of rewriting
 //    the global capture list, so speculative decoding never produces a
-//    uniform key whose num_tokens is not num_reqs * query_len.
+//    uniform key whose num_tokens is not num_reqs * query_len;
+//  - with speculation, decode steps whose requests verify no drafts (one
+//    token each) keep FULL graphs of their own instead of falling back to
+//    PIECEWISE or eager (BatchKind::kOneTokenDecode).
 //
 // Hot path: Dispatch() is a bounds check plus two array loads; the decision
 // for every (num_tokens, batch kind) is precomputed by Initialize() from the
@@ -114,6 +119,9 @@ class CudagraphDispatcher {
   const std::vector<int>& capture_sizes() const { return capture_sizes_; }
   // Sizes that got uniform-decode FULL keys (empty unless decode is FULL).
   const std::vector<int>& uniform_sizes() const { return uniform_sizes_; }
+  // Sizes that got one-token decode FULL keys (empty unless decode is FULL
+  // and the query length is above 1).
+  const std::vector<int>& one_token_sizes() const { return one_token_sizes_; }
   int max_capture_size() const { return max_capture_size_; }
   int uniform_decode_query_len() const { return query_len_; }
   bool initialized() const { return initialized_; }
@@ -126,6 +134,7 @@ class CudagraphDispatcher {
   CudaGraphMode mode_;
   std::vector<int> capture_sizes_;
   std::vector<int> uniform_sizes_;
+  std::vector<int> one_token_sizes_;
   int max_capture_size_ = 0;
   int query_len_ = 1;
   bool initialized_ = false;
@@ -139,9 +148,10 @@ class CudagraphDispatcher {
   // or 0 if none.
   std::vector<int> padded_;
   std::vector<int> uniform_padded_;
+  std::vector<int> one_token_padded_;  // the same over one_token_sizes_
 
   // decisions_[kind][n]: precomputed Decide(n, kind) for the kReady stage.
-  std::vector<DispatchResult> decisions_[2];
+  std::vector<DispatchResult> decisions_[3];
 
   // Not owned; nullptr: always ready.
   const CaptureLifecycle* lifecycle_ = nullptr;

@@ -47,7 +47,13 @@ TEST(ClassifyBatchTest, UniformOnlyWhenEveryQueryHasTheDecodeLength) {
   // Ragged spec decode: longest is 3 but one request verifies fewer tokens.
   EXPECT_EQ(ClassifyBatch(8, 3, 3, 3), BatchKind::kMixed);
   // Plain decode while the worker expects spec-decode query length.
-  EXPECT_EQ(ClassifyBatch(3, 3, 1, 3), BatchKind::kMixed);
+  EXPECT_EQ(ClassifyBatch(3, 3, 1, 3), BatchKind::kOneTokenDecode);
+  // One-token batches are their own kind only when speculation makes the
+  // uniform query length longer; a prefill is mixed.
+  EXPECT_EQ(ClassifyBatch(3, 3, 1, 1), BatchKind::kUniformDecode);
+  EXPECT_EQ(ClassifyBatch(4, 3, 2, 3), BatchKind::kMixed);
+  EXPECT_EQ(UniformQueryLen(BatchDescriptor{12, 3, true}), 4);
+  EXPECT_EQ(UniformQueryLen(BatchDescriptor{12, 0, false}), 0);
   // Empty batch.
   EXPECT_EQ(ClassifyBatch(0, 0, 0, 1), BatchKind::kMixed);
 }

@@ -21,6 +21,7 @@ constexpr RuntimeMode kP = RuntimeMode::kPiecewise;
 constexpr RuntimeMode kF = RuntimeMode::kFull;
 constexpr BatchKind kMixed = BatchKind::kMixed;
 constexpr BatchKind kUniform = BatchKind::kUniformDecode;
+constexpr BatchKind kOneToken = BatchKind::kOneTokenDecode;
 constexpr FallbackReason kOk = FallbackReason::kNone;
 
 BatchDescriptor Relaxed(int n) { return BatchDescriptor{n, 0, false}; }
@@ -283,8 +284,18 @@ TEST(CudagraphDispatcherTest, SpeculativeDecodeQueryLengthTwo) {
   ASSERT_TRUE(
       d.Initialize(CudaGraphMode::FullAndPiecewise(), {1, 2, 4, 8}, 4, 2).ok());
   EXPECT_THAT(d.uniform_sizes(), ElementsAre(2, 4, 8));
+  // One-token decode keys (steps without drafts): sizes up to 4 sequences.
+  EXPECT_THAT(d.one_token_sizes(), ElementsAre(1, 2, 4));
   EXPECT_THAT(d.keys(kF), UnorderedElementsAre(Uniform(2, 1), Uniform(4, 2),
-                                               Uniform(8, 4)));
+                                               Uniform(8, 4), Uniform(1, 1),
+                                               Uniform(2, 2), Uniform(4, 4)));
+  EXPECT_EQ(d.Dispatch(3, kOneToken, 3),
+            (DispatchResult{kF, Uniform(4, 4), kOk}));
+  EXPECT_EQ(d.Dispatch(2, kOneToken, 2),
+            (DispatchResult{kF, Uniform(2, 2), kOk}));
+  // More one-token requests than max_num_seqs cannot happen; above the
+  // one-token sizes the relaxed keys serve.
+  EXPECT_EQ(d.Dispatch(8, kOneToken), (DispatchResult{kP, Relaxed(8), kOk}));
   EXPECT_EQ(d.Dispatch(2, kUniform, 1),
             (DispatchResult{kF, Uniform(2, 1), kOk}));
   EXPECT_EQ(d.Dispatch(6, kUniform, 3),
@@ -310,6 +321,10 @@ TEST(CudagraphDispatcherTest, SpeculativeDecodeQueryLengthThree) {
       d.Dispatch(18, kUniform, 6),
       (DispatchResult{kN, Relaxed(18), FallbackReason::kAboveMaxCaptureSize}));
   EXPECT_EQ(d.Dispatch(5, kMixed), (DispatchResult{kF, Relaxed(8), kOk}));
+  // One-token decode steps (no drafts) keep FULL graphs of their own.
+  EXPECT_THAT(d.one_token_sizes(), ElementsAre(1, 2, 4, 8));
+  EXPECT_EQ(d.Dispatch(5, kOneToken, 5),
+            (DispatchResult{kF, Uniform(8, 8), kOk}));
 }
 
 TEST(CudagraphDispatcherTest, CaptureStagesForceEager) {

@@ -58,11 +58,19 @@ TEST(DispatcherPropertyTest, MatchesOracleOnRandomConfigs) {
         mode.decode_mode() == RuntimeMode::kFull
             ? OracleUniformSizes(sizes, q, max_num_seqs)
             : std::vector<int>{};
+    // With speculation (q > 1), one-token decode steps have keys too.
+    const std::vector<int> one_token_sizes =
+        mode.decode_mode() == RuntimeMode::kFull && q > 1
+            ? OracleUniformSizes(sizes, 1, max_num_seqs)
+            : std::vector<int>{};
 
     for (int i = 0; i < 400; ++i) {
       const int n = std::uniform_int_distribution<int>(1, max_size + 20)(rng);
-      const BatchKind kind =
-          (i % 2 == 0) ? BatchKind::kMixed : BatchKind::kUniformDecode;
+      const BatchKind kind = i % 3 == 0   ? BatchKind::kMixed
+                             : i % 3 == 1 ? BatchKind::kUniformDecode
+                             : q > 1      ? BatchKind::kOneTokenDecode
+                                          : BatchKind::kUniformDecode;
+      const int query_len = kind == BatchKind::kOneTokenDecode ? 1 : q;
       const DispatchResult r = d.Dispatch(n, kind);
       SCOPED_TRACE(::testing::Message()
                    << "trial " << trial << " mode " << mode << " q " << q
@@ -84,15 +92,19 @@ TEST(DispatcherPropertyTest, MatchesOracleOnRandomConfigs) {
       // Expected decision by the priority exact FULL > relaxed FULL >
       // relaxed PIECEWISE > NONE.
       std::optional<int> uniform_pad;
-      if (kind == BatchKind::kUniformDecode) {
-        uniform_pad = SmallestAtLeast(uniform_sizes, n);
+      if (kind != BatchKind::kMixed) {
+        uniform_pad =
+            SmallestAtLeast(kind == BatchKind::kOneTokenDecode ? one_token_sizes
+                                                               : uniform_sizes,
+                            n);
       }
       const int relaxed_pad = *SmallestAtLeast(sizes, n);
       DispatchResult expected;
       if (uniform_pad.has_value()) {
-        expected = {RuntimeMode::kFull,
-                    BatchDescriptor{*uniform_pad, *uniform_pad / q, true},
-                    FallbackReason::kNone};
+        expected = {
+            RuntimeMode::kFull,
+            BatchDescriptor{*uniform_pad, *uniform_pad / query_len, true},
+            FallbackReason::kNone};
       } else if (mode.mixed_mode() != RuntimeMode::kNone) {
         expected = {mode.mixed_mode(), BatchDescriptor{relaxed_pad, 0, false},
                     FallbackReason::kNone};
@@ -111,8 +123,8 @@ TEST(DispatcherPropertyTest, MatchesOracleOnRandomConfigs) {
         if (!r.descriptor.uniform) {
           EXPECT_EQ(r.descriptor.num_tokens, relaxed_pad);
         } else {
-          EXPECT_EQ(r.descriptor.num_tokens % q, 0);
-          EXPECT_EQ(r.descriptor.num_reqs * q, r.descriptor.num_tokens);
+          EXPECT_EQ(r.descriptor.num_tokens % query_len, 0);
+          EXPECT_EQ(r.descriptor.num_reqs * query_len, r.descriptor.num_tokens);
           EXPECT_LE(r.descriptor.num_reqs, max_num_seqs);
         }
       }
@@ -147,6 +159,12 @@ TEST(DispatcherPropertyTest, KeysAreExactlyTheSeedConstruction) {
     if (mode.decode_mode() == RuntimeMode::kFull) {
       for (int s : OracleUniformSizes(sizes, q, max_num_seqs)) {
         full.insert({s, s / q, true});
+      }
+      // With speculation (q > 1), one-token decode keys too.
+      if (q > 1) {
+        for (int s : OracleUniformSizes(sizes, 1, max_num_seqs)) {
+          full.insert({s, s, true});
+        }
       }
     }
     EXPECT_EQ(d.keys(RuntimeMode::kFull), full) << mode;

@@ -406,8 +406,9 @@ TEST_P(RunnerGpuTest, GreedyHeadFusionChangesNoTokenLogprobOrLogit) {
 // without a GPU: refused on CUDA unless unverified kernels are allowed, as
 // SmallOptions does): with uniform_decode_query_len 4, verify steps of
 // 1 + 3 tokens (uniform: FULL graphs of 8 tokens; beside a prefill and a
-// one-token decode: mixed) give every row's logits within tolerance of the
-// CPU runner, and the same step modes.
+// one-token decode: mixed), and a step of one-token decodes (its own FULL
+// key), give every row's logits within tolerance of the CPU runner, and the
+// same step modes.
 TEST_P(RunnerGpuTest, SampledRowsMatchOneTokenSteps) {
   auto make = [this](Device& device) -> std::unique_ptr<ModelRunner> {
     ModelRunnerOptions o =
@@ -434,6 +435,8 @@ TEST_P(RunnerGpuTest, SampledRowsMatchOneTokenSteps) {
        Seq("c", {150, 9, 44, 21, 33})},
       {verify("a", {6, 2, 8, 1}), verify("b", {5, 5, 5, 5}),
        verify("c", {2, 3, 4, 5})},
+      // Nobody verifies: a one-token decode key's FULL graph.
+      {Seq("a", {9}), Seq("b", {8}), Seq("c", {7})},
   };
   Diff worst;
   for (size_t i = 0; i < batches.size(); ++i) {

@@ -118,11 +118,11 @@ void ExpectLogitsRows(ModelRunner& r, int num_rows, int first,
 // Every row equals the one-token steps' token, and its logits theirs.
 TEST_P(SampledRowsTest, RowsEqualOneTokenSteps) {
   const TinyShape shape = TinyShape::kGqa;
-  const Reference ref_a = OneTokenSteps(shape, kPromptA, 18);
-  const Reference ref_b = OneTokenSteps(shape, kPromptB, 8);
+  const Reference ref_a = OneTokenSteps(shape, kPromptA, 19);
+  const Reference ref_b = OneTokenSteps(shape, kPromptB, 9);
   const Reference ref_c = OneTokenSteps(shape, kPromptC, 4);
-  ASSERT_EQ(ref_a.tokens.size(), 19u);
-  ASSERT_EQ(ref_b.tokens.size(), 9u);
+  ASSERT_EQ(ref_a.tokens.size(), 20u);
+  ASSERT_EQ(ref_b.tokens.size(), 10u);
   ASSERT_EQ(ref_c.tokens.size(), 5u);
   const std::vector<int32_t>& ta = ref_a.tokens;
   const std::vector<int32_t>& tb = ref_b.tokens;
@@ -201,6 +201,19 @@ TEST_P(SampledRowsTest, RowsEqualOneTokenSteps) {
     EXPECT_EQ(step->info.padded_tokens, 16);
   }
   ExpectLogitsRows(r, 12, 8, logits_of(ref_c, 1, 4), "uniform 3, c");
+
+  // A step where nobody verifies drafts (one token each): it keeps a FULL
+  // graph of its own where the mode has FULL decode graphs (one-token
+  // decode keys), instead of PIECEWISE or eager.
+  step = r.Execute({Seq("a", {ta[18]}), Seq("b", {tb[8]})});
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->sequences[0].token_id, ta[19]);
+  EXPECT_EQ(step->sequences[1].token_id, tb[9]);
+  EXPECT_EQ(step->info.mode, uniform_mode);
+  if (uniform_mode == RuntimeMode::kFull) {
+    EXPECT_EQ(step->info.descriptor, (BatchDescriptor{2, 2, true}));
+  }
+  ExpectLogitsRows(r, 2, 0, logits_of(ref_a, 19, 1), "one-token, a");
 }
 
 // With temperature, each row draws at its own position (the RNG counter):

@@ -384,7 +384,8 @@ absl::Status LlamaForward::CreateMegakernel() {
   for (int l = 0; l < static_cast<int>(config_.num_hidden_layers); ++l) {
     const LayerLinears linears = Linears(l, 1, /*fused=*/true);
     layers.push_back({linears.qkv, linears.o_proj, linears.gate_up,
-                      linears.down, AttentionParams(l, 1, /*uniform=*/true)});
+                      linears.down,
+                      AttentionParams(l, 1, /*uniform_query_len=*/1)});
   }
   kernels::DecodeMegakernelParams params;
   params.memory = act_.megakernel;
@@ -724,7 +725,7 @@ kernels::RopeKvCacheParams LlamaForward::RopeParams(int layer,
 }
 
 kernels::PagedAttentionParams LlamaForward::AttentionParams(
-    int layer, int num_tokens, bool uniform) const {
+    int layer, int num_tokens, int uniform_query_len) const {
   const int heads = static_cast<int>(config_.num_attention_heads);
   const int kv_heads = static_cast<int>(config_.num_key_value_heads);
   const int head_dim = static_cast<int>(config_.head_dim);
@@ -766,8 +767,8 @@ kernels::PagedAttentionParams LlamaForward::AttentionParams(
   // bit-identical to varlen; on CUDA it is split-K with other bits, so the
   // choice must depend on the descriptor alone for an eager run and a graph
   // of the same key to agree bit for bit.
-  if (uniform) {
-    attn.uniform_query_len = options_.uniform_decode_query_len;
+  if (uniform_query_len > 0) {
+    attn.uniform_query_len = uniform_query_len;
     attn.decode_pdl = options_.kernel_options.decode_attention_pdl;
     const bool tensor_cores_cover =
         (head_dim == 64 || head_dim == 128) &&
@@ -791,11 +792,12 @@ absl::Status LlamaForward::RunAttention(int layer,
     PDW_RETURN_IF_ERROR(
         kernels::LaunchRopeKvCache(stream_, RopeParams(layer, num_tokens)));
   }
-  const bool uniform = context.batch_descriptor.uniform;
+  const int query_len = UniformQueryLen(context.batch_descriptor);
   const kernels::PagedAttentionParams attn =
-      AttentionParams(layer, num_tokens, uniform);
-  return uniform ? kernels::LaunchPagedAttentionUniformDecode(stream_, attn)
-                 : kernels::LaunchPagedAttention(stream_, attn);
+      AttentionParams(layer, num_tokens, query_len);
+  return query_len > 0
+             ? kernels::LaunchPagedAttentionUniformDecode(stream_, attn)
+             : kernels::LaunchPagedAttention(stream_, attn);
 }
 
 }  // namespace pdworker

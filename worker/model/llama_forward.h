@@ -253,11 +253,11 @@ class LlamaForward {
   bool UsesDecodeMegakernel(const ForwardContext& context) const;
   // Builds megakernel_ from the fused one-token step's launches (Create).
   absl::Status CreateMegakernel();
-  // The paged attention launch of `layer` for a step of `num_tokens`:
-  // the decode routine's params where the step's descriptor is uniform,
-  // the varlen routine's otherwise.
+  // The paged attention launch of `layer` for a step of `num_tokens`: the
+  // decode routine's params for a uniform descriptor of query length
+  // `uniform_query_len` (UniformQueryLen), the varlen routine's for 0.
   kernels::PagedAttentionParams AttentionParams(int layer, int num_tokens,
-                                                bool uniform) const;
+                                                int uniform_query_len) const;
   absl::Status RunAttention(int layer, const ForwardContext& context);
   // The four projections of a layer. Unfused: qkv reads act_.hidden (the
   // normalized residual), o_proj and down write act_.hidden (the residual's

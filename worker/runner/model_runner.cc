@@ -312,10 +312,9 @@ absl::StatusOr<CaptureSummary> ModelRunner::CaptureGraphs() {
   p.capture_lifecycle = &capture_lifecycle_;
   p.descs = dispatcher_.GetCaptureDescs();
   p.num_warmups = options_.num_warmups;
-  const int query_len = options_.uniform_decode_query_len;
-  p.prepare_inputs = [this, query_len](const BatchDescriptor& d) {
+  p.prepare_inputs = [this](const BatchDescriptor& d) {
     PaddedShape shape{d.num_tokens, d.uniform ? d.num_reqs : 0,
-                      d.uniform ? query_len : 0};
+                      UniformQueryLen(d)};
     PDW_RETURN_IF_ERROR(inputs_->BuildDummy(shape));
     return inputs_->Upload(*stream_);
   };
@@ -565,7 +564,7 @@ absl::Status ModelRunner::Enqueue(absl::Span<const SequenceStep> batch,
   PaddedShape shape{d.descriptor.num_tokens, num_reqs, 0};
   if (d.mode != RuntimeMode::kNone && d.descriptor.uniform) {
     shape = {d.descriptor.num_tokens, d.descriptor.num_reqs,
-             options_.uniform_decode_query_len};
+             UniformQueryLen(d.descriptor)};
   }
   step_seqs_.clear();
   for (int r = 0; r < num_reqs; ++r) {
