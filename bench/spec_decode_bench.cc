@@ -2,27 +2,32 @@
 // speculation off and with n-gram prompt lookup, side by side in one run,
 // at C concurrent requests (1, 8, 64 by default), on two workloads:
 //  - repetitive: a model that continues what its context repeats. Random
-//    weights never do, so the `cycle` model is the `small` one edited to:
+//    weights never do, so the `cycle` model is the --shape one edited to:
 //    attention and MLP outputs zero (o_proj, down_proj), final norm weight
 //    one, and lm_head row v the embedding of v's predecessor in its block
 //    of 8 ids, so greedy decoding continues the cycle 8b, 8b+1, ..., 8b+7,
-//    8b, ...; each prompt walks such a cycle 8 times. An upper bound of what
-//    n-gram lookup gives (every draft right), as on text a model copies.
-//  - random: the `small` model (random weights) on pseudo-random prompts:
+//    8b, ...; each prompt walks such a cycle 8 times. (A shape with tied
+//    embeddings, llama_1b, has no lm_head to edit: it repeats its last token
+//    instead.) An upper bound of what n-gram lookup gives (every draft
+//    right), as on text a model copies; the layers still run in full.
+//  - random: the --shape model (random weights) on pseudo-random prompts:
 //    drafts are rare and mostly wrong, so this measures what speculation
 //    costs when it does not help. For each: target steps per generated token
 //    (every
 // engine step, prefills included), tokens/s, time per output token (the
 // median over requests of (last - first token) / (tokens - 1)), and with
 // speculation the acceptance rate (accepted / draft tokens) and the mean
-// acceptance length (1 + accepted / drafts, vLLM's definition).
+// acceptance length (1 + accepted / drafts, vLLM's definition). Then the
+// cost of a verify step itself: ModelRunner steps of one sequence at a
+// 448-token context, one token vs 1 + k tokens with a sample after each,
+// in their FULL graphs (median of --step_reps).
 //
 //   bazel build --config=opt //bench:spec_decode_bench
 //   bazel-bin/bench/spec_decode_bench [--tokens=128] [--concurrency=1,8,64]
 //       [--k=3] [--prompt_lookup_min=2] [--prompt_lookup_max=4]
 //       [--device=cpu|cuda] [--unverified_cuda_kernels=refuse|allow]
-//       [--model_dir=DIR (default: the `small` tiny model, written there)]
-//       [--rounds=3] [--json_out=FILE]
+//       [--shape=small|llama_1b] [--model_dir=DIR] [--cycle_model_dir=DIR]
+//       [--rounds=3] [--step_reps=50] [--json_out=FILE]
 //
 // Prints Markdown for bench/RESULTS.md. Greedy, EOS ignored.
 #include <algorithm>
@@ -60,12 +65,17 @@ ABSL_FLAG(int, prompt_len, 64, "Prompt tokens per request.");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda.");
 ABSL_FLAG(std::string, unverified_cuda_kernels, "refuse",
           "CUDA: allow runs the verify steps' kernels not yet run on a GPU.");
-ABSL_FLAG(std::string, model_dir, "/tmp/pdworker_bench_small",
-          "The random workload's checkpoint; the `small` tiny model is "
+ABSL_FLAG(std::string, shape, "small",
+          "Tiny-model shape of both checkpoints (small, llama_1b, ...).");
+ABSL_FLAG(std::string, model_dir, "",
+          "The random workload's checkpoint (default /tmp/pdworker_bench_"
+          "<shape>); the --shape model is written there when it has no "
+          "config.json.");
+ABSL_FLAG(std::string, cycle_model_dir, "",
+          "The repetitive workload's checkpoint (default /tmp/pdworker_bench_"
+          "<shape>_cycle): the `cycle` model (see the file comment) is "
           "written there when it has no config.json.");
-ABSL_FLAG(std::string, cycle_model_dir, "/tmp/pdworker_bench_cycle",
-          "The repetitive workload's checkpoint: the `cycle` model (see the "
-          "file comment) is written there when it has no config.json.");
+ABSL_FLAG(int, step_reps, 50, "Verify-step timing: steps per median.");
 ABSL_FLAG(int, rounds, 3,
           "Runs of every configuration, interleaved; each figure is their "
           "median.");
@@ -101,10 +111,10 @@ std::vector<int32_t> Prompt(Workload w, int i, int length, int vocab) {
   return p;
 }
 
-// The `cycle` checkpoint (file comment): the `small` one, edited.
-void WriteCycleModel(const std::string& dir) {
+// The `cycle` checkpoint (file comment): the `shape` one, edited.
+void WriteCycleModel(TinyShape shape, const std::string& dir) {
   TinyModelOptions tiny;
-  tiny.shape = TinyShape::kSmall;
+  tiny.shape = shape;
   tiny.seed = 7;
   CHECK(WriteTinyModel(tiny, dir).ok());
   absl::StatusOr<std::unique_ptr<SafetensorsFile>> file =
@@ -173,26 +183,77 @@ struct Setup {
   UnverifiedCudaKernels unverified = UnverifiedCudaKernels::kRefuse;
 };
 
-// C requests of `workload` on a fresh runner and engine; `speculate` turns
-// n-gram speculation on.
-Figures Run(const Setup& s, Workload workload, int c, bool speculate) {
+std::unique_ptr<Device> NewDevice(const Setup& s) {
   DeviceOptions device_options;
   device_options.cpu.stream_execution = CpuStreamExecution::kThreaded;
   absl::StatusOr<std::unique_ptr<Device>> device =
       CreateDevice(s.device, device_options);
   CHECK(device.ok()) << device.status();
+  return *std::move(device);
+}
+
+ModelRunnerOptions RunnerOptions(const Setup& s, int query_len,
+                                 int max_model_len) {
   ModelRunnerOptions o;
   o.role = Role::kBoth;  // FULL_AND_PIECEWISE
   o.max_num_seqs = 64;
   o.max_num_batched_tokens = 2048;
-  o.max_model_len = s.prompt_len + s.tokens + 16;
+  o.max_model_len = max_model_len;
   o.kv_cache_bytes = int64_t{512} << 20;
   o.block_size = 16;
-  o.uniform_decode_query_len = speculate ? 1 + s.k : 1;
+  o.uniform_decode_query_len = query_len;
   o.kernel_options.unverified_cuda_kernels = s.unverified;
+  return o;
+}
+
+// The verify-step timing's context: the tiny shapes allow 512 positions.
+constexpr int kStepContext = 448;
+
+// Median microseconds of a one-sequence step of 1 token and of 1 + k
+// tokens sampling after each, at a kStepContext-token context, on the random
+// workload's model (each step's tokens are trimmed again, so the context
+// stays put).
+std::pair<double, double> VerifyStepCost(const Setup& s) {
+  std::unique_ptr<Device> device = NewDevice(s);
   auto runner = ModelRunner::Create(
-      **device,
-      workload == Workload::kRepetitive ? s.cycle_model_dir : s.model_dir, o);
+      *device, s.model_dir, RunnerOptions(s, 1 + s.k, kStepContext + 64));
+  CHECK(runner.ok()) << runner.status();
+  CHECK((*runner)->CaptureGraphs().ok());
+  ModelRunner& r = **runner;
+  const int vocab = static_cast<int>(r.model_config().vocab_size);
+  CHECK(r.Execute({MakeSequenceStep(
+                      "s", Prompt(Workload::kRandom, 0, kStepContext, vocab),
+                      SequenceCreation::kMustBeNew)})
+            .ok());
+  auto median_us = [&](int n) {
+    std::vector<double> us;
+    for (int i = 0; i < absl::GetFlag(FLAGS_step_reps); ++i) {
+      SequenceStep step = MakeSequenceStep("s", std::vector<int32_t>(n, 7),
+                                           SequenceCreation::kMustExist);
+      step.num_samples = n;
+      const auto t0 = Clock::now();
+      absl::StatusOr<StepResult> result = r.Execute({step});
+      us.push_back(
+          std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      CHECK(result.ok()) << result.status();
+      CHECK(result->info.mode == RuntimeMode::kFull) << result->info.mode;
+      CHECK(r.Truncate("s", kStepContext).ok());
+    }
+    std::sort(us.begin(), us.end());
+    return us[us.size() / 2];
+  };
+  median_us(1);  // warm
+  return {median_us(1), median_us(1 + s.k)};
+}
+
+// C requests of `workload` on a fresh runner and engine; `speculate` turns
+// n-gram speculation on.
+Figures Run(const Setup& s, Workload workload, int c, bool speculate) {
+  std::unique_ptr<Device> device = NewDevice(s);
+  auto runner = ModelRunner::Create(
+      *device,
+      workload == Workload::kRepetitive ? s.cycle_model_dir : s.model_dir,
+      RunnerOptions(s, speculate ? 1 + s.k : 1, s.prompt_len + s.tokens + 16));
   CHECK(runner.ok()) << runner.status();
   CHECK((*runner)->CaptureGraphs().ok());
   const int vocab = static_cast<int>((*runner)->model_config().vocab_size);
@@ -286,8 +347,15 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   google::InitGoogleLogging(argv[0]);
   Setup s;
+  absl::StatusOr<TinyShape> shape = ParseTinyShape(absl::GetFlag(FLAGS_shape));
+  CHECK(shape.ok()) << shape.status();
+  const std::string name(TinyShapeName(*shape));
   s.model_dir = absl::GetFlag(FLAGS_model_dir);
+  if (s.model_dir.empty()) s.model_dir = "/tmp/pdworker_bench_" + name;
   s.cycle_model_dir = absl::GetFlag(FLAGS_cycle_model_dir);
+  if (s.cycle_model_dir.empty()) {
+    s.cycle_model_dir = "/tmp/pdworker_bench_" + name + "_cycle";
+  }
   s.tokens = absl::GetFlag(FLAGS_tokens);
   s.prompt_len = absl::GetFlag(FLAGS_prompt_len);
   s.k = absl::GetFlag(FLAGS_k);
@@ -298,12 +366,12 @@ int main(int argc, char** argv) {
                      : UnverifiedCudaKernels::kRefuse;
   if (!std::ifstream(s.model_dir + "/config.json").good()) {
     TinyModelOptions tiny;
-    tiny.shape = TinyShape::kSmall;
+    tiny.shape = *shape;
     tiny.seed = 7;
     CHECK(WriteTinyModel(tiny, s.model_dir).ok());
   }
   if (!std::ifstream(s.cycle_model_dir + "/config.json").good()) {
-    WriteCycleModel(s.cycle_model_dir);
+    WriteCycleModel(*shape, s.cycle_model_dir);
   }
   std::vector<int> concurrency;
   for (absl::string_view c :
@@ -350,6 +418,14 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
   }
+  const auto [one_us, verify_us] = VerifyStepCost(s);
+  std::printf(
+      "\nOne sequence at a %d-token context, FULL graphs (median of %d): "
+      "a 1-token step %.1f us, a 1+%d-token verify step %.1f us (%.2fx)\n",
+      kStepContext, absl::GetFlag(FLAGS_step_reps), one_us, s.k, verify_us,
+      verify_us / one_us);
+  absl::StrAppend(&json, ",{\"step_1_token_us\":", one_us,
+                  ",\"step_verify_us\":", verify_us, ",\"k\":", s.k, "}");
   json += "]";
   const std::string out = absl::GetFlag(FLAGS_json_out);
   if (!out.empty()) std::ofstream(out) << json << "\n";

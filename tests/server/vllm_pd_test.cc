@@ -37,7 +37,9 @@ std::vector<int32_t> Prompt(int length, int seed) {
   return p;
 }
 
-std::unique_ptr<server_testing::TestWorker> Start(Role role) {
+// A worker of `role`; `speculative` turns n-gram speculation on (k = 3).
+std::unique_ptr<server_testing::TestWorker> Start(Role role,
+                                                  bool speculative = false) {
   ModelRunnerOptions options = server_testing::SmallRunnerOptions();
   options.role = role;
   auto config =
@@ -48,7 +50,39 @@ std::unique_ptr<server_testing::TestWorker> Start(Role role) {
   server.model_dir = server_testing::TinyModelDir();
   // A prefill leg nobody pulls frees its KV soon.
   server.kv_lease_ttl = std::chrono::milliseconds(2000);
+  if (speculative) {
+    options.uniform_decode_query_len = 4;
+    server.engine.speculative.method = SpeculativeMethod::kNgram;
+    server.engine.speculative.num_speculative_tokens = 3;
+    server.engine.speculative.prompt_lookup_min = 1;
+    server.engine.speculative.prompt_lookup_max = 3;
+  }
   return server_testing::StartWorker(options, server);
+}
+
+// Runs tests/server/vllm_pd_client.py over `scenarios` against the three
+// workers and returns its results (ASSERTs inside).
+void RunRelay(server_testing::TestWorker& prefill,
+              server_testing::TestWorker& decode,
+              server_testing::TestWorker& aggregated, const Json& scenarios,
+              const std::string& tag, Json* results) {
+  const std::string in = TmpPath(tag + "_scenarios.json");
+  const std::string out = TmpPath(tag + "_results.json");
+  std::ofstream(in) << scenarios.dump();
+  auto client = Subprocess::Start(
+      {"/usr/bin/python3", RunfilePath("tests/server/vllm_pd_client.py"),
+       absl::StrCat("--prefill=127.0.0.1:", prefill.server->port()),
+       absl::StrCat("--decode=127.0.0.1:", decode.server->port()),
+       absl::StrCat("--aggregated=127.0.0.1:", aggregated.server->port()),
+       "--scenarios=" + in, "--out=" + out},
+      TmpPath(tag + "_client.log"),
+      {absl::StrCat("PYTHONPATH=", RunfilePath(""))});
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto code = (*client)->Wait(absl::Seconds(300));
+  ASSERT_TRUE(code.ok()) << code.status();
+  ASSERT_EQ(*code, 0) << (*client)->Output();
+  std::ifstream results_file(out);
+  *results = Json::parse(results_file);
 }
 
 int64_t Held(server_testing::TestWorker& w) {
@@ -78,22 +112,9 @@ TEST(VllmPdTest, SequentialRelayEqualsAggregatedAndLeavesNothing) {
   }
   scenarios["broken"] = {{"id", "broken"}, {"prompt", Prompt(9, 1)}};
 
-  const std::string in = TmpPath("pd_scenarios.json");
-  const std::string out = TmpPath("pd_results.json");
-  std::ofstream(in) << scenarios.dump();
-  auto client = Subprocess::Start(
-      {"/usr/bin/python3", RunfilePath("tests/server/vllm_pd_client.py"),
-       absl::StrCat("--prefill=127.0.0.1:", prefill->server->port()),
-       absl::StrCat("--decode=127.0.0.1:", decode->server->port()),
-       absl::StrCat("--aggregated=127.0.0.1:", aggregated->server->port()),
-       "--scenarios=" + in, "--out=" + out},
-      TmpPath("pd_client.log"), {absl::StrCat("PYTHONPATH=", RunfilePath(""))});
-  ASSERT_TRUE(client.ok()) << client.status();
-  auto code = (*client)->Wait(absl::Seconds(300));
-  ASSERT_TRUE(code.ok()) << code.status();
-  ASSERT_EQ(*code, 0) << (*client)->Output();
-  std::ifstream results(out);
-  const Json r = Json::parse(results);
+  Json r;
+  RunRelay(*prefill, *decode, *aggregated, scenarios, "pd", &r);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
 
   for (int i = 0; i < 100; ++i) {
     const Json& pd = r["pd"][i];
@@ -160,6 +181,61 @@ TEST(VllmPdTest, SequentialRelayEqualsAggregatedAndLeavesNothing) {
   EXPECT_EQ(Held(*prefill), 0);
   EXPECT_EQ(Held(*decode), 0);
   EXPECT_EQ(Held(*aggregated), 0);
+}
+
+// The decode worker speculates (n-gram, k = 3) on the decode legs it
+// imports: the prompt it drafts from comes with the request, the KV with
+// the import. Every relay's tokens and logprobs equal an aggregated worker
+// without speculation, drafts were accepted, and nothing is held after.
+TEST(VllmPdTest, ASpeculatingDecodeWorkerEqualsAggregated) {
+  auto prefill = Start(Role::kPrefill);
+  auto decode = Start(Role::kDecode, /*speculative=*/true);
+  auto aggregated = Start(Role::kBoth);
+  ASSERT_TRUE(prefill && decode && aggregated);
+  Json scenarios;
+  for (int i = 0; i < 24; ++i) {
+    // Prompts that repeat a short motif: lookups find drafts.
+    const std::vector<int32_t> motif = Prompt(3 + i % 4, i);
+    std::vector<int32_t> prompt;
+    for (int r = 0; r < 4; ++r) {
+      prompt.insert(prompt.end(), motif.begin(), motif.end());
+    }
+    Json s = {{"id", absl::StrCat("spec", i)},
+              {"prompt", prompt},
+              {"max_tokens", 8 + i % 20}};
+    if (i % 3 == 1) {
+      s["temperature"] = 0.8;
+      s["seed"] = 2000 + i;
+    }
+    scenarios["prompts"].push_back(s);
+  }
+  scenarios["broken"] = {{"id", "broken"}, {"prompt", Prompt(9, 1)}};
+  Json r;
+  RunRelay(*prefill, *decode, *aggregated, scenarios, "spec", &r);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  for (int i = 0; i < 24; ++i) {
+    const Json& pd = r["pd"][i];
+    const Json& agg = r["aggregated"][i];
+    ASSERT_EQ(pd["code"], "OK")
+        << i << " " << pd["stage"] << ": " << pd["message"];
+    ASSERT_EQ(agg["code"], "OK") << i << ": " << agg["message"];
+    EXPECT_EQ(pd["tokens"], agg["tokens"]) << i;
+    ASSERT_EQ(pd["logprobs"].size(), agg["logprobs"].size()) << i;
+    for (size_t t = 0; t < pd["logprobs"].size(); ++t) {
+      EXPECT_FLOAT_EQ(pd["logprobs"][t].get<float>(),
+                      agg["logprobs"][t].get<float>())
+          << i << " token " << t;
+    }
+  }
+  EXPECT_GT(decode->server->engine().snapshot().spec_accepted_tokens, 0);
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while ((Held(*prefill) > 0 || Held(*decode) > 0) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(Held(*prefill), 0);
+  EXPECT_EQ(Held(*decode), 0);
 }
 
 }  // namespace
