@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
+#include "worker/engine/draft_acceptance.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/engine_work.h"
 #include "worker/engine/ngram_proposer.h"
@@ -93,10 +94,10 @@ int32_t Engine::AcceptDrafts(Request& r, const Piece& p,
   CHECK_EQ(static_cast<int32_t>(out.prior_token_ids.size()), m)
       << r.call->spec.request_id;
   r.verifying = false;
-  int32_t accepted = 0;
-  while (accepted < m && out.prior_token_ids[accepted] == p.drafts[accepted]) {
-    ++accepted;
-  }
+  // The rows: prior_token_ids, then token_id after the last draft.
+  std::vector<int32_t> samples = out.prior_token_ids;
+  samples.push_back(out.token_id);
+  const int32_t accepted = AcceptedDrafts(p.drafts, samples);
   ++spec_drafts_;
   spec_draft_tokens_ += m;
   spec_accepted_tokens_ += accepted;
