@@ -69,7 +69,7 @@ void Engine::Run() {
     DropExpiredWork();        // deadline passed or cancelled: never run
     ServeKvReservations();    // imports take the room they waited for
     bool launched = false;
-    if (!Paused()) {
+    if (!Paused() && !WaitsForDraftSamples()) {
       ExplainExpiredSequences();
       PlanStep();               // merge calls and requests into one step
       RunReleases();            // Release calls that wait for nothing

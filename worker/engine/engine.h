@@ -255,6 +255,11 @@ class Engine {
   // drafts continue), its drafts for the next step (`request.drafts`), and
   // what a verify step's samples accept.
   bool MayDraft(const Request& request) const;
+  // True while a running request drafts from (or verifies) the sample of a
+  // step in flight: the loop retires before it plans, so that request and
+  // the others share the next step rather than alternating in two halves
+  // (twice the steps; on a GPU each reads all the weights).
+  bool WaitsForDraftSamples() const;
   void ProposeDrafts(Request& request);
   // The drafts of `piece` the target's samples `out` agree with, in order;
   // rolls the rejected ones' KV back and paces the request's drafting.

@@ -61,6 +61,14 @@ bool Engine::MayDraft(const Request& r) const {
          static_cast<int>(running_.size()) < spec.disable_by_batch_size;
 }
 
+bool Engine::WaitsForDraftSamples() const {
+  if (!options_.speculative.enabled() || in_flight_.empty()) return false;
+  for (const std::shared_ptr<Request>& r : running_) {
+    if (r->num_pending == 1 && (r->verifying || MayDraft(*r))) return true;
+  }
+  return false;
+}
+
 void Engine::ProposeDrafts(Request& r) {
   r.drafts.clear();
   if (r.num_pending != 0 || r.total() - r.num_computed != 1 || !MayDraft(r)) {
