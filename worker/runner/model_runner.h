@@ -179,6 +179,9 @@ class ModelRunner {
 
   // Steps enqueued and not yet retired, at most.
   static constexpr int kMaxStepsInFlight = 3;
+  // Tokens a sequence may ban at one step (its EOS and stop ids while under
+  // min_tokens); the engine refuses requests that would need more.
+  static constexpr int kMaxBannedTokensPerSequence = 64;
 
   // Enqueues one step and returns its slot (a SampleRef for the next steps'
   // inputs, and the argument of Retire). Every error leaves the runner
