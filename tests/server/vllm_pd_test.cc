@@ -60,6 +60,26 @@ std::unique_ptr<server_testing::TestWorker> Start(Role role,
   return server_testing::StartWorker(options, server);
 }
 
+int64_t Held(server_testing::TestWorker& w) {
+  const EngineSnapshot s = w.server->engine().snapshot();
+  return s.kv.used_blocks + s.running_requests + s.waiting_requests +
+         static_cast<int64_t>(w.server->leases().size());
+}
+
+// Within 30 s neither worker holds KV, requests or leases (a prefill leg
+// nobody pulled expires after the 2 s lease).
+void ExpectNothingHeldSoon(server_testing::TestWorker& prefill,
+                           server_testing::TestWorker& decode) {
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while ((Held(prefill) > 0 || Held(decode) > 0) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(Held(prefill), 0);
+  EXPECT_EQ(Held(decode), 0);
+}
+
 // Runs tests/server/vllm_pd_client.py over `scenarios` against the three
 // workers and returns its results (ASSERTs inside).
 void RunRelay(server_testing::TestWorker& prefill,
@@ -83,12 +103,6 @@ void RunRelay(server_testing::TestWorker& prefill,
   ASSERT_EQ(*code, 0) << (*client)->Output();
   std::ifstream results_file(out);
   *results = Json::parse(results_file);
-}
-
-int64_t Held(server_testing::TestWorker& w) {
-  const EngineSnapshot s = w.server->engine().snapshot();
-  return s.kv.used_blocks + s.running_requests + s.waiting_requests +
-         static_cast<int64_t>(w.server->leases().size());
 }
 
 TEST(VllmPdTest, SequentialRelayEqualsAggregatedAndLeavesNothing) {
@@ -172,14 +186,7 @@ TEST(VllmPdTest, SequentialRelayEqualsAggregatedAndLeavesNothing) {
 
   // Nothing held anywhere: the decode workers released every lease they
   // pulled, and the one prefill leg nobody pulled expired.
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while ((Held(*prefill) > 0 || Held(*decode) > 0) &&
-         std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  EXPECT_EQ(Held(*prefill), 0);
-  EXPECT_EQ(Held(*decode), 0);
+  ExpectNothingHeldSoon(*prefill, *decode);
   EXPECT_EQ(Held(*aggregated), 0);
 }
 
@@ -228,14 +235,7 @@ TEST(VllmPdTest, ASpeculatingDecodeWorkerEqualsAggregated) {
     }
   }
   EXPECT_GT(decode->server->engine().snapshot().spec_accepted_tokens, 0);
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while ((Held(*prefill) > 0 || Held(*decode) > 0) &&
-         std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  EXPECT_EQ(Held(*prefill), 0);
-  EXPECT_EQ(Held(*decode), 0);
+  ExpectNothingHeldSoon(*prefill, *decode);
 }
 
 }  // namespace
