@@ -124,8 +124,12 @@ absl::Status Run() {
 
   const int q = limits.uniform_decode_query_len;
   const int last = dispatcher.max_capture_size() + 1;
-  out << "\n| num_tokens | mixed batch | uniform decode batch |\n"
-      << "|------------|-------------|----------------------|\n";
+  // With speculation (q > 1), decode steps where nobody drafts have one
+  // token per request: their own column.
+  out << "\n| num_tokens | mixed batch | uniform decode batch |"
+      << (q > 1 ? " one-token decode batch |" : "") << "\n"
+      << "|------------|-------------|----------------------|"
+      << (q > 1 ? "------------------------|" : "") << "\n";
   for (int n = 1; n <= last; ++n) {
     const std::string uniform = n % q == 0
                                     ? ResultString(dispatcher.Dispatch(
@@ -133,7 +137,15 @@ absl::Status Run() {
                                     : "-";
     out << "| " << n << " | "
         << ResultString(dispatcher.Dispatch(n, BatchKind::kMixed)) << " | "
-        << uniform << " |\n";
+        << uniform << " |";
+    if (q > 1) {
+      out << " "
+          << (n <= limits.max_num_seqs ? ResultString(dispatcher.Dispatch(
+                                             n, BatchKind::kOneTokenDecode, n))
+                                       : std::string("-"))
+          << " |";
+    }
+    out << "\n";
   }
   return absl::OkStatus();
 }

@@ -43,6 +43,7 @@
 #include "worker/kernels/lm_head.h"
 #include "worker/kernels/paged_attention.h"
 #include "worker/kernels/step_buffers.h"
+#include "worker/model/forward_config.h"
 #include "worker/model/llama_weights.h"
 #include "worker/model/model_config.h"
 #include "worker/runtime/arena.h"
@@ -77,16 +78,6 @@ enum class DecodeMegakernel { kOff, kOn };
 // --unverified_cuda_kernels=allow). The flag goes when a GPU run has passed
 // them.
 enum class UnverifiedCudaKernels { kRefuse, kAllow };
-
-// What the CUDA kernels implement but have never run on a GPU (written
-// blind; UnverifiedCudaKernels), by name (empty: nothing): the RoPE
-// kernel's q/k norm and partial rotary, Gemma's layer (sandwich norms,
-// GeGLU, the embedding multiplier, soft-capping in the head and the
-// CUDA-core attention kernels). The fused decode epilogues and the
-// megakernel implement none of it. (Windowed attention, also written blind,
-// is not refused: without kAllow ModelRunner keeps sequences within the
-// window on CUDA, where no mask is needed.)
-std::vector<std::string> UnverifiedCudaFeatures(const ModelConfig& config);
 
 // Which kernels the forward runs: the defaults serve; tests and benchmarks
 // override them to compare. ModelRunnerOptions carries the same struct
