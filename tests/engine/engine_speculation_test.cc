@@ -126,9 +126,11 @@ TEST_P(EngineSpeculationTest, GreedyTokensEqualEachPromptAlone) {
   }
   std::vector<std::unique_ptr<PendingGeneration>> pending;
   for (size_t i = 0; i < requests.size(); ++i) {
-    pending.push_back(std::make_unique<PendingGeneration>(
-        engine(), Spec(absl::StrCat("r", i), requests[i].prompt,
-                       requests[i].max_tokens)));
+    RequestSpec spec =
+        Spec(absl::StrCat("r", i), requests[i].prompt, requests[i].max_tokens);
+    if (i % 4 == 1) spec.logprobs = 2;  // drafts verified with logprobs too
+    pending.push_back(
+        std::make_unique<PendingGeneration>(engine(), std::move(spec)));
   }
   int64_t tokens = 0;
   for (size_t i = 0; i < requests.size(); ++i) {
@@ -139,6 +141,18 @@ TEST_P(EngineSpeculationTest, GreedyTokensEqualEachPromptAlone) {
     EXPECT_THAT(g.tokens, ElementsAreArray(alone.tokens)) << i;
     EXPECT_THAT(g.logprobs, ElementsAreArray(alone.logprobs)) << i;
     tokens += static_cast<int64_t>(g.tokens.size());
+    if (i % 4 != 1) continue;
+    // Greedy: every token's raw logprob is its row's best alternative's
+    // (rows of accepted drafts included; their values against one-token
+    // steps: sampled_rows_test).
+    ASSERT_EQ(g.token_logprobs.size(), g.tokens.size()) << i;
+    for (size_t t = 0; t < g.tokens.size(); ++t) {
+      const TokenLogprobs& l = g.token_logprobs[t];
+      ASSERT_EQ(l.top.size(), 2u) << i << " token " << t;
+      EXPECT_EQ(l.top[0].token_id, g.tokens[t]) << i << " token " << t;
+      EXPECT_EQ(l.top[0].logprob, l.logprob) << i << " token " << t;
+      EXPECT_LE(l.logprob, 0.0f);
+    }
   }
   const EngineSnapshot s = engine().snapshot();
   EXPECT_EQ(s.kv.used_blocks, 0);

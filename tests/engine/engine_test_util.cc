@@ -121,6 +121,9 @@ PendingGeneration::PendingGeneration(Engine& engine, RequestSpec spec,
       result_.logprobs.push_back(u.new_logprobs[i]);
       result_.token_steps.push_back(u.step);
     }
+    result_.token_logprobs.insert(result_.token_logprobs.end(),
+                                  u.new_token_logprobs.begin(),
+                                  u.new_token_logprobs.end());
     if (u.last()) {
       result_.finish_reason = u.finish_reason;
       result_.matched_token_id = u.matched_token_id;

@@ -62,6 +62,8 @@ std::unique_ptr<TestEngine> StartEngine(
 struct Generation {
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;
+  // Per token, when the request asked for logprobs (RequestSpec::logprobs).
+  std::vector<TokenLogprobs> token_logprobs;
   std::vector<int64_t> token_steps;  // the update's step, per token
   std::optional<FinishReason> finish_reason;
   std::optional<int32_t> matched_token_id;

@@ -258,6 +258,55 @@ INSTANTIATE_TEST_SUITE_P(Modes, SampledRowsTest,
                                            "FULL_DECODE_ONLY",
                                            "FULL_AND_PIECEWISE"));
 
+// Raw logprobs and top alternatives come for every row: each row's equal
+// those a one-token step at its position returns.
+TEST(SampledRowsLogprobsTest, EveryRowHasTheOneTokenStepsLogprobs) {
+  std::vector<SequenceResult> want;
+  std::vector<int32_t> tokens;
+  {
+    CpuDevice device;
+    auto runner = MakeRunner(device, TinyShape::kGqa, "NONE", 1);
+    ASSERT_TRUE(runner.ok()) << runner.status();
+    std::vector<int32_t> next = kPromptA;
+    for (int i = 0; i < 5; ++i) {
+      SequenceStep s = Seq("a", next);
+      s.num_top_logprobs = 3;
+      auto result = (*runner)->Execute({s});
+      ASSERT_TRUE(result.ok()) << result.status();
+      want.push_back(result->sequences[0]);
+      tokens.push_back(result->sequences[0].token_id);
+      next = {tokens.back()};
+    }
+  }
+  CpuDevice device;
+  auto runner =
+      MakeRunner(device, TinyShape::kGqa, "FULL_AND_PIECEWISE", 1 + kDrafts);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  ASSERT_TRUE((*runner)->Execute({Seq("a", kPromptA)}).ok());
+  SequenceStep verify = Verify("a", Slice(tokens, 0, 4));
+  verify.num_top_logprobs = 3;
+  auto result = (*runner)->Execute({verify, Seq("b", {1, 2, 3})});
+  ASSERT_TRUE(result.ok()) << result.status();
+  const SequenceResult& got = result->sequences[0];
+  ASSERT_EQ(got.prior_raw_logprobs.size(), 3u);
+  ASSERT_EQ(got.prior_top_logprobs.size(), 3u);
+  for (int j = 0; j < 4; ++j) {
+    const SequenceResult& one = want[1 + j];
+    const float raw = j < 3 ? got.prior_raw_logprobs[j] : got.raw_logprob;
+    const std::vector<TopLogprob>& top =
+        j < 3 ? got.prior_top_logprobs[j] : got.top_logprobs;
+    EXPECT_NEAR(raw, one.raw_logprob, 1e-5f) << "row " << j;
+    ASSERT_EQ(top.size(), one.top_logprobs.size()) << "row " << j;
+    for (size_t t = 0; t < top.size(); ++t) {
+      EXPECT_EQ(top[t].token_id, one.top_logprobs[t].token_id) << j;
+      EXPECT_NEAR(top[t].logprob, one.top_logprobs[t].logprob, 1e-5f) << j;
+    }
+  }
+  // The sequence beside it asked for none.
+  EXPECT_TRUE(result->sequences[1].prior_raw_logprobs.empty());
+  EXPECT_TRUE(result->sequences[1].top_logprobs.empty());
+}
+
 // A sequence's bans hold in every one of its rows.
 TEST(SampledRowsBansTest, BansHoldInEveryRow) {
   const Reference ref = OneTokenSteps(TinyShape::kGqa, kPromptA, 4);
@@ -313,8 +362,8 @@ TEST(SampledRowsPrefixCacheTest, TheSampledTokensAreComputed) {
 }
 
 // num_samples outside [1, min(tokens, uniform_decode_query_len)], or with
-// a placeholder last token or top logprobs: INVALID_ARGUMENT naming the
-// field, and the sequence is unchanged.
+// a placeholder last token: INVALID_ARGUMENT naming the field, and the
+// sequence is unchanged.
 TEST(SampledRowsRefusalTest, BadRequestsChangeNothing) {
   CpuDevice device;
   auto runner =
@@ -341,9 +390,6 @@ TEST(SampledRowsRefusalTest, BadRequestsChangeNothing) {
   s = Verify("a", {1, 2});
   s.num_samples = 0;
   expect_refused(s, "num_samples");
-  s = Verify("a", {1, 2});
-  s.num_top_logprobs = 2;
-  expect_refused(s, "num_top_logprobs");
   // Launched steps in flight: a placeholder last token cannot verify.
   auto slot = r.Launch({Seq("b", {9, 9, 9})});
   ASSERT_TRUE(slot.ok()) << slot.status();

@@ -49,12 +49,9 @@ bool Engine::MayDraft(const Request& r) const {
       r.draft_pause > 0) {
     return false;
   }
-  // Top logprobs come for one row per step; bans (min_tokens) change with
-  // the output count inside a verify step.
+  // Bans (min_tokens) change with the output count inside a verify step.
   const int32_t outputs = r.total() - r.stop.num_prompt_tokens;
-  if (r.call->spec.logprobs >= 0 || outputs < r.stop.conditions.min_tokens) {
-    return false;
-  }
+  if (outputs < r.stop.conditions.min_tokens) return false;
   // Room for one draft and the target's next token.
   if (outputs + 2 > r.stop.max_output_tokens) return false;
   return spec.disable_by_batch_size == 0 ||

@@ -198,15 +198,15 @@ bool Engine::LaunchPieces(absl::Span<const Piece> pieces, absl::Status* error) {
     if (!r.drafts.empty() && r.num_pending == 0 &&
         r.total() - r.num_computed == 1) {
       // A decode that verifies drafts: its last token, then as many of the
-      // drafts as the plan gave it tokens for, a sample after each.
-      // (MayDraft: no logprobs asked, no bans left.)
+      // drafts as the plan gave it tokens for, a sample (and the raw
+      // logprobs asked for) after each. (MayDraft: no bans left.)
       num_tokens_[k] = std::min<int32_t>(
           p.num_tokens, 1 + static_cast<int32_t>(r.drafts.size()));
       dst.token_ids.assign(1, r.tokens.back());
       dst.token_ids.insert(dst.token_ids.end(), r.drafts.begin(),
                            r.drafts.begin() + (num_tokens_[k] - 1));
       dst.num_samples = num_tokens_[k];
-      dst.num_top_logprobs = -1;
+      dst.num_top_logprobs = r.call->spec.logprobs;
       continue;
     }
     // The plan counted on the prefix the cache held then; the piece never
@@ -371,7 +371,10 @@ void Engine::ApplyStep(InFlightStep& step, const StepResult& result) {
       r.new_tokens.push_back(token);
       r.new_logprobs.push_back(last ? out.logprob : out.prior_logprobs[i]);
       if (r.call->spec.logprobs >= 0) {
-        r.new_token_logprobs.push_back({out.raw_logprob, out.top_logprobs});
+        r.new_token_logprobs.push_back(
+            last ? TokenLogprobs{out.raw_logprob, out.top_logprobs}
+                 : TokenLogprobs{out.prior_raw_logprobs[i],
+                                 out.prior_top_logprobs[i]});
       }
       // A stop inside an accepted run: the tokens after it are dropped.
       const StopDecision stop = CheckStop(r.stop, token, r.num_outputs());

@@ -34,8 +34,8 @@ size_t StepArenaBytes(const StepLimits& limits, size_t sampling_workspace_bytes,
   const size_t ints = static_cast<size_t>(StepInputs::DeviceWords(limits)) +
                       rows * 3 +
                       rows * 2 * ModelRunner::kMaxBannedTokensPerSequence +
-                      seqs * 2 + rows * 2 * num_slots + rows * 2 + seqs * 3 +
-                      seqs * 2 * kernels::kMaxTopLogprobs;
+                      seqs * 2 + rows * 2 * num_slots + rows * 2 + rows * 3 +
+                      rows * 2 * kernels::kMaxTopLogprobs;
   return ints * sizeof(int32_t) + rows * sizeof(uint64_t) +
          sampling_workspace_bytes + 48 * 256;
 }
@@ -225,16 +225,16 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   PDW_ASSIGN_OR_RETURN(
       r->feed_,
       r->step_arena_->Allocate(2 * seq_ints * sizeof(int32_t), "feed_rows"));
-  const size_t top = seq_ints * kernels::kMaxTopLogprobs;
+  const size_t top = row_ints * kernels::kMaxTopLogprobs;
   PDW_ASSIGN_OR_RETURN(
       r->logprob_rows_,
-      r->step_arena_->Allocate(seq_ints * sizeof(int32_t), "logprob_rows"));
+      r->step_arena_->Allocate(row_ints * sizeof(int32_t), "logprob_rows"));
   PDW_ASSIGN_OR_RETURN(
       r->logsumexp_,
-      r->step_arena_->Allocate(seq_ints * sizeof(float), "logsumexp"));
+      r->step_arena_->Allocate(row_ints * sizeof(float), "logsumexp"));
   PDW_ASSIGN_OR_RETURN(
       r->raw_logprobs_,
-      r->step_arena_->Allocate(seq_ints * sizeof(float), "raw_logprobs"));
+      r->step_arena_->Allocate(row_ints * sizeof(float), "raw_logprobs"));
   PDW_ASSIGN_OR_RETURN(
       r->top_token_ids_,
       r->step_arena_->Allocate(top * sizeof(int32_t), "top_token_ids"));

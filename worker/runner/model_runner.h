@@ -111,10 +111,10 @@ struct SequenceStep {
   // Tokens the step samples: one after each of the last num_samples of
   // `token_ids` (1: the next token; 1 + k to verify k draft tokens, the
   // last k of `token_ids`). In [1, min(token_ids.size(),
-  // uniform_decode_query_len)]; above 1, no last_token_from and no
-  // num_top_logprobs. Those tokens are always computed (never taken from
-  // the prefix cache). Each row is sampled on its own, at its own position
-  // (the RNG counter), with this sequence's options and bans.
+  // uniform_decode_query_len)]; above 1, no last_token_from. Those tokens are
+  // always computed (never taken from the prefix cache). Each row is sampled on
+  // its own, at its own position (the RNG counter), with this sequence's
+  // options and bans; raw logprobs (num_top_logprobs) come for every row.
   int32_t num_samples = 1;
 };
 
@@ -152,6 +152,10 @@ struct SequenceResult {
   // position, in order), and its logprob as `logprob`. Empty for n = 1.
   std::vector<int32_t> prior_token_ids;
   std::vector<float> prior_logprobs;
+  // And, when the step asked (num_top_logprobs >= 0), their raw logprobs
+  // and top alternatives, as raw_logprob and top_logprobs are the last's.
+  std::vector<float> prior_raw_logprobs;
+  std::vector<std::vector<TopLogprob>> prior_top_logprobs;
 };
 
 struct StepResult {

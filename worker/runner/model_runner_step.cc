@@ -19,14 +19,13 @@ namespace pdworker {
 
 ModelRunner::HostLayout ModelRunner::host_layout() const {
   // Every logits row's id and logprob, then the raw logprobs, top ids and
-  // top logprobs of at most max_num_seqs sequences that asked.
+  // top logprobs of the rows of the sequences that asked.
   const size_t rows = static_cast<size_t>(max_logits_rows_);
-  const size_t seqs = static_cast<size_t>(options_.max_num_seqs);
-  const size_t top = seqs * kernels::kMaxTopLogprobs;
+  const size_t top = rows * kernels::kMaxTopLogprobs;
   HostLayout l;
   l.logprobs = l.ids + rows * sizeof(int32_t);
   l.raw = l.logprobs + rows * sizeof(float);
-  l.top_ids = l.raw + seqs * sizeof(float);
+  l.top_ids = l.raw + rows * sizeof(float);
   l.top_values = l.top_ids + top * sizeof(int32_t);
   l.bytes = l.top_values + top * sizeof(float);
   return l;
@@ -72,12 +71,11 @@ absl::Status ModelRunner::Validate(absl::Span<const SequenceStep> batch) const {
           options_.uniform_decode_query_len, ")]"));
     }
     if (s.num_samples > 1) {
-      if (s.last_token_from.has_value() || s.num_top_logprobs >= 0) {
+      if (s.last_token_from.has_value()) {
         return absl::InvalidArgumentError(absl::StrCat(
             "sequence '", s.sequence_id, "': num_samples=", s.num_samples,
-            " cannot be combined with ",
-            s.last_token_from.has_value() ? "last_token_from"
-                                          : "num_top_logprobs"));
+            " cannot be combined with "
+            "last_token_from"));
       }
       // The multi-row unpack and uniform verify steps have not run on a
       // GPU yet (issue 45's wave runs model_runner_gpu_test's
@@ -290,9 +288,13 @@ absl::Status ModelRunner::Enqueue(absl::Span<const SequenceStep> batch,
   out.logprob_k = 0;
   for (int r = 0; r < num_reqs; ++r) {
     if (batch[r].num_top_logprobs < 0) continue;
-    out.logprob_seqs.push_back(r);
-    out.logprob_rows.push_back(out.row_ends[r] - 1);
-    out.logprob_num_top.push_back(batch[r].num_top_logprobs);
+    // Every row of the sequence, in order (its last is its next token's).
+    for (int row = out.row_ends[r] - batch[r].num_samples;
+         row < out.row_ends[r]; ++row) {
+      out.logprob_seqs.push_back(r);
+      out.logprob_rows.push_back(row);
+      out.logprob_num_top.push_back(batch[r].num_top_logprobs);
+    }
     out.logprob_k = std::max(out.logprob_k, batch[r].num_top_logprobs);
   }
   const int num_logprob_rows = static_cast<int>(out.logprob_rows.size());
@@ -418,12 +420,22 @@ absl::StatusOr<StepResult> ModelRunner::Retire(int slot) {
   const auto* top_ids = reinterpret_cast<const int32_t*>(host + layout.top_ids);
   const auto* top_values =
       reinterpret_cast<const float*>(host + layout.top_values);
+  // A sequence's entries are its rows in order; the last is its next
+  // token's, the others its prior rows'.
   for (size_t i = 0; i < s.logprob_seqs.size(); ++i) {
-    SequenceResult& out = result.sequences[s.logprob_seqs[i]];
-    out.raw_logprob = raw[i];
+    const int r = s.logprob_seqs[i];
+    SequenceResult& out = result.sequences[r];
+    std::vector<TopLogprob> top;
     for (int j = 0; j < s.logprob_num_top[i]; ++j) {
       const size_t at = i * s.logprob_k + j;
-      out.top_logprobs.push_back({top_ids[at], top_values[at]});
+      top.push_back({top_ids[at], top_values[at]});
+    }
+    if (s.logprob_rows[i] == s.row_ends[r] - 1) {
+      out.raw_logprob = raw[i];
+      out.top_logprobs = std::move(top);
+    } else {
+      out.prior_raw_logprobs.push_back(raw[i]);
+      out.prior_top_logprobs.push_back(std::move(top));
     }
   }
   return result;
