@@ -80,6 +80,23 @@ void ExpectNothingHeldSoon(server_testing::TestWorker& prefill,
   EXPECT_EQ(Held(decode), 0);
 }
 
+// Prompt i of the client's results: both the P/D relay and the aggregated
+// worker answered OK, with the same tokens and logprobs.
+void ExpectRelayEqualsAggregated(const Json& r, int i) {
+  const Json& pd = r["pd"][i];
+  const Json& agg = r["aggregated"][i];
+  ASSERT_EQ(pd["code"], "OK")
+      << i << " " << pd["stage"] << ": " << pd["message"];
+  ASSERT_EQ(agg["code"], "OK") << i << ": " << agg["message"];
+  EXPECT_EQ(pd["tokens"], agg["tokens"]) << i;
+  ASSERT_EQ(pd["logprobs"].size(), agg["logprobs"].size()) << i;
+  for (size_t t = 0; t < pd["logprobs"].size(); ++t) {
+    EXPECT_FLOAT_EQ(pd["logprobs"][t].get<float>(),
+                    agg["logprobs"][t].get<float>())
+        << i << " token " << t;
+  }
+}
+
 // Runs tests/server/vllm_pd_client.py over `scenarios` against the three
 // workers and returns its results (ASSERTs inside).
 void RunRelay(server_testing::TestWorker& prefill,
@@ -131,24 +148,15 @@ TEST(VllmPdTest, SequentialRelayEqualsAggregatedAndLeavesNothing) {
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
 
   for (int i = 0; i < 100; ++i) {
+    ExpectRelayEqualsAggregated(r, i);
+    ASSERT_FALSE(::testing::Test::HasFatalFailure());
     const Json& pd = r["pd"][i];
-    const Json& agg = r["aggregated"][i];
-    ASSERT_EQ(pd["code"], "OK")
-        << i << " " << pd["stage"] << ": " << pd["message"];
-    ASSERT_EQ(agg["code"], "OK") << i << ": " << agg["message"];
-    EXPECT_EQ(pd["tokens"], agg["tokens"]) << i;
     EXPECT_EQ(pd["tokens"].size(), scenarios["prompts"][i]["max_tokens"]);
     // The prefill leg's one token is the decode leg's first output.
     EXPECT_EQ(pd["prefill_tokens"].size(), 1u) << i;
     EXPECT_EQ(pd["prefill_tokens"][0], pd["tokens"][0]) << i;
     EXPECT_EQ(pd["prefill_finish_reason"], "length") << i;
     EXPECT_EQ(pd["finish_reason"], "length") << i;
-    ASSERT_EQ(pd["logprobs"].size(), agg["logprobs"].size()) << i;
-    for (size_t t = 0; t < pd["logprobs"].size(); ++t) {
-      EXPECT_FLOAT_EQ(pd["logprobs"][t].get<float>(),
-                      agg["logprobs"][t].get<float>())
-          << i << " token " << t;
-    }
     // The handle is v2 and names the prompt it holds.
     const Json handoff = Json::parse(pd["kv_json"].get<std::string>());
     EXPECT_EQ(handoff["pdworker_kv_handle"]["version"], 2) << i;
@@ -220,20 +228,7 @@ TEST(VllmPdTest, ASpeculatingDecodeWorkerEqualsAggregated) {
   Json r;
   RunRelay(*prefill, *decode, *aggregated, scenarios, "spec", &r);
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
-  for (int i = 0; i < 24; ++i) {
-    const Json& pd = r["pd"][i];
-    const Json& agg = r["aggregated"][i];
-    ASSERT_EQ(pd["code"], "OK")
-        << i << " " << pd["stage"] << ": " << pd["message"];
-    ASSERT_EQ(agg["code"], "OK") << i << ": " << agg["message"];
-    EXPECT_EQ(pd["tokens"], agg["tokens"]) << i;
-    ASSERT_EQ(pd["logprobs"].size(), agg["logprobs"].size()) << i;
-    for (size_t t = 0; t < pd["logprobs"].size(); ++t) {
-      EXPECT_FLOAT_EQ(pd["logprobs"][t].get<float>(),
-                      agg["logprobs"][t].get<float>())
-          << i << " token " << t;
-    }
-  }
+  for (int i = 0; i < 24; ++i) ExpectRelayEqualsAggregated(r, i);
   EXPECT_GT(decode->server->engine().snapshot().spec_accepted_tokens, 0);
   ExpectNothingHeldSoon(*prefill, *decode);
 }

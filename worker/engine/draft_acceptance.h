@@ -12,9 +12,10 @@ namespace pdworker {
 // equals the target's own sample at its position. `samples` are the verify
 // step's rows: samples[i] was drawn after the token before drafts[i] (the
 // last known token for i = 0), at that position's RNG counter, from the
-// request's sampling options; samples.size() == drafts.size() + 1. The
-// request then emits samples[0 .. accepted] (the accepted drafts, and the
-// target's token where the first rejected draft stood, or after the last).
+// request's sampling options; at least drafts.size() of them (the row
+// after the last draft is never compared). The request then emits rows
+// 0 .. accepted (the accepted drafts, and the target's token where the
+// first rejected draft stood, or after the last).
 //
 // For a deterministic proposer (the draft distribution q is one token with
 // probability 1, as n-gram lookup) this is rejection sampling exactly:

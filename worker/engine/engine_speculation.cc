@@ -99,10 +99,9 @@ int32_t Engine::AcceptDrafts(Request& r, const Piece& p,
   CHECK_EQ(static_cast<int32_t>(out.prior_token_ids.size()), m)
       << r.call->spec.request_id;
   r.verifying = false;
-  // The rows: prior_token_ids, then token_id after the last draft.
-  std::vector<int32_t> samples = out.prior_token_ids;
-  samples.push_back(out.token_id);
-  const int32_t accepted = AcceptedDrafts(p.drafts, samples);
+  // Draft i is compared with row i (prior_token_ids); the row after the
+  // last draft (token_id) is emitted whatever happens.
+  const int32_t accepted = AcceptedDrafts(p.drafts, out.prior_token_ids);
   ++spec_drafts_;
   spec_draft_tokens_ += m;
   spec_accepted_tokens_ += accepted;
